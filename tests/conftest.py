@@ -1,0 +1,56 @@
+"""Shared test helpers: compose a run like the CLI does, and run it in-process on the tiny model.
+
+    cfg = compose(["method=sft", "peft=lora"], tmp_path)   # validated config, tiny model, fp32
+    results = train(["train.max_steps=4"], tmp_path)        # a real run, results dict
+
+Tests never touch a hub: the tiny model has random weights and borrows SmolLM2's tokenizer
+from the packaged GGUF (converted once into the workbench cache).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
+os.environ.setdefault("WORKBENCH_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The fast, deterministic baseline every test starts from.
+TINY = [
+    "model=tiny", "precision=fp32", "eval=none", "train.max_steps=4", "train.micro_batch_size=4",
+    "train.log_every=1", "train.export=false", "optim.warmup_steps=0", "optim.scheduler=constant",
+]
+
+
+def compose(overrides: list[str] = (), out: Path | None = None, validate: bool = True, base=TINY):
+    from workbench.config import validate as _validate
+
+    ov = list(base) + list(overrides)
+    if out is not None:
+        ov.append(f"output_dir={out}")
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = hydra_compose(config_name="train", overrides=ov)
+    return _validate(cfg) if validate else cfg
+
+
+def train(overrides: list[str] = (), out: Path | None = None, base=TINY) -> dict:
+    from workbench.runner import Runner
+
+    cfg = compose(overrides, out, base=base)
+    return Runner(cfg).run()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads():
+    import torch
+
+    # Deterministic CPU kernels and no oversubscription when tests run beside other work.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield

@@ -1,0 +1,5 @@
+"""`python -m workbench ...`: see workbench/cli.py."""
+
+from workbench.cli import main
+
+main()

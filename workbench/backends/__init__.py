@@ -1,0 +1,6 @@
+"""Backends: how the model is wrapped, stepped and saved. Each module defines `Config` and
+`build(cfg, ctx)`. CHOICES maps `backend.name` to the module; `conf/backend/<name>.yaml`
+selects it.
+"""
+
+CHOICES = {"single": "single"}

@@ -1,0 +1,36 @@
+"""The Backend contract: wrapping, forward/backward with accumulation, stepping, state.
+
+The runner only talks to a backend through these calls, so a backend is free to shard
+(FSDP2, ZeRO) or to run its own pipeline schedule (Megatron) inside forward_backward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from workbench.methods.base import StepBatch
+
+LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]]
+
+
+class Backend(Protocol):
+    name: str
+
+    def wrap(self, model: torch.nn.Module, ctx) -> None:
+        """Take ownership of the model; build optimizer and scheduler."""
+
+    def forward_backward(self, batch: StepBatch, loss_fn: LossFn) -> dict[str, float]:
+        """Accumulate gradients over batch.micro; return loss and summed metrics."""
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step, schedule, zero grads; return grad_norm and lr."""
+
+    def unwrapped(self) -> torch.nn.Module:
+        """The plain module with current weights (for generation, eval and export)."""
+
+    def state_dict(self) -> dict:
+        """Everything to resume: trainable weights, optimizer, scheduler, scaler."""
+
+    def load_state_dict(self, state: dict) -> None: ...

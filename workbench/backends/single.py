@@ -1,0 +1,124 @@
+"""backend=single: one device, or DistributedDataParallel when the world size is > 1.
+
+This is the reference backend: CPU tests, golden loss curves and the other backends'
+equivalence tests are all measured against it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from workbench import precision as prec
+from workbench.methods.base import StepBatch
+from workbench.optim import build_optimizer, build_scheduler
+
+
+@dataclass
+class Config:
+    name: str = "single"
+    find_unused_parameters: bool = False
+
+
+class SingleBackend:
+    name = "single"
+
+    def __init__(self, cfg, ctx):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.model: torch.nn.Module | None = None
+        self.ddp: torch.nn.Module | None = None
+
+    # -- setup ---------------------------------------------------------------------------
+    def wrap(self, model: torch.nn.Module, ctx) -> None:
+        self.model = model
+        self.pol = ctx.policy
+        self.device = ctx.device
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.ddp = DDP(model, find_unused_parameters=self.cfg.find_unused_parameters)
+        self.optimizer = build_optimizer(model.parameters(), ctx.cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, ctx.cfg.optim, ctx.cfg.train.max_steps)
+        self.scaler = torch.amp.GradScaler(self.device) if self.pol.loss_scaling else None
+        self.max_grad_norm = ctx.cfg.optim.max_grad_norm
+
+    def unwrapped(self) -> torch.nn.Module:
+        return self.model
+
+    # -- step ----------------------------------------------------------------------------
+    def _all_sum(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def forward_backward(self, batch: StepBatch, loss_fn) -> dict[str, float]:
+        net = self.ddp or self.model
+        net.train()
+        denom = self._all_sum(batch.denom)
+        # DDP averages gradients over ranks; scaling by world makes the result the gradient of
+        # (sum of all ranks' losses) / (global denom), the same as one big batch on one device.
+        scale = self.world / max(denom, 1e-12)
+        total = 0.0
+        sums: dict[str, float] = {}
+        for i, micro in enumerate(batch.micro):
+            last = i == len(batch.micro) - 1
+            sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
+            with sync, prec.autocast(self.pol, self.device):
+                loss_sum, metrics = loss_fn(net, micro)
+            loss = loss_sum.float() * scale
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += float(loss_sum.detach())
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        return {"loss": self._all_sum(total) / max(denom, 1e-12), **sums}
+
+    def optimizer_step(self) -> dict[str, float]:
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.max_grad_norm > 0:
+            gn = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        else:
+            gn = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params]))
+        lr = self.scheduler.get_last_lr()[0]
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(gn), "lr": lr}
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "model": {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        params = dict(self.model.named_parameters())
+        missing = [n for n in state["model"] if n not in params]
+        if missing:
+            raise RuntimeError(f"checkpoint has parameters the model lacks: {missing[:3]}")
+        with torch.no_grad():
+            for n, t in state["model"].items():
+                params[n].copy_(t)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def build(cfg, ctx) -> SingleBackend:
+    return SingleBackend(cfg, ctx)

@@ -1,0 +1,66 @@
+"""Command line: `python -m workbench [group=choice ...] [key=value ...]` (Hydra).
+
+    python -m workbench                         # LoRA SFT of SmolLM2-135M on CPU (the default)
+    python -m workbench --cfg job               # print the composed config and exit
+    python -m workbench -m optim.lr=1e-4,3e-4   # multirun sweep
+    python -m workbench dry_run=true            # preflight only: no weights loaded
+
+A mistake in config, data or environment prints one `error:` line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from workbench.config import validate
+from workbench.errors import UserError
+
+
+def run_job(cfg: DictConfig) -> dict | None:
+    from workbench import preflight
+
+    cfg = validate(cfg)
+    facts = preflight.check(cfg)
+    if cfg.dry_run:
+        print(f"preflight ok: model={cfg.model.name} ({facts['n_params']:,} parameters, weights from "
+              f"{facts['model_source']}), method={cfg.method.name}, peft={cfg.peft.kind}, backend={cfg.backend.name}")
+        return facts
+    from workbench.launch import dispatch
+
+    remote = dispatch(cfg)
+    if remote is not None:
+        return remote
+    from workbench.runner import Runner
+
+    return Runner(cfg).run()
+
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
+def _hydra_main(cfg: DictConfig):
+    try:
+        results = run_job(cfg)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    # Hydra's Optuna sweeper and the sweep summary read the job's return value.
+    if isinstance(results, dict):
+        end = results.get("eval_end") or {}
+        acc = [v for k, v in end.items() if k.endswith("/accuracy")]
+        losses = results.get("losses") or []
+        return acc[0] if acc else (losses[-1] if losses else None)
+    return None
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

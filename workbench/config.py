@@ -1,0 +1,254 @@
+"""Typed schemas for every config group, and the check that applies them.
+
+Hydra composes `conf/train.yaml` with its groups; `validate(cfg)` then merges the result onto
+these dataclasses, so an unknown key (`optim.lrr`) or a wrong type (`optim.lr=abc`) fails
+with one line naming the field, before any model or data is touched. Method and backend
+options live beside their code (`workbench/methods/<name>.py`, `workbench/backends/<name>.py`,
+each with a `Config` dataclass) and are checked the same way.
+
+Run `python -m workbench --cfg job` to see the composed config.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from workbench.errors import UserError
+
+
+@dataclass
+class ArchConfig:
+    """Architecture numbers: enough to build the model on the meta device and plan it."""
+
+    family: str = "llama"  # llama | qwen2 | qwen3 | mixtral
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int | None = None
+    intermediate: int = 128
+    vocab: int = 49152
+    max_position: int = 2048
+    experts: int = 0  # MoE: experts per layer (0 = dense)
+    experts_per_token: int = 0
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m"
+    # Where weights come from: `hub_id` (HF cache, then hub), `path` (a local HF dir wins over
+    # hub_id), `gguf_package` (a Python package shipping a .gguf file), or `tiny` (random init
+    # from `arch`, fixed seed; no weights at all).
+    hub_id: str | None = None
+    path: str | None = None
+    gguf_package: str | None = None
+    tokenizer: str | None = None  # a model name or dir whose tokenizer to use (tiny borrows one)
+    init_seed: int = 0
+    loader: str = "hf"  # hf | unsloth
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    arch: ArchConfig = field(default_factory=ArchConfig)
+
+
+@dataclass
+class PeftConfig:
+    kind: str = "none"  # none | lora | qlora | dora
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    # "all-linear" = every Linear in the decoder blocks; or an explicit list of module names.
+    target_modules: Any = "all-linear"
+    # QLoRA: frozen base weights stored as NF4 with double-quantised constants.
+    quant_type: str = "nf4"
+    double_quant: bool = True
+    # The dtype the packed 4-bit weights are stored in. uint8 is bitsandbytes' default; FSDP
+    # needs a float dtype it can shard (accelerate#3983), so backends may override it.
+    quant_storage: str = "uint8"
+
+
+@dataclass
+class DataConfig:
+    recipe: str = "arith_sft"  # data_recipes/<recipe>.yaml
+    seq_len: int = 256
+    packing: bool = False
+    chat_template: str | None = None  # a named override; default: the tokenizer's own
+    shuffle_seed: int = 1234
+    on_bad_row: str = "error"  # error | skip
+    preview: bool = False
+    preview_samples: int = 3
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    scheduler: str = "cosine"  # constant | linear | cosine
+    warmup_steps: int = 5
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class PrecisionConfig:
+    # fp32 | bf16 (pure bf16 weights and optimizer) | bf16-mixed (fp32 master weights,
+    # bf16 autocast) | fp16 (fp16 autocast with dynamic loss scaling) | fp8 (GPU only)
+    name: str = "bf16-mixed"
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    micro_batch_size: int = 16
+    grad_accum: int = 1
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 0  # 0 = only at the end
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto (latest in output_dir, if any) | never | <checkpoint dir>
+    export: bool = True
+    export_merged: bool = True
+    compile: bool = False
+
+
+@dataclass
+class EvalConfig:
+    every_n_steps: int = 0  # 0 = only before and after training
+    at_start: bool = True
+    at_end: bool = True
+    tasks: list[str] = field(default_factory=lambda: ["arith_add2"])
+    num_samples: int = 100
+    batch_size: int = 50
+    max_new_tokens: int = 8
+
+
+@dataclass
+class HardwareConfig:
+    name: str = "cpu"
+    device: str = "cpu"  # cpu | cuda
+    procs: int = 1  # processes per node (torchrun's nproc_per_node)
+    nodes: int = 1
+    threads: int = 0  # torch intra-op threads per process; 0 = leave as is
+    # Catalog facts (per device) used by the planner; 0 / empty where unknown.
+    accelerator: str = "cpu"
+    memory_gb: float = 0.0
+    bf16_tflops: float = 0.0
+    fp8_tflops: float = 0.0
+    interconnect: str = ""
+    price_per_hour: list[float] = field(default_factory=list)  # [low, high] USD per device-hour
+    price_date: str = ""
+    # Launch: torchrun elastic agent and rendezvous.
+    max_restarts: int = 0
+    rdzv_endpoint: str = ""  # host:port of the rendezvous (multi-node)
+    rdzv_id: str = "workbench"
+    node_rank: int = -1  # -1: let the rendezvous assign it
+    timeout_minutes: int = 30  # collective timeout
+    env: dict[str, str] = field(default_factory=dict)  # NCCL and other presets for this profile
+
+
+@dataclass
+class DebugConfig:
+    crash_at_step: int = -1  # fault injection for restart tests
+    crash_rank: int = 0
+    overfit_batches: int = 0
+
+
+@dataclass
+class Schema:
+    """The whole run. `method` and `backend` are checked against their modules' own schemas."""
+
+    method: Any = None
+    backend: Any = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    output_dir: str = "runs/default"
+    dry_run: bool = False
+    launcher: Any = None
+    reward: Any = None  # GRPO reward functions (conf/reward/)
+    kernels: str = "none"  # none | liger
+
+
+# group name -> package whose modules each define `Config` for one choice in that group
+PLUGGABLE = {"method": "workbench.methods", "backend": "workbench.backends"}
+
+
+def plugin_module(group: str, name: str):
+    """Import `workbench.<group>s.<name>`; unknown names are a user error listing the choices."""
+    package = importlib.import_module(PLUGGABLE[group])
+    choices = package.CHOICES
+    if name not in choices:
+        raise UserError(f"{group}.name={name!r} is not one of {sorted(choices)}")
+    return importlib.import_module(f"{PLUGGABLE[group]}.{choices[name]}")
+
+
+def _merge(schema_cls, node: DictConfig | None, where: str):
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema_cls), node or {})
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or ""
+        path = f"{where}.{key}" if key and not key.startswith(where) else (key or where)
+        msg = str(exc).splitlines()[0]
+        raise UserError(f"config field '{path}': {msg}") from None
+    return merged
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """Return the config merged onto the schemas; raise UserError naming the first bad field."""
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    if not isinstance(raw, dict):
+        raise UserError("the composed config is not a mapping")
+    plugin_nodes = {g: raw.pop(g, None) for g in PLUGGABLE}
+    raw.pop("hydra", None)
+    merged = _merge(Schema, OmegaConf.create(raw), "")
+    for group, node in plugin_nodes.items():
+        if not node or "name" not in node:
+            raise UserError(f"config group '{group}' has no 'name'; choose one, e.g. {group}=...")
+        module = plugin_module(group, node["name"])
+        sub = _merge(module.Config, OmegaConf.create(node), group)
+        OmegaConf.set_struct(merged, False)
+        merged[group] = sub
+    OmegaConf.set_struct(merged, True)
+    _check_values(merged)
+    return merged
+
+
+def _check_values(cfg: DictConfig) -> None:
+    """Range checks a type cannot express."""
+    checks = [
+        ("optim.lr", cfg.optim.lr > 0, "must be > 0"),
+        ("optim.max_grad_norm", cfg.optim.max_grad_norm >= 0, "must be >= 0"),
+        ("train.max_steps", cfg.train.max_steps >= 0, "must be >= 0"),
+        ("train.micro_batch_size", cfg.train.micro_batch_size >= 1, "must be >= 1"),
+        ("train.grad_accum", cfg.train.grad_accum >= 1, "must be >= 1"),
+        ("data.seq_len", cfg.data.seq_len >= 8, "must be >= 8"),
+        ("peft.r", cfg.peft.r >= 1, "must be >= 1"),
+        ("hardware.procs", cfg.hardware.procs >= 1, "must be >= 1"),
+        ("peft.kind", cfg.peft.kind in ("none", "lora", "qlora", "dora"), "must be one of none, lora, qlora, dora"),
+        ("precision.name", cfg.precision.name in ("fp32", "bf16", "bf16-mixed", "fp16", "fp8"),
+         "must be one of fp32, bf16, bf16-mixed, fp16, fp8"),
+        ("optim.scheduler", cfg.optim.scheduler in ("constant", "linear", "cosine"),
+         "must be one of constant, linear, cosine"),
+        ("data.on_bad_row", cfg.data.on_bad_row in ("error", "skip"), "must be error or skip"),
+        ("model.loader", cfg.model.loader in ("hf", "unsloth"), "must be hf or unsloth"),
+    ]
+    for name, ok, why in checks:
+        if not ok:
+            raise UserError(f"config field '{name}' {why} (got {OmegaConf.select(cfg, name)!r})")

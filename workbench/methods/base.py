@@ -1,0 +1,45 @@
+"""The Method contract: how training batches are made and what the loss is.
+
+A method never calls the model outside `loss()`, and `loss()` is only called by the backend
+(inside `Backend.forward_backward`), which is what lets any method run on any backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class StepBatch:
+    """One optimizer step's worth of data for this rank.
+
+    `micro` are the micro-batches (gradient accumulation happens over them). `denom` is what
+    this rank's summed loss is divided by (target tokens for SFT, pairs for DPO); backends
+    add it up over ranks so the loss is normalised by the *global* batch, never per
+    micro-batch (the gradient-accumulation normalisation bug).
+    """
+
+    micro: list[dict[str, Any]]
+    denom: float
+    tokens: int  # input tokens, for throughput
+    info: dict[str, float] = field(default_factory=dict)
+
+
+class Method(Protocol):
+    name: str
+
+    def prepare(self, ctx) -> None:
+        """Read and tokenise data; everything that needs no weights."""
+
+    def next_batch(self, state, backend) -> StepBatch:
+        """The next step's batch (GRPO generates here, with the backend's current weights)."""
+
+    def loss(self, model: torch.nn.Module, micro: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        """Summed (not averaged) loss of one micro-batch, and summed metrics."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...

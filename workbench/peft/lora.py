@@ -1,0 +1,100 @@
+"""LoRA, DoRA and QLoRA as an axis of their own: any method trains with or without adapters.
+
+- `lora` / `dora`: PEFT adapters on the chosen Linear layers; base weights frozen.
+- `qlora`: first the frozen Linear layers of the decoder blocks become bitsandbytes NF4
+  `Linear4bit` (double-quantised constants), then LoRA goes on top. The lm_head and the
+  embeddings stay in full precision.
+
+`check_targets()` runs on the meta-device model during preflight, so a target module that the
+model does not have is reported before any weights load.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workbench.errors import UserError, missing_package
+
+# What "all-linear" means: every Linear inside the decoder blocks (never lm_head).
+BLOCK_PREFIX = "layers."
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """Short names (e.g. q_proj) of the Linear layers inside the decoder blocks."""
+    names = set()
+    for full, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and BLOCK_PREFIX in full:
+            names.add(full.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def target_names(model: nn.Module, target_modules) -> list[str]:
+    available = linear_names(model)
+    if target_modules in ("all-linear", None):
+        return available
+    wanted = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    missing = [t for t in wanted if t not in available]
+    if missing:
+        raise UserError(f"peft.target_modules: {missing} not in the model; its linear layers are {available}")
+    return wanted
+
+
+def check_targets(meta_model: nn.Module, peft_cfg) -> None:
+    if peft_cfg.kind != "none":
+        target_names(meta_model, peft_cfg.target_modules)
+
+
+def quantize_nf4(model: nn.Module, peft_cfg, compute_dtype: torch.dtype) -> nn.Module:
+    """Replace the decoder blocks' Linear layers by NF4 Linear4bit (weights quantised in place)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise missing_package("bitsandbytes") from None
+    storage = getattr(torch, peft_cfg.quant_storage)
+    device = next(model.parameters()).device
+    for full, mod in list(model.named_modules()):
+        if not (isinstance(mod, nn.Linear) and BLOCK_PREFIX in full):
+            continue
+        parent_name, child = full.rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        q = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                              compute_dtype=compute_dtype, compress_statistics=peft_cfg.double_quant,
+                              quant_type=peft_cfg.quant_type, quant_storage=storage)
+        q.weight = bnb.nn.Params4bit(mod.weight.data.float().contiguous(), requires_grad=False,
+                                     quant_type=peft_cfg.quant_type,
+                                     compress_statistics=peft_cfg.double_quant, quant_storage=storage)
+        if mod.bias is not None:
+            q.bias = nn.Parameter(mod.bias.data.clone(), requires_grad=False)
+        setattr(parent, child, q.to(device))  # .to() performs the quantisation
+    return model
+
+
+def apply(model: nn.Module, peft_cfg, compute_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Wrap `model` as the config says; returns the model to train."""
+    if peft_cfg.kind == "none":
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_names(model, peft_cfg.target_modules)
+    if peft_cfg.kind == "qlora":
+        model = quantize_nf4(model, peft_cfg, compute_dtype)
+    config = LoraConfig(
+        r=peft_cfg.r, lora_alpha=peft_cfg.alpha, lora_dropout=peft_cfg.dropout,
+        target_modules=targets, use_dora=peft_cfg.kind == "dora", task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(model, config)
+    # Adapters train in fp32 whatever the base dtype (their updates are tiny relative to W).
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The underlying *ForCausalLM module (PEFT wrappers removed, adapters still in place)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}

@@ -1,0 +1,195 @@
+"""The one training loop every method and backend shares.
+
+    for step in range(start, max_steps):
+        batch   = method.next_batch(state, backend)          # GRPO: rollouts + rewards here
+        metrics = backend.forward_backward(batch, method.loss)
+        metrics |= backend.optimizer_step()
+        log, evaluate, checkpoint
+
+Order of work is chosen so mistakes surface early: tokenizer and data are read and checked
+before any weights load, then the model, adapters and precision, then resume, then the loop.
+Rank 0 writes logs, checkpoints pointers, the export and the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from workbench import checkpoint, manifest, precision, report
+from workbench.config import plugin_module
+from workbench.data.formats import setup_tokenizer
+from workbench.evals import hooks
+from workbench.models.head import SelectiveLM
+from workbench.models.load import load_model, load_tokenizer, resolve
+from workbench.peft import lora
+from workbench.state import TrainState, rng_state, seed_everything, set_rng_state
+from workbench.tracking import Tracker, flops_per_token, measured_peak_flops
+
+
+@dataclass
+class Context:
+    """What methods and backends may read while they set themselves up."""
+
+    cfg: DictConfig
+    tokenizer: object
+    contract: object
+    device: str
+    policy: precision.Policy
+    rank: int
+    world_size: int
+    run_dir: Path
+
+
+def init_distributed(device: str) -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+class Runner:
+    def __init__(self, cfg: DictConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.output_dir)
+        self.device = cfg.hardware.device
+        if cfg.hardware.threads:
+            torch.set_num_threads(cfg.hardware.threads)
+        self.rank, self.world = init_distributed(self.device)
+        self.is_main = self.rank == 0
+        self.pol = precision.policy(cfg.precision.name, self.device)
+        seed_everything(cfg.train.seed)
+
+    # -- build ---------------------------------------------------------------------------
+    def build(self) -> None:
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.contract = setup_tokenizer(self.tokenizer, cfg.data.chat_template)
+        self.ctx = Context(cfg, self.tokenizer, self.contract, self.device, self.pol, self.rank, self.world,
+                           self.run_dir)
+        self.method = plugin_module("method", cfg.method.name).build(cfg.method, self.ctx)
+        self.method.prepare(self.ctx)  # data errors surface here, before any weights load
+
+        torch.manual_seed(cfg.train.seed)
+        model = load_model(cfg.model, dtype=self.pol.load_dtype if cfg.peft.kind != "none" else torch.float32,
+                           device=self.device)
+        if cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if cfg.peft.kind != "none":
+                model.enable_input_require_grads()
+        compute = self.pol.autocast_dtype or self.pol.trainable_dtype
+        self.model = lora.apply(model, cfg.peft, compute_dtype=compute)
+        precision.cast_params(self.model, self.pol)
+        self.train_module = SelectiveLM(self.model)
+        if cfg.train.compile:
+            self.train_module.compile()
+        self.backend = plugin_module("backend", cfg.backend.name).build(cfg.backend, self.ctx)
+        self.backend.wrap(self.train_module, self.ctx)
+        if hasattr(self.method, "attach"):  # e.g. DPO precomputing reference log-probs
+            self.method.attach(self.backend)
+        self.state = TrainState()
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def _resume(self) -> str | None:
+        mode = self.cfg.train.resume
+        if mode == "never":
+            return None
+        path = checkpoint.latest(self.run_dir) if mode == "auto" else Path(mode)
+        if path is None:
+            return None
+        state, meta = checkpoint.load(path, self.rank, sharded=getattr(self.backend, "sharded", False))
+        self.backend.load_state_dict(state)
+        self.method.load_state_dict(meta["method"])
+        self.state = TrainState(**meta["train_state"])
+        set_rng_state(meta["rng"])
+        return str(path)
+
+    def _save(self) -> None:
+        meta = {"train_state": self.state.to_dict(), "method": self.method.state_dict(), "rng": rng_state()}
+        barrier = dist.barrier if dist.is_initialized() else (lambda: None)
+        checkpoint.save(self.run_dir, self.state.step, self.backend.state_dict(), meta, self.rank, self.world,
+                        keep=self.cfg.train.keep_checkpoints, barrier=barrier)
+
+    def _evaluate(self, tag: str) -> dict:
+        if not self.cfg.eval.tasks or not self.is_main:
+            return {}
+        t = time.perf_counter()
+        res = hooks.run(self.backend.unwrapped().inner, self.tokenizer, self.contract, self.cfg.eval,
+                        autocast=precision.autocast(self.pol, self.device))
+        res["eval_seconds"] = time.perf_counter() - t
+        self.tracker.console(f"eval [{tag}] " + ", ".join(f"{k}={v:.3f}" for k, v in res.items()
+                                                          if isinstance(v, float) and "accuracy" in k))
+        return res
+
+    # -- loop ----------------------------------------------------------------------------
+    def run(self) -> dict:
+        t_launch = time.perf_counter()
+        cfg = self.cfg
+        self.tracker = Tracker(self.run_dir, enabled=self.is_main)
+        self.build()
+        resumed = self._resume()
+        if self.is_main:
+            self._write_manifest(resumed)
+        results: dict = {"resumed_from": resumed, "n_params": self.n_params, "n_trainable": self.n_trainable}
+        if cfg.eval.at_start and self.state.step == 0:
+            results["eval_start"] = self._evaluate("start")
+        peak = measured_peak_flops(self.device, self.pol)
+        fpt = flops_per_token(self.n_params, self.n_trainable, cfg.peft.kind)
+        losses, first_step_at = [], None
+        while self.state.step < cfg.train.max_steps:
+            if self.state.step == cfg.debug.crash_at_step and self.rank == cfg.debug.crash_rank:
+                os._exit(17)  # fault injection: die like a killed rank would
+            t0 = time.perf_counter()
+            batch = self.method.next_batch(self.state, self.backend)
+            m = self.backend.forward_backward(batch, self.method.loss)
+            m.update(self.backend.optimizer_step())
+            dt = time.perf_counter() - t0
+            first_step_at = first_step_at or (time.perf_counter() - t_launch)
+            self.state.step += 1
+            self.state.tokens_seen += batch.tokens * self.world
+            loss = m.pop("loss")
+            losses.append(loss)
+            tps = batch.tokens * self.world / dt
+            row = {"step": self.state.step, "loss": loss, **m, **batch.info, "tokens": batch.tokens * self.world,
+                   "tokens_per_s": tps, "step_seconds": dt, "mfu": tps * fpt / peak if peak else None}
+            self.tracker.log(row, show=self.state.step % cfg.train.log_every == 0 or self.state.step == 1)
+            every = cfg.train.checkpoint_every
+            if every and self.state.step % every == 0 and self.state.step < cfg.train.max_steps:
+                self._save()
+            if cfg.eval.every_n_steps and self.state.step % cfg.eval.every_n_steps == 0:
+                results.setdefault("eval_during", []).append({"step": self.state.step, **self._evaluate("step")})
+        if self.state.step and (cfg.train.checkpoint_every or cfg.train.max_steps):
+            self._save()
+        results.update(losses=losses, first_step_seconds=first_step_at, wall_seconds=time.perf_counter() - t_launch)
+        if cfg.eval.at_end:
+            results["eval_end"] = self._evaluate("end")
+        if self.is_main and cfg.train.export:
+            from workbench.export import export
+
+            results["export"] = export(self.model, self.tokenizer, self.contract, cfg, self.run_dir / "export")
+        if self.is_main:
+            report.write(self.run_dir, cfg, results, self.tracker.rows)
+        if dist.is_initialized():
+            dist.barrier()
+        return results
+
+    def _write_manifest(self, resumed) -> None:
+        cfg = self.cfg
+        data = getattr(self.method, "data_report", lambda: {})()
+        man = manifest.build(OmegaConf.to_container(cfg, resolve=True),
+                             {"kind": resolve(cfg.model).kind, "name": cfg.model.name}, data, self.contract)
+        man["resumed_from"] = resumed
+        man["world_size"] = self.world
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "manifest.json").write_text(json.dumps(man, indent=1, default=str))
+        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(man["config"])))

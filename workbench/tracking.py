@@ -1,0 +1,72 @@
+"""Metrics: metrics.jsonl in the run directory, a console line every `train.log_every` steps,
+and the throughput arithmetic (tokens/s, MFU).
+
+MFU on CPU is measured against the bf16 (or fp32) matmul peak measured in this process, so it
+says how much of what this machine can actually do the run uses. On a GPU the peak is the
+same measurement unless a hardware profile gives a datasheet number.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+_console = Console(stderr=True, highlight=False)
+
+
+class Tracker:
+    def __init__(self, run_dir: Path, enabled: bool = True):
+        self.enabled = enabled
+        self.rows: list[dict] = []
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def console(self, text: str) -> None:
+        if self.enabled:
+            _console.print(text)
+
+    def log(self, row: dict, show: bool = False) -> None:
+        if not self.enabled:
+            return
+        self.rows.append(row)
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if show:
+            mfu = f" mfu={row['mfu']:.1%}" if row.get("mfu") else ""
+            self.console(f"step {row['step']:>5}  loss={row['loss']:.4f}  grad_norm={row.get('grad_norm', 0):.3f}  "
+                         f"lr={row.get('lr', 0):.2e}  tok/s={row['tokens_per_s']:.0f}{mfu}")
+
+
+def flops_per_token(n_params: int, n_trainable: int, peft_kind: str) -> float:
+    """Training FLOPs per token: 6N for full fine-tuning; 4N when the base is frozen
+    (forward 2N + backward through activations 2N, no weight gradients for the base)."""
+    return 6.0 * n_params if peft_kind == "none" else 4.0 * n_params + 2.0 * n_trainable
+
+
+_PEAK: dict = {}
+
+
+def measured_peak_flops(device: str, pol) -> float:
+    """Dense matmul FLOP/s of this device in the policy's compute dtype (measured once)."""
+    dtype = pol.autocast_dtype or pol.trainable_dtype
+    key = (device, dtype)
+    if key in _PEAK:
+        return _PEAK[key]
+    n = 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    reps, t = 0, time.perf_counter()
+    while time.perf_counter() - t < 0.2:
+        a @ b
+        reps += 1
+    if device == "cuda":
+        torch.cuda.synchronize()
+    _PEAK[key] = 2 * n**3 * reps / (time.perf_counter() - t)
+    return _PEAK[key]
