@@ -1,0 +1,38 @@
+"""Golden loss curves: which runs are pinned, and how one is produced.
+
+Each case is a list of overrides on top of the tiny fp32 baseline (tests/conftest.py TINY).
+`scripts/update_golden.py [case ...]` rewrites tests/assets/losses/<case>.json; tests compare
+against those files with rtol 1e-5. A change in a curve is a change in numerics: regenerate
+with the script and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent / "assets" / "losses"
+
+CASES: dict[str, list[str]] = {
+    "sft_none": ["method=sft", "peft=none"],
+    "sft_lora": ["method=sft", "peft=lora"],
+    "sft_qlora": ["method=sft", "peft=qlora"],
+}
+
+
+def run_case(name: str, out_dir) -> list[float]:
+    from tests.conftest import train
+
+    results = train(CASES[name] + ["train.resume=never"], out_dir)
+    return [float(x) for x in results["losses"]]
+
+
+def load(name: str) -> dict:
+    return json.loads((ASSETS / f"{name}.json").read_text())
+
+
+def write(name: str, losses: list[float]) -> Path:
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    path = ASSETS / f"{name}.json"
+    path.write_text(json.dumps({"case": name, "overrides": CASES[name], "losses": losses}, indent=1) + "\n")
+    return path
