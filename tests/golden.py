@@ -17,6 +17,13 @@ CASES: dict[str, list[str]] = {
     "sft_none": ["method=sft", "peft=none"],
     "sft_lora": ["method=sft", "peft=lora"],
     "sft_qlora": ["method=sft", "peft=qlora"],
+    "dpo_none": ["method=dpo", "peft=none"],
+    "dpo_lora": ["method=dpo", "peft=lora"],
+    # a reward with spread on the random tiny model's text; KL and two passes per generation batch
+    "grpo_none": ["method=grpo", "peft=none", 'reward.functions=["tests.unit.test_rewards:char_length"]',
+                  "method.beta=0.1", "method.num_iterations=2", "method.loss_type=grpo"],
+    "grpo_lora": ["method=grpo", "peft=lora", 'reward.functions=["tests.unit.test_rewards:char_length"]',
+                  "method.beta=0.1", "method.num_iterations=2"],
 }
 
 

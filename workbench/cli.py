@@ -24,10 +24,22 @@ def run_job(cfg: DictConfig) -> dict | None:
     from workbench import preflight
 
     cfg = validate(cfg)
+    if cfg.data.preview:  # tokenizer only: render samples with their loss mask and stop
+        from workbench.data.preview import preview
+
+        return preview(cfg)
     facts = preflight.check(cfg)
     if cfg.dry_run:
+        from workbench.plan import render, to_json
+
+        if cfg.plan.json:  # machine-readable: the plan plus what preflight found
+            print(to_json({k: v for k, v in facts.items()}))
+            return facts
         print(f"preflight ok: model={cfg.model.name} ({facts['n_params']:,} parameters, weights from "
               f"{facts['model_source']}), method={cfg.method.name}, peft={cfg.peft.kind}, backend={cfg.backend.name}")
+        for w in facts.get("warnings", []):
+            print(f"warning: {w}")
+        render(facts["plan"])
         return facts
     from workbench.launch import dispatch
 

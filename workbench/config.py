@@ -19,6 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from workbench.errors import UserError
+from workbench.launch.sweep import register_resolvers
+
+# conf/train.yaml's output_dir goes through ${workbench.job_dir:...}: each multirun job trains in
+# its own sweep subdir.
+register_resolvers()
 
 
 @dataclass
@@ -85,6 +90,9 @@ class DataConfig:
     on_bad_row: str = "error"  # error | skip
     preview: bool = False
     preview_samples: int = 3
+    pack_len: int = 0  # tokens per packed row (0 = seq_len); must be >= seq_len
+    cache: bool = True  # reuse tokenised sources by fingerprint (workbench/data/cache.py)
+    cache_dir: str | None = None  # default: $WORKBENCH_CACHE/tokenised
 
 
 @dataclass
@@ -158,6 +166,18 @@ class HardwareConfig:
 
 
 @dataclass
+class PlanConfig:
+    """The planner (workbench/plan/): printed by dry_run=true, checked before every run."""
+
+    json: bool = False  # dry_run prints the plan as JSON instead of tables
+    mfu: float = 0.4  # model-FLOPs utilisation assumed for time and cost
+    tokens: float = 0.0  # tokens the run trains on; 0 = max_steps x global batch x seq_len
+    select_fraction: float = 1.0  # share of positions with a loss (answer-only SFT needs fewer)
+    hardware: list[str] = field(default_factory=list)  # profiles to compare; empty = all
+    enforce: bool = True  # refuse a real run whose plan does not fit the configured hardware
+
+
+@dataclass
 class DebugConfig:
     crash_at_step: int = -1  # fault injection for restart tests
     crash_rank: int = 0
@@ -179,6 +199,7 @@ class Schema:
     eval: EvalConfig = field(default_factory=EvalConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     output_dir: str = "runs/default"
     dry_run: bool = False
     launcher: Any = None
@@ -247,6 +268,7 @@ def _check_values(cfg: DictConfig) -> None:
         ("optim.scheduler", cfg.optim.scheduler in ("constant", "linear", "cosine"),
          "must be one of constant, linear, cosine"),
         ("data.on_bad_row", cfg.data.on_bad_row in ("error", "skip"), "must be error or skip"),
+        ("data.pack_len", cfg.data.pack_len == 0 or cfg.data.pack_len >= cfg.data.seq_len, "must be 0 or >= data.seq_len"),
         ("model.loader", cfg.model.loader in ("hf", "unsloth"), "must be hf or unsloth"),
     ]
     for name, ok, why in checks:

@@ -54,6 +54,34 @@ def merged_model(trained, cfg, dtype: torch.dtype):
     return merged
 
 
+def rebuild_plain(cfg, pol, full_state: dict, only: set[str] | None = None):
+    """A plain (unsharded) model for eval and export under sharding backends.
+
+    `full_state` is the gathered state of the backend's root module (keys prefixed `inner.`).
+    With peft, only the trainable (`only`) tensors are taken from it: the frozen base is
+    reloaded from its source, where it is identical, so nothing big crosses ranks.
+    """
+    from workbench import precision
+    from workbench.peft import lora
+
+    with torch.random.fork_rng(devices=[]):  # rebuilding must not move this rank's RNG
+        model = load_model(cfg.model, dtype=pol.load_dtype if cfg.peft.kind != "none" else torch.float32)
+        model = lora.apply(model, cfg.peft, compute_dtype=pol.autocast_dtype or pol.trainable_dtype)
+        precision.cast_params(model, pol)
+    state = {k.removeprefix("inner."): v for k, v in full_state.items() if only is None or k in only}
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}
+    missing = [k for k in state if k not in params]
+    if missing or not state:
+        raise RuntimeError(f"gathered state does not fit the rebuilt model: {missing[:3] or 'empty state'}")
+    with torch.no_grad():
+        for k, v in state.items():
+            target = params[k]
+            if v.numel() != target.numel():
+                raise RuntimeError(f"gathered {k} has {v.numel()} elements, the model {target.numel()}")
+            target.copy_(v.reshape(target.shape).to(target.dtype))
+    return model
+
+
 @torch.no_grad()
 def _logits(model, ids):
     model.eval()

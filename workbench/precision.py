@@ -6,7 +6,7 @@
 | bf16        | bf16             | bf16          | bf16             | no           |
 | bf16-mixed  | fp32 (master)    | bf16          | bf16 autocast    | no           |
 | fp16        | fp32 (master)    | fp16          | fp16 autocast    | dynamic      |
-| fp8         | GPU only (torchao float8 / Transformer Engine); refused on CPU              |
+| fp8         | fp32 (master)    | bf16          | fp8 GEMMs in blocks | no (GPU only, sm>=8.9: torchao float8, else TE) |
 
 Frozen weights (a LoRA base) need no fp32 master copy, so mixed modes keep them in the half
 dtype: less memory and no cast on every forward.
@@ -30,6 +30,7 @@ class Policy:
     frozen_dtype: torch.dtype
     autocast_dtype: torch.dtype | None
     loss_scaling: bool
+    fp8: str = ""  # fp8 only: torchao | transformer_engine
 
 
 POLICIES = {
@@ -40,17 +41,64 @@ POLICIES = {
 }
 
 
+def fp8_backend() -> str:
+    """Which fp8 training library is installed: torchao float8 first, then Transformer Engine."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is not None:
+        return "torchao"
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return "transformer_engine"
+    from workbench.errors import missing_package
+
+    raise missing_package("torchao")
+
+
 def policy(name: str, device: str) -> Policy:
     if name == "fp8":
         if device != "cuda" or not torch.cuda.is_available():
             raise UserError("precision=fp8 needs an NVIDIA Hopper/Blackwell GPU (torchao float8 or "
                             "Transformer Engine); on this machine use precision=bf16-mixed")
-        try:
-            import torchao  # noqa: F401
-        except ImportError:
-            raise UserError("precision=fp8 needs torchao: pip install torchao") from None
-        return Policy("fp8", torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16, False)
+        if torch.cuda.get_device_capability() < (8, 9):
+            raise UserError(f"precision=fp8 needs fp8 tensor cores (compute capability >= 8.9, Hopper/"
+                            f"Blackwell); {torch.cuda.get_device_name()} has "
+                            f"{torch.cuda.get_device_capability()}; use precision=bf16-mixed")
+        return Policy("fp8", torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16, False,
+                      fp8=fp8_backend())
     return POLICIES[name]
+
+
+def _fp8_eligible(fqn: str, mod: torch.nn.Module) -> bool:
+    # Decoder-block Linears whose dims fp8 GEMMs accept (multiples of 16); the head and the
+    # embeddings stay bf16, where fp8's range costs the most accuracy.
+    return (isinstance(mod, torch.nn.Linear) and "layers." in fqn and "lora_" not in fqn
+            and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
+
+
+def apply_fp8(model: torch.nn.Module, pol: Policy) -> int:
+    """Swap the eligible Linears for fp8-training ones; returns how many were swapped."""
+    if pol.fp8 == "torchao":
+        from torchao.float8 import convert_to_float8_training
+
+        convert_to_float8_training(model, module_filter_fn=lambda m, fqn: _fp8_eligible(fqn, m))
+        return sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
+    import transformer_engine.pytorch as te
+
+    n = 0
+    for fqn, mod in list(model.named_modules()):
+        if not _fp8_eligible(fqn, mod):
+            continue
+        parent, child = fqn.rsplit(".", 1)
+        new = te.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                        params_dtype=mod.weight.dtype, device=mod.weight.device)
+        with torch.no_grad():
+            new.weight.copy_(mod.weight)
+            new.weight.requires_grad_(mod.weight.requires_grad)
+            if mod.bias is not None:
+                new.bias.copy_(mod.bias)
+        setattr(model.get_submodule(parent), child, new)
+        n += 1
+    return n
 
 
 def cast_params(model: torch.nn.Module, pol: Policy) -> None:
@@ -66,4 +114,11 @@ def cast_params(model: torch.nn.Module, pol: Policy) -> None:
 def autocast(pol: Policy, device: str):
     if pol.autocast_dtype is None:
         return contextlib.nullcontext()
+    if pol.fp8 == "transformer_engine":  # TE's fp8 GEMMs run only inside its own autocast
+        import transformer_engine.pytorch as te
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.autocast(device_type=device, dtype=pol.autocast_dtype))
+        stack.enter_context(te.fp8_autocast(enabled=True))
+        return stack
     return torch.autocast(device_type=device, dtype=pol.autocast_dtype)

@@ -1,42 +1,148 @@
 """Preflight: the checks every run makes before anything heavy, and alone with dry_run=true.
 
-Everything here is cheap: the schema is already checked (config.validate); this module checks
-that the combination makes sense on this hardware, that the model's weights can be found,
-that the adapters' target modules exist (on a meta-device model, no weights), and that the
-evaluation tasks exist. Data is checked when the method reads it, still before weights load.
+In order, cheapest first, all before any weights load:
+1. the compatibility rules (workbench/rules.py: method x peft x backend x precision x hardware),
+   GPU-only options, the backend's own option checks, the eval tasks;
+2. the model on the meta device (one block, exact parameter counts; adapter targets exist);
+3. the plan (workbench/plan/): a run that cannot fit the configured hardware is refused here,
+   with where it would fit, how many devices it needs, and time and cost;
+4. where the weights come from (nothing is downloaded);
+5. one data sample rendered through the chat template and loss mask (tokenizer only).
+
+With dry_run=true, problems of *this machine* (no GPU, weights not local, a GPU-only package
+missing) are warnings, so a laptop can plan a cluster run.
+
+    python -m workbench dry_run=true method=dpo model=70b hardware=8xh100
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-import torch
+from omegaconf import OmegaConf
 
+from workbench import rules
 from workbench.errors import UserError, missing_package
 from workbench.evals.hooks import check_tasks
-from workbench.models.load import build_meta, resolve
-from workbench.peft.lora import check_targets
+from workbench.models.load import resolve
 from workbench.precision import policy
 
 
-def check(cfg) -> dict:
-    """Raise UserError on the first problem; return facts found on the way."""
-    device = cfg.hardware.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"hardware={cfg.hardware.name} wants CUDA but no GPU is visible; use hardware=cpu")
-    policy(cfg.precision.name, device)
-    if cfg.peft.kind == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
-        raise missing_package("bitsandbytes")
-    if cfg.model.loader == "unsloth":
-        if device != "cuda":
-            raise UserError("model.loader=unsloth needs a single CUDA GPU; on CPU use model.loader=hf")
-        if cfg.hardware.procs * cfg.hardware.nodes > 1:
-            raise UserError("model.loader=unsloth runs on one GPU only; use model.loader=hf with backend=fsdp2")
-        if importlib.util.find_spec("unsloth") is None:
-            raise missing_package("unsloth", "unsloth")
+def check_gpu_options(cfg) -> None:
+    """GPU-only options: kernels, unsloth loader, flash attention, vLLM rollouts."""
+    from workbench import kernels
+    from workbench.models import unsloth_loader
+    from workbench.models.load import attention_for
+
+    kernels.check(cfg.kernels, cfg.hardware.device)
+    unsloth_loader.check(cfg)
+    attention_for(cfg.model.attn_implementation, cfg.hardware.device)
+    if OmegaConf.select(cfg, "method.engine", default="hf") == "vllm":
+        from workbench.rollout import vllm_engine
+
+        vllm_engine.check(cfg)
+
+
+def _machine_checks_apply(cfg) -> bool:
+    """True when the run would execute on this machine (not merely be planned or sent away)."""
+    return rules.runs_here(cfg) and not cfg.dry_run
+
+
+def _backend_preflight(cfg) -> None:
+    from workbench.config import plugin_module
+
+    module = plugin_module("backend", cfg.backend.name)
+    if hasattr(module, "preflight"):
+        module.preflight(cfg)
+
+
+def sample_recipe(cfg) -> str:
+    """The recipe the method reads (methods keep their own default unless data.recipe is changed)."""
+    name = cfg.data.recipe
+    own = OmegaConf.select(cfg, "method.recipe", default=None)
+    return own if own and name == "arith_sft" and cfg.method.name != "sft" else name
+
+
+def data_sample(cfg) -> dict:
+    """Render the first row of the run's data through the template and the loss mask."""
+    from workbench.data import formats
+    from workbench.data.readers import iter_rows
+    from workbench.data.recipes import load_recipe
+    from workbench.models.load import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    contract = formats.setup_tokenizer(tokenizer, cfg.data.chat_template)
+    src = load_recipe(sample_recipe(cfg)).sources[0]
+    try:
+        where, row = next(iter(iter_rows(src, src.columns or None, src.split)))
+    except StopIteration:
+        raise UserError(f"{src.label}: the data source is empty") from None
+    method = cfg.method.name
+    if method == "dpo":
+        from workbench.data.preference import preference_row
+
+        prompt, chosen, _rejected = preference_row(row, where)
+        ids, labels = formats.tokenize_chat(tokenizer, prompt + chosen, contract)
+    elif method == "grpo" or "prompt" in row and "completion" not in row:
+        prompt = row.get("prompt")
+        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt or [])
+        if not msgs:
+            raise UserError(f"{where}: no prompt in the first row (keys: {sorted(row)})")
+        ids = formats.prompt_ids(tokenizer, msgs)
+        return {"where": where, "tokens": len(ids), "trained": 0, "kind": "prompt"}
+    else:
+        fmt = src.format if src.format != "auto" else formats.detect_format(row, where)
+        msgs = formats.to_messages(row, fmt, where)
+        if isinstance(msgs, str):  # plain text: every token trains
+            ids = tokenizer(msgs, add_special_tokens=False)["input_ids"]
+            return {"where": where, "tokens": len(ids), "trained": len(ids), "kind": "text"}
+        ids, labels = formats.tokenize_chat(tokenizer, msgs, contract,
+                                            OmegaConf.select(cfg, "method.loss_on", default="assistant"))
+    trained = sum(1 for x in labels[1:] if x != formats.IGNORE)
+    if trained == 0:
+        raise UserError(f"{where}: after the chat template and loss mask the first sample trains no token; "
+                        "check the row's assistant turn, data.chat_template and method.loss_on")
+    return {"where": where, "tokens": len(ids), "trained": trained, "kind": "chat"}
+
+
+def check(cfg, env: rules.Env | None = None) -> dict:
+    """Raise UserError on the first problem; return facts found on the way (and the plan)."""
+    from workbench.plan import make_plan, refusal
+    from workbench.plan.counts import count, probe
+
+    here = _machine_checks_apply(cfg)
+    warnings = rules.check(cfg, env, planning=not here)
+    if here:
+        policy(cfg.precision.name, cfg.hardware.device)
+        if cfg.peft.kind == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+            raise missing_package("bitsandbytes")
+        check_gpu_options(cfg)
+    _backend_preflight(cfg)
     check_tasks(cfg.eval.tasks)
-    source = resolve(cfg.model)
-    meta = build_meta(cfg.model)
-    check_targets(meta, cfg.peft)
-    n_params = sum(p.numel() for p in meta.parameters())
-    return {"model_source": source.kind, "n_params": n_params}
+
+    counts = count(probe(cfg.model), cfg.model.arch, cfg.peft)  # meta device; checks adapter targets
+    plan = make_plan(cfg, counts)
+    enforce = OmegaConf.select(cfg, "plan.enforce", default=True)
+    if enforce and not cfg.dry_run and not plan["here"]["fits"] and plan["here"]["usable_gb"] > 0:
+        raise UserError(refusal(plan))
+
+    facts = {"n_params": counts.total, "n_trainable": plan["params"]["trainable"], "plan": plan,
+             "warnings": warnings}
+    try:
+        facts["model_source"] = resolve(cfg.model).kind
+    except UserError as exc:
+        if not cfg.dry_run:
+            raise
+        facts["model_source"] = "not found here"
+        warnings.append(str(exc))
+    if facts["model_source"] in ("tiny", "local", "hf_cache", "converted", "gguf") or cfg.model.tokenizer:
+        try:
+            facts["sample"] = data_sample(cfg)
+        except UserError as exc:
+            if not cfg.dry_run or "weights not found" not in str(exc):
+                raise
+            warnings.append(str(exc))
+    else:
+        warnings.append(f"data sample not rendered: model={cfg.model.name}'s tokenizer is not on this machine")
+    return facts
+

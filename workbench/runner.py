@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from workbench import checkpoint, manifest, precision, report
+from workbench import checkpoint, kernels, manifest, precision, report
 from workbench.config import plugin_module
 from workbench.data.formats import setup_tokenizer
 from workbench.evals import hooks
@@ -48,10 +48,14 @@ class Context:
     run_dir: Path
 
 
-def init_distributed(device: str) -> tuple[int, int]:
+def init_distributed(device: str, timeout_minutes: int = 30) -> tuple[int, int]:
+    from datetime import timedelta
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+        # The timeout bounds every collective: a dead peer fails the job instead of hanging it.
+        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo",
+                                timeout=timedelta(minutes=timeout_minutes))
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -64,7 +68,9 @@ class Runner:
         self.device = cfg.hardware.device
         if cfg.hardware.threads:
             torch.set_num_threads(cfg.hardware.threads)
-        self.rank, self.world = init_distributed(self.device)
+        for key, value in (cfg.hardware.env or {}).items():  # NCCL presets, also under the user's own torchrun
+            os.environ.setdefault(str(key), str(value))
+        self.rank, self.world = init_distributed(self.device, cfg.hardware.timeout_minutes)
         self.is_main = self.rank == 0
         self.pol = precision.policy(cfg.precision.name, self.device)
         seed_everything(cfg.train.seed)
@@ -78,17 +84,28 @@ class Runner:
                            self.run_dir)
         self.method = plugin_module("method", cfg.method.name).build(cfg.method, self.ctx)
         self.method.prepare(self.ctx)  # data errors surface here, before any weights load
+        backend_module = plugin_module("backend", cfg.backend.name)
+        if hasattr(backend_module, "preflight"):  # e.g. QLoRA storage dtype under sharding
+            backend_module.preflight(cfg)
 
         torch.manual_seed(cfg.train.seed)
-        model = load_model(cfg.model, dtype=self.pol.load_dtype if cfg.peft.kind != "none" else torch.float32,
-                           device=self.device)
-        if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if cfg.peft.kind != "none":
-                model.enable_input_require_grads()
-        compute = self.pol.autocast_dtype or self.pol.trainable_dtype
-        self.model = lora.apply(model, cfg.peft, compute_dtype=compute)
+        if cfg.model.loader == "unsloth":  # unsloth loads and patches LoRA/QLoRA itself
+            from workbench.models import unsloth_loader
+
+            self.model = unsloth_loader.load(cfg, self.pol.load_dtype, self.run_dir)
+        else:
+            model = load_model(cfg.model, dtype=self.pol.load_dtype if cfg.peft.kind != "none" else torch.float32,
+                               device=self.device)
+            kernels.apply(model, cfg.kernels, self.device)
+            if cfg.model.gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                if cfg.peft.kind != "none":
+                    model.enable_input_require_grads()
+            compute = self.pol.autocast_dtype or self.pol.trainable_dtype
+            self.model = lora.apply(model, cfg.peft, compute_dtype=compute)
         precision.cast_params(self.model, self.pol)
+        if self.pol.fp8:
+            precision.apply_fp8(self.model, self.pol)
         self.train_module = SelectiveLM(self.model)
         if cfg.train.compile:
             self.train_module.compile()
@@ -107,7 +124,8 @@ class Runner:
         path = checkpoint.latest(self.run_dir) if mode == "auto" else Path(mode)
         if path is None:
             return None
-        state, meta = checkpoint.load(path, self.rank, sharded=getattr(self.backend, "sharded", False))
+        state, meta = checkpoint.load(path, self.rank, sharded=getattr(self.backend, "sharded", False),
+                                      external=hasattr(self.backend, "load_from"))
         self.backend.load_state_dict(state)
         self.method.load_state_dict(meta["method"])
         self.state = TrainState(**meta["train_state"])
@@ -120,11 +138,21 @@ class Runner:
         checkpoint.save(self.run_dir, self.state.step, self.backend.state_dict(), meta, self.rank, self.world,
                         keep=self.cfg.train.keep_checkpoints, barrier=barrier)
 
+    def _plain_model(self):
+        """The trained model as a plain module; under sharding backends a collective that
+        gathers full weights onto rank 0 (None on the other ranks)."""
+        if hasattr(self.backend, "gathered_model"):
+            return self.backend.gathered_model()
+        return self.backend.unwrapped().inner
+
     def _evaluate(self, tag: str) -> dict:
-        if not self.cfg.eval.tasks or not self.is_main:
+        if not self.cfg.eval.tasks:
+            return {}
+        model = self._plain_model()
+        if not self.is_main:
             return {}
         t = time.perf_counter()
-        res = hooks.run(self.backend.unwrapped().inner, self.tokenizer, self.contract, self.cfg.eval,
+        res = hooks.run(model, self.tokenizer, self.contract, self.cfg.eval,
                         autocast=precision.autocast(self.pol, self.device))
         res["eval_seconds"] = time.perf_counter() - t
         self.tracker.console(f"eval [{tag}] " + ", ".join(f"{k}={v:.3f}" for k, v in res.items()
@@ -136,7 +164,8 @@ class Runner:
         t_launch = time.perf_counter()
         cfg = self.cfg
         self.tracker = Tracker(self.run_dir, enabled=self.is_main)
-        self.build()
+        if not hasattr(self, "backend"):
+            self.build()
         resumed = self._resume()
         if self.is_main:
             self._write_manifest(resumed)
@@ -147,7 +176,8 @@ class Runner:
         fpt = flops_per_token(self.n_params, self.n_trainable, cfg.peft.kind)
         losses, first_step_at = [], None
         while self.state.step < cfg.train.max_steps:
-            if self.state.step == cfg.debug.crash_at_step and self.rank == cfg.debug.crash_rank:
+            first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+            if self.state.step == cfg.debug.crash_at_step and self.rank == cfg.debug.crash_rank and first_attempt:
                 os._exit(17)  # fault injection: die like a killed rank would
             t0 = time.perf_counter()
             batch = self.method.next_batch(self.state, self.backend)
@@ -161,7 +191,7 @@ class Runner:
             losses.append(loss)
             tps = batch.tokens * self.world / dt
             row = {"step": self.state.step, "loss": loss, **m, **batch.info, "tokens": batch.tokens * self.world,
-                   "tokens_per_s": tps, "step_seconds": dt, "mfu": tps * fpt / peak if peak else None}
+                   "tokens_per_s": tps, "step_seconds": dt, "time": time.time(), "mfu": tps * fpt / peak if peak else None}
             self.tracker.log(row, show=self.state.step % cfg.train.log_every == 0 or self.state.step == 1)
             every = cfg.train.checkpoint_every
             if every and self.state.step % every == 0 and self.state.step < cfg.train.max_steps:
@@ -170,13 +200,15 @@ class Runner:
                 results.setdefault("eval_during", []).append({"step": self.state.step, **self._evaluate("step")})
         if self.state.step and (cfg.train.checkpoint_every or cfg.train.max_steps):
             self._save()
+        checkpoint.flush()  # async saves commit before the run reports done
         results.update(losses=losses, first_step_seconds=first_step_at, wall_seconds=time.perf_counter() - t_launch)
         if cfg.eval.at_end:
             results["eval_end"] = self._evaluate("end")
+        trained = self._plain_model() if cfg.train.export else None  # collective under sharding
         if self.is_main and cfg.train.export:
             from workbench.export import export
 
-            results["export"] = export(self.model, self.tokenizer, self.contract, cfg, self.run_dir / "export")
+            results["export"] = export(trained, self.tokenizer, self.contract, cfg, self.run_dir / "export")
         if self.is_main:
             report.write(self.run_dir, cfg, results, self.tracker.rows)
         if dist.is_initialized():

@@ -3,4 +3,4 @@
 selects it.
 """
 
-CHOICES = {"single": "single"}
+CHOICES = {"single": "single", "fsdp2": "fsdp2", "deepspeed": "deepspeed", "megatron": "megatron"}

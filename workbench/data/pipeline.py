@@ -1,29 +1,49 @@
-"""From a recipe to tokenised training examples: read, check, render, mask, truncate.
+"""From a recipe to tokenised training examples: read, check, render, mask, filter, truncate, cache.
 
-Each source becomes a list of (input_ids, labels). Bad rows stop the run with `file:line`
+    sources = tokenise_recipe(load_recipe("arith_sft"), tokenizer, contract, cfg.data)
+    sources[0].examples[i]  -> (input_ids, labels)      # labels are IGNORE outside trained spans
+
+Rows stream from the source (workbench/data/readers.py) in chunks; each chunk's strings are
+tokenised in one batch call. Bad rows stop the run with `file:line` and what was expected
 (data.on_bad_row=error) or are skipped and counted (skip). The fingerprint of a source covers
-its bytes, the chat template and the tokenizer, so caches and manifests can name exactly
-what was trained on.
+its bytes, its recipe options, the chat template, the tokenizer and the sequence length; it
+names the cache entry (workbench/data/cache.py), so a re-run or resume reads arrays instead of
+re-tokenising, and the manifest names exactly what was trained on.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from workbench.data import formats
-from workbench.data.recipes import Recipe, Source, messages_of, read_jsonl
+from workbench.data import cache, formats, readers
+from workbench.data.cache import ArrayBuilder, TokenArrays
+from workbench.data.recipes import Recipe, Source
 from workbench.errors import UserError
+
+PIPELINE_VERSION = 2  # bump when tokenisation output changes for the same inputs
+CHUNK_ROWS = 512
+KEEP_BAD = 20  # bad-row messages kept for the report (the count is always exact)
 
 
 @dataclass
 class Tokenised:
     source: Source
-    examples: list[tuple[list[int], list[int]]]
+    examples: TokenArrays
     skipped: int = 0
     truncated: int = 0
+    filtered: int = 0
+    rows_read: int = 0
     fingerprint: str = ""
+    cached: bool = False
     bad: list[str] = field(default_factory=list)
+
+    def report(self) -> dict:
+        return {"rows": len(self.examples), "rows_read": self.rows_read, "skipped": self.skipped,
+                "truncated": self.truncated, "filtered": self.filtered, "fingerprint": self.fingerprint,
+                "cached": self.cached, "bad_rows": self.bad[:5]}
 
 
 def file_digest(path) -> str:
@@ -34,42 +54,132 @@ def file_digest(path) -> str:
     return h.hexdigest()[:16]
 
 
-def conversations(source: Source):
-    """Yield (where, messages) for each row of a chat source."""
-    if source.format != "messages":
-        raise UserError(f"{source.path}: format {source.format!r} is not supported for chat data (use messages)")
-    for lineno, row in read_jsonl(source.path):
-        yield f"{source.path}:{lineno}", row
+def tokenizer_digest(tokenizer) -> str:
+    """Identity of the tokenizer's behaviour (vocab, merges, normaliser), not just its name."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    body = backend.to_str() if backend is not None and hasattr(backend, "to_str") else \
+        json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(f"{tokenizer.name_or_path}|{len(tokenizer)}|{body}".encode()).hexdigest()[:16]
 
 
-def tokenise_source(source: Source, tokenizer, contract, data_cfg, loss_on="assistant") -> Tokenised:
-    out = Tokenised(source, [])
-    for where, row in conversations(source):
-        try:
-            msgs = messages_of(row, where)
-        except UserError as exc:
-            if data_cfg.on_bad_row == "skip":
-                out.skipped += 1
-                out.bad.append(str(exc))
+def fingerprint(source: Source, tokenizer, contract, data_cfg, loss_on: str, tok_digest: str | None = None) -> str:
+    parts = readers.fingerprint_parts(source.path, source.hub) + [
+        f"format={source.format}", f"columns={sorted(source.columns.items())}", f"split={source.split}",
+        f"cap={source.max_samples}", f"len={source.min_tokens},{source.max_tokens}",
+        f"template={contract.template_hash}", f"eot={contract.end_of_turn_id}",
+        f"tok={tok_digest or tokenizer_digest(tokenizer)}", f"seq_len={data_cfg.seq_len}", f"loss_on={loss_on}",
+        f"bad={data_cfg.on_bad_row}", f"v={PIPELINE_VERSION}",
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def doc_end_id(tokenizer, contract) -> int:
+    """What ends a plain-text document: the tokenizer's end-of-text token, else end-of-turn."""
+    tid = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    known = tid is not None and tokenizer.convert_ids_to_tokens(int(tid)) == "<|endoftext|>"
+    return int(tid) if known else contract.end_of_turn_id
+
+
+class _Run:
+    """Per-source counters and the bad-row policy."""
+
+    def __init__(self, source: Source, data_cfg):
+        self.source, self.policy = source, data_cfg.on_bad_row
+        self.out = Tokenised(source, TokenArrays.empty())
+
+    def bad(self, exc: UserError) -> None:
+        if self.policy != "skip":
+            raise exc
+        self.out.skipped += 1
+        if len(self.out.bad) < KEEP_BAD:
+            self.out.bad.append(str(exc))
+
+
+def _render_chunk(chunk, tokenizer, contract, loss_on, run: _Run, end_id: int):
+    """Tokenise a chunk of (where, conversation | text); one batch call, per-row fallback on errors."""
+    convs = [(w, c) for w, c in chunk if not isinstance(c, str)]
+    texts = [(w, c) for w, c in chunk if isinstance(c, str)]
+    results: dict[str, tuple] = {}
+    try:
+        for (w, _), r in zip(convs, formats.tokenize_chats(tokenizer, [c for _, c in convs], contract, loss_on)):
+            results[w] = r
+    except Exception:  # a template error in one row: find it, row by row
+        for w, c in convs:
+            try:
+                results[w] = formats.tokenize_chat(tokenizer, c, contract, loss_on)
+            except Exception as exc:  # jinja raises TemplateError, TypeError, ... for odd rows
+                run.bad(UserError(f"{w}: the chat template could not render this row ({type(exc).__name__}: "
+                                  f"{str(exc)[:120]})"))
+    if texts:
+        for (w, _), ids in zip(texts, formats._batch_ids(tokenizer, [t for _, t in texts])):
+            ids = list(ids) + [end_id]
+            results[w] = (ids, list(ids))
+    return [(w, results[w]) for w, _ in chunk if w in results]
+
+
+def tokenise_source(source: Source, tokenizer, contract, data_cfg, loss_on="assistant",
+                    tok_digest: str | None = None) -> Tokenised:
+    fp = fingerprint(source, tokenizer, contract, data_cfg, loss_on, tok_digest)
+    use_cache = bool(getattr(data_cfg, "cache", True)) and source.hub is None
+    entry = Path(getattr(data_cfg, "cache_dir", None) or cache.default_dir()) / fp
+    if use_cache:
+        hit = cache.load(entry)
+        if hit is not None:
+            arrays, meta = hit
+            return Tokenised(source, arrays, meta["skipped"], meta["truncated"], meta["filtered"],
+                             meta["rows_read"], fp, True, meta["bad"])
+    run = _Run(source, data_cfg)
+    out = run.out
+    builder = ArrayBuilder()
+    end_id = doc_end_id(tokenizer, contract)
+    fmt = None if source.format == "auto" else source.format
+    cap = source.max_samples
+    seq_len = int(data_cfg.seq_len)  # read once: config attribute access is slow in the per-row loop
+    chunk: list = []
+
+    def flush():
+        for where, (ids, labels) in _render_chunk(chunk, tokenizer, contract, loss_on, run, end_id):
+            if cap and len(builder) >= cap:
+                break
+            if len(ids) < source.min_tokens or (source.max_tokens and len(ids) > source.max_tokens):
+                out.filtered += 1
                 continue
-            raise
-        ids, labels = formats.tokenize_chat(tokenizer, msgs, contract, loss_on)
-        if len(ids) > data_cfg.seq_len:
-            ids, labels = ids[: data_cfg.seq_len], labels[: data_cfg.seq_len]
-            out.truncated += 1
-        if all(x == formats.IGNORE for x in labels[1:]):
-            out.skipped += 1
-            continue
-        out.examples.append((ids, labels))
-        if source.max_samples and len(out.examples) >= source.max_samples:
+            if len(ids) > seq_len:
+                ids, labels = ids[:seq_len], labels[:seq_len]
+                out.truncated += 1
+            if all(x == formats.IGNORE for x in labels[1:]):
+                run.bad(UserError(f"{where}: no trained token left within data.seq_len={seq_len} "
+                                  "(the prompt fills the window); raise seq_len or shorten the prompt"))
+                continue
+            builder.add(ids, labels)
+        chunk.clear()
+
+    for where, row in readers.iter_rows(source):
+        out.rows_read += 1
+        try:
+            if fmt is None:
+                fmt = formats.detect_format(row, where)
+            chunk.append((where, formats.to_messages(row, fmt, where)))
+        except UserError as exc:
+            run.bad(exc)
+        if len(chunk) >= CHUNK_ROWS:
+            flush()
+        if cap and len(builder) >= cap:
             break
-    if not out.examples:
-        raise UserError(f"{source.path}: no usable rows (empty source, or every row skipped)")
-    out.fingerprint = hashlib.sha256(
-        f"{file_digest(source.path)}|{contract.template_hash}|{tokenizer.name_or_path}|{data_cfg.seq_len}".encode()
-    ).hexdigest()[:16]
+    flush()
+    out.examples = builder.build()
+    if not len(out.examples):
+        why = f"; {out.skipped} bad rows skipped, e.g. {out.bad[0]}" if out.bad else ""
+        why += f"; {out.filtered} outside min_tokens/max_tokens" if out.filtered else ""
+        raise UserError(f"{source.label}: no usable rows in source {source.name!r}{why}")
+    out.fingerprint = fp
+    if use_cache:
+        cache.save(entry, out.examples, {"skipped": out.skipped, "truncated": out.truncated,
+                                         "filtered": out.filtered, "rows_read": out.rows_read, "bad": out.bad,
+                                         "source": source.label, "rows": len(out.examples)})
     return out
 
 
 def tokenise_recipe(recipe: Recipe, tokenizer, contract, data_cfg, loss_on="assistant") -> list[Tokenised]:
-    return [tokenise_source(s, tokenizer, contract, data_cfg, loss_on) for s in recipe.sources]
+    digest = tokenizer_digest(tokenizer)
+    return [tokenise_source(s, tokenizer, contract, data_cfg, loss_on, digest) for s in recipe.sources]

@@ -3,9 +3,16 @@
     name: arith_sft
     sources:
       - name: add2
-        path: data/arith_add2_train.jsonl   # relative to the recipe file
-        format: messages                    # see FORMATS
-        weight: 1.0
+        path: data/arith_add2_train.jsonl   # relative to the recipe file (or `hub: org/name`)
+        format: messages    # auto | messages | sharegpt | alpaca | prompt_completion | text | ...
+        weight: 1.0         # share of the mix (normalised over sources)
+        split: train        # for dataset dirs / hub ids with several splits
+        columns: {messages: chat}   # our field name -> the file's column name
+        max_samples: 1000   # cap on rows used from this source
+        min_tokens: 8       # drop examples shorter / longer than this (before truncation)
+        max_tokens: 2048
+
+Every key is checked: a typo names the field and the recipe file.
 
 Rows are read with their file and line so every bad row can be reported as `file:line:`.
 """
@@ -27,11 +34,23 @@ RECIPES_DIR = Path(__file__).resolve().parents[2] / "data_recipes"
 @dataclass
 class Source:
     name: str
-    path: Path
-    format: str = "messages"
+    path: Path | None
+    format: str = "auto"
     weight: float = 1.0
     max_samples: int | None = None
     columns: dict = field(default_factory=dict)  # our field name -> the file's column name
+    split: str | None = None
+    hub: str | None = None
+    min_tokens: int = 0
+    max_tokens: int | None = None
+
+    @property
+    def label(self) -> str:
+        return str(self.hub or self.path)
+
+
+SOURCE_KEYS = {"name", "path", "hub", "format", "weight", "max_samples", "columns", "split", "min_tokens",
+               "max_tokens"}
 
 
 @dataclass
@@ -62,17 +81,46 @@ def load_recipe(name: str) -> Recipe:
         raise UserError(f"{path}: a recipe needs a non-empty 'sources' list")
     sources = []
     for i, s in enumerate(spec["sources"]):
-        if "path" not in s:
-            raise UserError(f"{path}: sources[{i}] has no 'path'")
-        src_path = (path.parent / s["path"]).resolve()
-        if not src_path.exists():
-            raise UserError(f"{path}: sources[{i}].path: data file not found: {src_path}")
-        sources.append(Source(
-            name=s.get("name", src_path.stem), path=src_path, format=s.get("format", "messages"),
-            weight=float(s.get("weight", 1.0)), max_samples=s.get("max_samples"),
-            columns=dict(s.get("columns") or {}),
-        ))
+        sources.append(_source(s, i, path))
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        raise UserError(f"{path}: source names must be unique, got {names}")
     return Recipe(spec.get("name", path.stem), path, sources)
+
+
+def _source(s, i: int, path: Path) -> Source:
+    where = f"{path}: sources[{i}]"
+    if not isinstance(s, dict):
+        raise UserError(f"{where} must be a mapping with at least 'path' (or 'hub')")
+    unknown = set(s) - SOURCE_KEYS
+    if unknown:
+        raise UserError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(SOURCE_KEYS)}")
+    if ("path" in s) == ("hub" in s):
+        raise UserError(f"{where} needs exactly one of 'path' (a local file or dataset dir) or 'hub' (a dataset id)")
+    src_path = None
+    if "path" in s:
+        src_path = (path.parent / str(s["path"])).resolve()
+        if not src_path.exists():
+            raise UserError(f"{where}.path: data file not found: {src_path}")
+    weight = s.get("weight", 1.0)
+    if not isinstance(weight, (int, float)) or weight <= 0:
+        raise UserError(f"{where}.weight must be a number > 0, got {weight!r}")
+    columns = s.get("columns") or {}
+    if not isinstance(columns, dict) or not all(isinstance(v, str) for v in columns.values()):
+        raise UserError(f"{where}.columns must map our field names to your column names, e.g. {{messages: chat}}")
+    from workbench.data.formats import FORMATS
+
+    fmt = s.get("format", "auto")
+    if fmt != "auto" and fmt not in FORMATS:
+        raise UserError(f"{where}.format={fmt!r} is not one of auto, {', '.join(FORMATS)}")
+    for key in ("max_samples", "min_tokens", "max_tokens"):
+        if s.get(key) is not None and (not isinstance(s[key], int) or s[key] < 0):
+            raise UserError(f"{where}.{key} must be a non-negative integer, got {s[key]!r}")
+    return Source(
+        name=str(s.get("name", src_path.stem if src_path else s["hub"])), path=src_path, format=fmt,
+        weight=float(weight), max_samples=s.get("max_samples"), columns=dict(columns), split=s.get("split"),
+        hub=s.get("hub"), min_tokens=int(s.get("min_tokens") or 0), max_tokens=s.get("max_tokens"),
+    )
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:

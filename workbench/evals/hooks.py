@@ -2,6 +2,8 @@
 
 - `arith_add2`, `arith_add3`, `arith_mul1`: held-out exact-match accuracy on the embedded
   arithmetic task, greedy, answer-only prompt (data_recipes/data/arith_<task>_eval.jsonl).
+- `arith_pref`: held-out preference accuracy, the share of pairs whose chosen completion has a
+  higher log-prob than the rejected one (data_recipes/data/arith_pref_eval.jsonl; DPO).
 Each returns a dict of metrics plus a few sample completions for the report.
 """
 
@@ -15,7 +17,7 @@ from workbench.data.recipes import RECIPES_DIR
 from workbench.errors import UserError
 from workbench.rollout.generate import generate
 
-TASKS = ("arith_add2", "arith_add3", "arith_mul1")
+TASKS = ("arith_add2", "arith_add3", "arith_mul1", "arith_pref")
 
 
 def eval_rows(task: str, n: int) -> list[dict]:
@@ -51,6 +53,13 @@ def exact_match(model, tokenizer, contract, task: str, cfg_eval, autocast=None) 
 def run(model, tokenizer, contract, cfg_eval, autocast=None) -> dict:
     out: dict = {"samples": {}}
     for task in cfg_eval.tasks:
+        if task == "arith_pref":
+            from workbench.methods.dpo import preference_accuracy
+
+            rows = eval_rows(task, cfg_eval.num_samples)
+            out[f"eval/{task}/accuracy"] = preference_accuracy(model, tokenizer, contract, rows, autocast=autocast)
+            out[f"eval/{task}/n"] = len(rows)
+            continue
         res = exact_match(model, tokenizer, contract, task, cfg_eval, autocast)
         out["samples"].update(res.pop("samples"))
         out.update(res)

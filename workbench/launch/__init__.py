@@ -11,7 +11,7 @@ import importlib
 import os
 
 # launcher name -> module in this package with `launch(cfg) -> dict`
-LAUNCHERS: dict[str, str] = {}
+LAUNCHERS: dict[str, str] = {"slurm": "slurm", "ray": "ray_train", "modal": "modal_app", "runpod": "runpod_pod"}
 
 
 def under_distributed_launcher() -> bool:

@@ -3,4 +3,4 @@
 CHOICES maps `method.name` to the module; `conf/method/<name>.yaml` selects it.
 """
 
-CHOICES = {"sft": "sft"}
+CHOICES = {"sft": "sft", "dpo": "dpo", "grpo": "grpo"}

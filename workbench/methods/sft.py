@@ -40,10 +40,41 @@ class SFT:
         self.mixture = Mixture([len(s.examples) for s in self.sources], [s.source.weight for s in self.sources],
                                seed=ctx.cfg.data.shuffle_seed)
         self._overfit: list | None = None
+        self.packer = None
+        if ctx.cfg.data.packing:  # rows of seq_len tokens, several examples each (workbench/data/packing.py)
+            from workbench.data.packing import Packer
+
+            lens = [s.examples.lengths() for s in self.sources]
+            self.packer = Packer(self.mixture, lambda x: int(lens[x[0]][x[1]]),
+                                 ctx.cfg.data.pack_len or ctx.cfg.data.seq_len)
 
     def data_report(self) -> dict:
-        return {s.source.name: {"rows": len(s.examples), "skipped": s.skipped, "truncated": s.truncated,
-                                "fingerprint": s.fingerprint} for s in self.sources}
+        return {s.source.name: {**s.report(), "weight": s.source.weight} for s in self.sources}
+
+    def _mix_info(self) -> dict:
+        info = {f"mix/{s.source.name}": r for s, r in zip(self.sources, self.mixture.realised())}
+        if self.packer is not None:
+            info["pack/fill"] = self.packer.fill()
+        return info
+
+    def _packed_batch(self, state) -> StepBatch:
+        from workbench.data.packing import attention_layout, packed_micro_batches
+
+        t = self.ctx.cfg.train
+        per_rank = t.micro_batch_size * t.grad_accum
+        n_rows = per_rank * self.ctx.world_size
+        if self.ctx.cfg.debug.overfit_batches:
+            if self._overfit is None:
+                self._overfit = [self.packer.next_rows(n_rows) for _ in range(self.ctx.cfg.debug.overfit_batches)]
+            rows = self._overfit[state.step % len(self._overfit)]
+        else:
+            rows = self.packer.next_rows(n_rows)  # every rank packs the global batch, keeps its rows
+        layout, mask = attention_layout(self.ctx.cfg.model.attn_implementation)
+        micro, real = packed_micro_batches(rows, lambda x: self.sources[x[0]].examples[x[1]], self.ctx.rank,
+                                           per_rank, t.micro_batch_size, self.ctx.tokenizer.pad_token_id,
+                                           layout, mask)
+        denom = float(sum(int(m["targets"].numel()) for m in micro))
+        return StepBatch(micro=micro, denom=denom, tokens=real, info=self._mix_info())
 
     def _draw(self, n: int) -> list:
         out = []
@@ -53,6 +84,8 @@ class SFT:
         return out
 
     def next_batch(self, state, backend) -> StepBatch:
+        if self.packer is not None:
+            return self._packed_batch(state)
         t = self.ctx.cfg.train
         world, rank = self.ctx.world_size, self.ctx.rank
         per_rank = t.micro_batch_size * t.grad_accum
@@ -67,18 +100,24 @@ class SFT:
         micro = [pad_batch(mine[i:i + t.micro_batch_size], pad) for i in range(0, per_rank, t.micro_batch_size)]
         denom = float(sum(int(m["targets"].numel()) for m in micro))
         tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))
-        return StepBatch(micro=micro, denom=denom, tokens=tokens)
+        return StepBatch(micro=micro, denom=denom, tokens=tokens, info=self._mix_info())
 
     def loss(self, model, micro: dict):
-        logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], select=micro["select"])
+        logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                       position_ids=micro.get("position_ids"), select=micro["select"])
         loss = F.cross_entropy(logits.float(), micro["targets"], reduction="sum")
         return loss, {"target_tokens": float(micro["targets"].numel())}
 
     def state_dict(self) -> dict:
-        return {"mixture": self.mixture.state_dict()}
+        state = {"mixture": self.mixture.state_dict()}
+        if self.packer is not None:
+            state["packer"] = self.packer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.mixture.load_state_dict(state["mixture"])
+        if self.packer is not None and "packer" in state:
+            self.packer.load_state_dict(state["packer"])
 
 
 def build(cfg, ctx) -> SFT:

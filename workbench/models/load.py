@@ -201,6 +201,30 @@ def cast_weights(model, dtype: torch.dtype) -> None:
             p.data = p.data.to(dtype)
 
 
+ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "auto")
+
+
+def attention_for(impl: str, device: str) -> str:
+    """The attention kernel to build with; UserError for one this machine cannot run.
+
+    `auto` picks flash-attention 2 on a CUDA GPU when `flash-attn` is installed (its varlen
+    kernel runs padded and packed batches without attending across sequences), else SDPA."""
+    if impl not in ATTENTION:
+        raise UserError(f"model.attn_implementation={impl!r} is not one of {', '.join(ATTENTION)}")
+    has_flash = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+    if impl == "auto":
+        cuda = device == "cuda" and torch.cuda.is_available()
+        return "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
+    if impl in has_flash:
+        if device != "cuda" or not torch.cuda.is_available():
+            raise UserError(f"model.attn_implementation={impl} needs a CUDA GPU; on CPU use sdpa")
+        if importlib.util.find_spec(has_flash[impl]) is None:
+            from workbench.errors import missing_package
+
+            raise missing_package("flash-attn")
+    return impl
+
+
 def load_model(model_cfg, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """The trainable model: random tiny model, or real weights from wherever resolve() found them."""
     from transformers import AutoModelForCausalLM
@@ -208,13 +232,13 @@ def load_model(model_cfg, dtype: torch.dtype = torch.float32, device: str = "cpu
     res = materialise(model_cfg, resolve(model_cfg))
     if res.kind == "tiny":
         cfg = hf_config(model_cfg.arch)
-        cfg._attn_implementation = model_cfg.attn_implementation
+        cfg._attn_implementation = attention_for(model_cfg.attn_implementation, device)
         torch.manual_seed(model_cfg.init_seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         cast_weights(model, dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(
-            res.path, dtype=dtype, attn_implementation=model_cfg.attn_implementation,
+            res.path, dtype=dtype, attn_implementation=attention_for(model_cfg.attn_implementation, device),
             trust_remote_code=model_cfg.trust_remote_code,
         )
     model.config.use_cache = False

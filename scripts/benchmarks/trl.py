@@ -1,0 +1,126 @@
+"""workbench vs TRL's SFTTrainer on the embedded task (SmolLM2-135M, LoRA, CPU).
+
+    python scripts/bench.py trl [--steps 6] [--model smollm2-135m]
+
+Three trainers see the same 2-digit-addition chat examples, batch 16:
+  workbench        LoRA r=16 all-linear, lr 2e-4, bf16-mixed, loss on the answer only
+  trl_same         TRL SFTTrainer with the same settings (prompt/completion data so the loss is
+                   on the answer only; bf16 autocast; no gradient checkpointing)
+  trl_defaults     TRL SFTTrainer with its defaults (gradient checkpointing on, loss on every
+                   token of the conversation) apart from batch 16, LoRA and CPU
+They run in rounds, alternately, in this one process, and the steady-state seconds per step
+(first step of each round dropped) are compared as ratios. Also measured: seconds from
+process launch to the first optimizer step of `python -m workbench` with a warm cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "data_recipes" / "data" / "arith_add2_train.jsonl"
+
+
+def _rows(n: int) -> list[dict]:
+    rows = [json.loads(line) for line in DATA.open()]
+    return rows[:n]
+
+
+def workbench_steps(steps: int, model: str, out: Path) -> list[float]:
+    from hydra import compose, initialize_config_dir
+
+    from workbench.config import validate
+    from workbench.runner import Runner
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"model={model}", "eval=none", "train.export=false",
+                                          f"train.max_steps={steps}", "train.resume=never", f"output_dir={out}"])
+    res = Runner(validate(cfg)).run()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == steps and res["losses"]
+    return [r["step_seconds"] for r in rows]
+
+
+def trl_steps(steps: int, model_dir: str, same: bool, out: Path) -> list[float]:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.eos_token = "<|im_end|>"
+    rows = _rows(16 * steps)
+    if same:
+        data = Dataset.from_list([{"prompt": r["messages"][:1], "completion": r["messages"][1:]} for r in rows])
+        args = SFTConfig(output_dir=str(out), use_cpu=True, bf16=True, per_device_train_batch_size=16,
+                         max_steps=steps, learning_rate=2e-4, gradient_checkpointing=False, report_to=[],
+                         logging_steps=1000, save_strategy="no", lr_scheduler_type="cosine", warmup_steps=5,
+                         dataloader_num_workers=0)
+        lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+    else:
+        data = Dataset.from_list(rows)
+        args = SFTConfig(output_dir=str(out), use_cpu=True, per_device_train_batch_size=16, max_steps=steps,
+                         report_to=[], save_strategy="no", logging_steps=1000)
+        lora = LoraConfig(task_type="CAUSAL_LM")
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t)
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok, peft_config=lora,
+                         callbacks=[Timer()])
+    trainer.train()
+    return times
+
+
+def first_step_after_launch(model: str, out: Path) -> float:
+    t0 = time.time()
+    subprocess.run([sys.executable, "-m", "workbench", f"model={model}", "eval=none", "train.export=false",
+                    "train.max_steps=1", "train.resume=never", f"output_dir={out}"], cwd=ROOT, check=True,
+                   capture_output=True)
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    return row["time"] - t0
+
+
+def run(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model", default="smollm2-135m")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("WORKBENCH_OFFLINE", "1")
+    from workbench.models.load import converted_dir, materialise, resolve, zoo_entry
+
+    entry = zoo_entry(args.model)
+    model_dir = materialise(entry, resolve(entry)).path
+    per: dict[str, list[float]] = {"workbench": [], "trl_same": [], "trl_defaults": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for r in range(args.rounds):
+            per["workbench"] += workbench_steps(args.steps, args.model, tmp / f"wb{r}")[1:]
+            per["trl_same"] += trl_steps(args.steps, model_dir, True, tmp / f"ts{r}")[1:]
+            per["trl_defaults"] += trl_steps(args.steps, model_dir, False, tmp / f"td{r}")[1:]
+        launch = first_step_after_launch(args.model, tmp / "launch")
+    med = {k: statistics.median(v) for k, v in per.items()}
+    return {
+        "model": args.model, "steps_per_round": args.steps, "rounds": args.rounds, "model_dir": str(converted_dir(args.model)),
+        "median_seconds_per_step": med,
+        "ratio_throughput_vs_trl_same": med["trl_same"] / med["workbench"],
+        "ratio_throughput_vs_trl_defaults": med["trl_defaults"] / med["workbench"],
+        "first_optimizer_step_seconds_after_launch": launch,
+        "threads": __import__("torch").get_num_threads(),
+    }

@@ -1,0 +1,63 @@
+"""Runs several short trainings in one torchrun job, so the 2-process tests pay for process start,
+imports and the process group once.
+
+    torchrun --nproc_per_node=2 tests/distributed/_worker.py SPEC.json
+
+SPEC.json: {"runs": [{"name": ..., "overrides": [...], "dir": optional}, ...], "out": DIR}. Each
+run's output_dir is DIR/<dir or name> (two runs sharing a dir: the second resumes the first);
+results go to DIR/results/<name>.rank<r>.json: losses, grad norms, what the backend wrapped the
+model in, and the bytes of parameters and optimizer state this rank held after training.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+
+def held_bytes(backend) -> dict[str, int]:
+    if hasattr(backend, "local_bytes"):
+        return backend.local_bytes()
+    params = sum(p.numel() * p.element_size() for p in backend.unwrapped().parameters())
+    optim = sum(t.numel() * t.element_size() for s in backend.optimizer.state.values() for t in s.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    return {"params": params, "optimizer": optim}
+
+
+def main(spec_path: str) -> None:
+    from tests.conftest import compose
+    from workbench.runner import Runner
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    spec = json.loads(Path(spec_path).read_text())
+    rank = int(os.environ.get("RANK", "0"))
+    for run in spec["runs"]:
+        out = Path(spec["out"]) / run.get("dir", run["name"])
+        result: dict = {}
+        try:
+            runner = Runner(compose(run["overrides"], out))
+            res = runner.run()
+            result = {"losses": res["losses"], "grad_norms": [r.get("grad_norm") for r in runner.tracker.rows]
+                      if runner.is_main else [], "bytes": held_bytes(runner.backend),
+                      "resumed_from": res["resumed_from"], "export": res.get("export"),
+                      "wrapper": type(getattr(runner.backend, "ddp", None) or runner.backend.unwrapped()).__name__}
+        except Exception as exc:  # recorded for the test to show; later runs still go ahead
+            result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        runner = res = None
+        gc.collect()  # engines of finished runs hold buffers; free them before the next run
+        where = Path(spec["out"]) / "results"
+        where.mkdir(parents=True, exist_ok=True)
+        (where / f"{run['name']}.rank{rank}.json").write_text(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

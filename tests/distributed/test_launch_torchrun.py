@@ -1,0 +1,70 @@
+"""The workbench starting torchrun itself: elastic restart after a killed rank, and two agents on
+loopback forming one 2-node job. Real `python -m workbench` processes, CPU and gloo.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/distributed/test_launch_torchrun.py
+
+Both compare against an uninterrupted 2-rank FSDP2 run made in the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, TINY
+from tests.distributed.test_backends import env, free_port
+
+pytestmark = pytest.mark.distributed
+RUN = [*TINY, "backend=fsdp2", "peft=none", "train.max_steps=3", "++hardware.timeout_minutes=4"]
+
+
+def workbench(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "workbench", *args], cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: int = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def losses(run_dir: Path) -> list[float]:
+    by_step = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step[row["step"]] = row["loss"]  # a resumed step is logged again: the last one counts
+    return [by_step[k] for k in sorted(by_step)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[float]:
+    out = tmp_path_factory.mktemp("ref")
+    finish(workbench([*RUN, "hardware.procs=2", f"output_dir={out}"]))
+    return losses(out)
+
+
+def test_killed_rank_restarts_and_finishes_with_the_same_loss(tmp_path, reference):
+    log = finish(workbench([*RUN, "hardware.procs=2", "++hardware.max_restarts=1", "train.checkpoint_every=1",
+                            "debug.crash_at_step=2", "debug.crash_rank=1", f"output_dir={tmp_path}"]))
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    # A fresh output_dir has nothing to resume from: only a restarted attempt can have resumed.
+    assert manifest["resumed_from"].endswith("step-00000002"), log[-2000:]
+    got = losses(tmp_path)
+    assert got == pytest.approx(reference, rel=1e-5)
+
+
+def test_two_agents_on_loopback_form_one_job(tmp_path, reference):
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = [*RUN, "train.max_steps=2", "hardware.procs=1", "hardware.nodes=2",
+            f"++hardware.rdzv_endpoint={endpoint}", f"output_dir={tmp_path}"]
+    agents = [workbench(args), workbench(args)]
+    for a in agents:
+        finish(a)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    assert losses(tmp_path) == pytest.approx(reference[:2], rel=1e-5)  # same global batch, same curve

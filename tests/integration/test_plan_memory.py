@@ -1,0 +1,103 @@
+"""The planner's predicted peak memory against the measured peak, on CPU.
+
+Measured: the bytes of the model's parameters and buffers after the build (counted from their
+storages) plus the growth of the torch CPU allocator's running total ("Total Allocated" of the
+profiler's memory events, profile_memory=True) during two training steps, at its maximum (the
+second step is the steady state: forward and backward with AdamW's state alive). This is what
+tensors occupy - the quantity the planner models - without the Python heap, libraries or allocator slack that RSS would add. Predicted:
+workbench.plan.memory.estimate for the same config, given the batch's real shape (tokens and
+loss positions), since arithmetic examples are far shorter than data.seq_len.
+
+    OMP_NUM_THREADS=1 pytest -q tests/integration/test_plan_memory.py            # tiny
+    OMP_NUM_THREADS=1 pytest -q -m slow tests/integration/test_plan_memory.py    # + SmolLM2-135M
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.conftest import compose
+
+TOLERANCE = 0.15
+
+
+def _model_bytes(model) -> int:
+    """Bytes of the distinct storages behind the model's parameters and buffers (NF4 constants too)."""
+    seen = {}
+    tensors = list(model.parameters()) + list(model.buffers())
+    for t in tensors:
+        qs = getattr(t, "quant_state", None)
+        if qs is not None:
+            tensors += [qs.absmax] + ([qs.state2.absmax] if getattr(qs, "state2", None) is not None else [])
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _memory_events(prof, path) -> list[dict]:
+    prof.export_chrome_trace(str(path))
+    events = [e["args"] for e in json.loads(path.read_text())["traceEvents"]
+              if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
+    assert events, "the profiler recorded no CPU memory events"
+    return events
+
+
+def measure(overrides, tmp_path, steps: int = 2) -> dict:
+    """Build a run, train `steps` steps under the profiler; measured and predicted peak in bytes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from workbench.plan.counts import count, probe
+    from workbench.plan.memory import estimate
+    from workbench.plan.setup import from_cfg
+    from workbench.runner import Runner
+    from workbench.tracking import Tracker
+
+    cfg = compose(overrides, tmp_path)
+    runner = Runner(cfg)
+    runner.tracker = Tracker(runner.run_dir, enabled=False)
+    runner.build()
+    # The profiler's running total counts only allocations made on this thread while a profiler
+    # runs (from_pretrained loads weights on worker threads), so what the build left alive is
+    # counted directly and the total's growth during the steps is added to it.
+    alive = _model_bytes(runner.model)
+    shapes = []
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.empty(8, dtype=torch.uint8)  # the first event gives the total's starting value
+        for _ in range(steps):
+            batch = runner.method.next_batch(runner.state, runner.backend)
+            runner.backend.forward_backward(batch, runner.method.loss)
+            runner.backend.optimizer_step()
+            runner.state.step += 1
+            shapes.append(max((int(m["input_ids"].numel()), int(m["targets"].numel())) for m in batch.micro))
+    events = _memory_events(prof, tmp_path / "steps.json")
+    start = events[0]["Total Allocated"] - events[0]["Bytes"]
+    totals = [alive + e["Total Allocated"] - start for e in events]
+    tokens, selected = max(shapes)
+    counts = count(probe(cfg.model), cfg.model.arch, cfg.peft)
+    est = estimate(counts, cfg.model.arch, from_cfg(cfg), tokens=tokens, selected=selected)
+    assert runner.n_params == counts.total + counts.lora  # the meta count is the real model's count
+    return {"measured": float(max(totals)), "predicted": est.peak, "terms": est.terms(), "tokens": tokens,
+            "selected": selected}
+
+
+def _check(result, label):
+    err = result["predicted"] / result["measured"] - 1
+    print(f"{label}: predicted {result['predicted'] / 2**20:.1f} MiB, measured {result['measured'] / 2**20:.1f} MiB, "
+          f"error {err:+.1%} (tokens {result['tokens']}, loss positions {result['selected']})")
+    assert abs(err) <= TOLERANCE, f"{label}: {err:+.1%} off; terms {result['terms']}"
+
+
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_tiny_single(peft, tmp_path):
+    _check(measure([f"peft={peft}"], tmp_path), f"tiny single {peft}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_smollm2_135m_single(peft, tmp_path):
+    _check(measure(["model=smollm2-135m", f"peft={peft}", "train.micro_batch_size=8"], tmp_path),
+           f"smollm2-135m single {peft}")

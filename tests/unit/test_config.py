@@ -1,0 +1,81 @@
+"""Config composition and schema checks: every option composes, typos and bad values are refused."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from tests.conftest import CONF, compose
+from workbench.errors import UserError
+
+GROUPS = ["method", "peft", "model", "backend", "data", "precision", "optim", "eval", "hardware", "launcher"]
+
+
+def choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (Path(CONF) / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_every_choice_composes_and_validates(group):
+    for name in choices(group):
+        cfg = compose([f"{group}={name}"])
+        assert cfg is not None
+
+
+def test_method_peft_cross_product_composes():
+    for method, peft in itertools.product(choices("method"), choices("peft")):
+        cfg = compose([f"method={method}", f"peft={peft}"])
+        assert cfg.peft.kind in ("none", "lora", "qlora", "dora")
+
+
+def test_aliases_set_peft_and_can_be_overridden():
+    assert compose(["method=qlora"]).peft.kind == "qlora"
+    assert compose(["method=lora"]).peft.kind == "lora"
+    assert compose(["method=qlora"]).method.name == "sft"
+    assert compose(["method=qlora", "peft=none"]).peft.kind == "none"
+
+
+def test_model_70b_alias_resolves_to_llama3_70b():
+    cfg = compose(["model=70b"])
+    assert cfg.model.name == "llama3-70b" and cfg.model.arch.layers == 80
+
+
+def test_group_files_map_to_modules():
+    from workbench import backends, methods
+
+    plugin_methods = {n for n in choices("method") if n not in ("lora", "qlora")}  # aliases of sft
+    assert plugin_methods == set(methods.CHOICES)
+    assert set(choices("backend")) == set(backends.CHOICES)
+
+
+def test_typo_in_key_is_rejected_by_hydra():
+    with pytest.raises(ConfigCompositionException, match="optim.lrr"):
+        compose(["optim.lrr=0.1"])
+
+
+def test_added_unknown_key_is_rejected_by_schema():
+    with pytest.raises(UserError, match="optim.lrr"):
+        compose(["+optim.lrr=0.1"])
+
+
+def test_unknown_method_option_is_rejected():
+    with pytest.raises(UserError, match="method.los_on"):
+        compose(["+method.los_on=all"])
+
+
+def test_wrong_type_is_rejected():
+    with pytest.raises(UserError, match="optim.lr"):
+        compose(["optim.lr=abc"])
+
+
+def test_negative_lr_is_rejected():
+    with pytest.raises(UserError, match="optim.lr.*must be > 0"):
+        compose(["optim.lr=-1e-4"])
+
+
+def test_unknown_peft_kind_is_rejected():
+    with pytest.raises(UserError, match="peft.kind"):
+        compose(["peft.kind=lorax"])

@@ -1,0 +1,64 @@
+"""Tokenisation cache (fingerprinted numpy arrays, no pickle) and data.preview without weights.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/test_data_cache.py
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+
+from tests.unit.test_data_formats import ASSETS, _tok, data_cfg, source
+from workbench.data import formats, pipeline
+
+
+def test_second_run_reads_the_cache_and_a_change_rebuilds(tmp_path, monkeypatch):
+    tokenizer, contract = _tok()
+    shutil.copy(ASSETS / "messages.jsonl", tmp_path / "m.jsonl")
+    src = source("m.jsonl")
+    src.path = tmp_path / "m.jsonl"
+    first = pipeline.tokenise_source(src, tokenizer, contract, data_cfg(tmp_path))
+    assert not first.cached
+    entry = tmp_path / "cache" / first.fingerprint
+    assert sorted(p.name for p in entry.iterdir()) == ["ids.npy", "mask.npy", "meta.json", "offsets.npy"]
+    np.load(entry / "ids.npy", allow_pickle=False)  # plain arrays: loadable with pickle disabled
+
+    calls = []
+    real = formats.tokenize_chats
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(formats, "tokenize_chats", counting)
+    again = pipeline.tokenise_source(src, tokenizer, contract, data_cfg(tmp_path))
+    assert again.cached and again.fingerprint == first.fingerprint and not calls
+    assert list(again.examples) == list(first.examples)
+    # the fingerprint covers the bytes of the file and the sequence length
+    with open(src.path, "a") as fh:
+        fh.write('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}\n')
+    changed = pipeline.tokenise_source(src, tokenizer, contract, data_cfg(tmp_path))
+    assert calls and not changed.cached and len(changed.examples) == len(first.examples) + 1
+    assert pipeline.fingerprint(src, tokenizer, contract, data_cfg(tmp_path, seq_len=128), "assistant") != \
+        pipeline.fingerprint(src, tokenizer, contract, data_cfg(tmp_path), "assistant")
+
+
+def test_preview_renders_masked_samples_without_loading_weights(tmp_path, monkeypatch, capsys):
+    from tests.conftest import compose
+    from workbench import cli
+    from workbench.models import load
+
+    def no_weights(*a, **k):
+        raise AssertionError("data.preview loaded model weights")
+
+    monkeypatch.setattr(load, "load_model", no_weights)
+    monkeypatch.setattr(load, "build_meta", no_weights)
+    cfg = compose(["data.preview=true", "data.preview_samples=2", f"data.cache_dir={tmp_path}"], validate=False)
+    res = cli.run_job(cfg)
+    out = capsys.readouterr().out
+    assert len(res["preview"]) == 2 and out.count("--- sample") == 2
+    first = res["preview"][0]["text"]
+    # only the answer and end-of-turn are trained: they alone sit between the markers
+    assert first.count("⟦") == 1 and first.rstrip().endswith("<|im_end|>⟧")
+    assert "What is" in first.split("⟦")[0]

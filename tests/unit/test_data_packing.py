@@ -1,0 +1,115 @@
+"""Best-fit-decreasing packing: capacity and boundaries, packed loss == unpacked loss, fill, SFT run.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/test_data_packing.py
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.unit.test_data_formats import _tok, data_cfg
+from workbench.data import collate, packing
+from workbench.data.formats import IGNORE
+
+
+def test_bfd_respects_capacity_and_places_everything():
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 100) for _ in range(500)]
+    bins, left = packing.best_fit_decreasing(lengths, 128)
+    assert left == []
+    placed = sorted(i for b in bins for i in b)
+    assert placed == list(range(500))
+    assert all(sum(lengths[i] for i in b) <= 128 for b in bins)
+    # best fit never opens a bin while an existing one has room: at most one bin is half empty
+    assert sum(1 for b in bins if sum(lengths[i] for i in b) <= 64) <= 1
+    assert len(bins) <= -(-sum(lengths) // 128) + 2  # within 2 bins of the volume bound here
+
+
+def test_bfd_with_a_bin_limit_leaves_the_rest():
+    bins, left = packing.best_fit_decreasing([60, 60, 60, 10], 70, max_bins=2)
+    assert len(bins) == 2 and sorted(left) == [2] and sorted(i for b in bins for i in b) == [0, 1, 3]
+    with pytest.raises(ValueError, match="exceeds the row capacity"):
+        packing.best_fit_decreasing([65], 64)
+
+
+def _examples():
+    return [([5, 6, 7, 8], [IGNORE, IGNORE, 7, 8]), ([9, 10, 11], [9, 10, 11]), ([12, 13], [IGNORE, 13])]
+
+
+def test_pack_rows_boundaries_positions_and_mask():
+    b = collate.pack_rows([_examples()[:2], _examples()[2:]], pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11], [12, 13, 0, 0, 0, 0, 0]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2], [0, 1, 0, 1, 2, 3, 4]]
+    # the first token of the second example (9) is not predicted from the end of the first one
+    assert b["targets"].tolist() == [7, 8, 10, 11, 13]
+    m = b["attention_mask"][0, 0]
+    assert m[4, :4].sum() == 0 and m[4, 4] and m[6, 4:7].all() and not m[3, 4]
+    assert b["real_tokens"] == 9
+    flat = collate.pack_rows([_examples()[:2], _examples()[2:]], pad_id=0, layout="flat", mask="position_ids")
+    assert flat["input_ids"].shape == (1, 9) and flat["attention_mask"] is None
+    assert flat["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1]]
+
+
+@pytest.mark.parametrize("mask", ["4d", "position_ids"])
+def test_packed_loss_equals_unpacked_loss_on_the_tiny_model(mask):
+    from tests.conftest import compose
+    from workbench.models.head import SelectiveLM
+    from workbench.models.load import load_model
+
+    cfg = compose([])
+    torch.manual_seed(0)
+    lm = SelectiveLM(load_model(cfg.model, dtype=torch.float32, device="cpu")).eval()
+    rng = random.Random(1)
+    examples = []
+    for n in (9, 14, 5, 21, 12, 7):
+        ids = [rng.randrange(10, 4000) for _ in range(n)]
+        labels = [IGNORE] * (n // 2) + ids[n // 2:]
+        examples.append((ids, labels))
+
+    def summed(batch):
+        logits = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch.get("position_ids"), select=batch["select"])
+        return F.cross_entropy(logits.float(), batch["targets"], reduction="sum"), batch["targets"].numel()
+
+    with torch.no_grad():
+        ref, n_ref = summed(collate.pad_batch(examples, pad_id=0))
+        bins, _ = packing.best_fit_decreasing([len(x) for x, _ in examples], 32)
+        assert len(bins) < len(examples)  # really packed
+        rows = [[examples[i] for i in b] for b in bins]
+        packed = collate.pack_rows(rows, pad_id=0, mask=mask)
+        packed.pop("real_tokens")
+        got, n_got = summed(packed)
+    assert n_got == n_ref
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_real_token_fraction_on_the_embedded_mix(tmp_path):
+    from workbench.data.pipeline import tokenise_recipe
+    from workbench.data.recipes import load_recipe
+
+    tokenizer, contract = _tok()
+    src = tokenise_recipe(load_recipe("arith_sft"), tokenizer, contract, data_cfg(tmp_path))[0]
+    lengths = src.examples.lengths().tolist()
+    # arithmetic examples are 49-50 tokens, so a 256-token row holds at most 5: BFD reaches that bound
+    bins, _ = packing.best_fit_decreasing(lengths, 256)
+    assert len(bins) == -(-len(lengths) // 5)
+    assert packing.fill_fraction(lengths, 4096) >= 0.97
+
+
+def test_sft_trains_packed_and_logs_mix_and_fill(tmp_path):
+    from tests.conftest import train
+
+    res = train(["data.recipe=formats_demo", "data.packing=true", "data.pack_len=512", "train.max_steps=2",
+                 "train.micro_batch_size=2", f"data.cache_dir={tmp_path / 'cache'}"], tmp_path / "run")
+    assert len(res["losses"]) == 2 and all(l == l and l > 0 for l in res["losses"])
+    import json
+
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step = [r for r in rows if "pack/fill" in r][-1]
+    mix = {k: v for k, v in step.items() if k.startswith("mix/")}
+    assert len(mix) == 6 and abs(sum(mix.values()) - 1) < 1e-9
+    assert step["pack/fill"] >= 0.9 and step["tokens"] > 0

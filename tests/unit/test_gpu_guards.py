@@ -1,0 +1,248 @@
+"""GPU-only options refuse clearly on CPU; optional-package guards work; the vLLM engine's
+weight sync and its stale-weight check work (against an HF-backed stand-in); gpu_check --dry.
+
+    OMP_NUM_THREADS=1 python -m pytest -q tests/unit/test_gpu_guards.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, compose
+from workbench import kernels, preflight
+from workbench.errors import UserError
+from workbench.models import unsloth_loader
+from workbench.models.load import attention_for, load_model, load_tokenizer
+from workbench.rollout import vllm_engine
+
+
+def _fake_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+# -- refusals on CPU ------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, needle", [
+    (["precision=fp8"], "precision=fp8"),
+    (["kernels=liger"], "kernels=liger"),
+    (["++model.loader=unsloth"], "model.loader=unsloth"),
+    (["++model.attn_implementation=flash_attention_2"], "flash_attention"),
+    (["method=grpo", "method.engine=vllm"], "method.engine=vllm"),
+])
+def test_gpu_options_refused_on_cpu(overrides, needle, tmp_path):
+    cfg = compose(overrides, tmp_path)
+    with pytest.raises(UserError, match="GPU") as err:
+        preflight.check(cfg)
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("check", [
+    lambda cfg: kernels.check("liger", "cpu"),
+    lambda cfg: unsloth_loader.check(cfg),
+    lambda cfg: attention_for("flash_attention_3", "cpu"),
+    lambda cfg: vllm_engine.check(cfg),
+    lambda cfg: preflight.policy("fp8", "cpu"),
+])
+def test_each_gpu_check_refuses_on_cpu(check, tmp_path):
+    cfg = compose(["++model.loader=unsloth"], tmp_path)
+    with pytest.raises(UserError, match="GPU"):
+        check(cfg)
+
+
+def test_runner_refuses_fp8_before_loading(tmp_path):
+    from workbench.runner import Runner
+
+    with pytest.raises(UserError, match="fp8"):
+        Runner(compose(["precision=fp8"], tmp_path))
+
+
+def test_attention_choices():
+    assert attention_for("sdpa", "cpu") == "sdpa"
+    assert attention_for("auto", "cpu") == "sdpa"
+    with pytest.raises(UserError, match="not one of"):
+        attention_for("flash", "cpu")
+
+
+# -- import guards ----------------------------------------------------------------------------------
+def test_liger_missing_package(monkeypatch):
+    _fake_cuda(monkeypatch)
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)
+    with pytest.raises(UserError, match=r"liger-kernel.*pip install -e '\.\[liger\]'"):
+        kernels.check("liger", "cuda")
+    with pytest.raises(UserError, match="must be one of"):
+        kernels.check("triton-magic", "cuda")
+    kernels.check("none", "cpu")  # the default never needs anything
+
+
+def test_flash_attn_missing_package(monkeypatch):
+    _fake_cuda(monkeypatch)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    with pytest.raises(UserError, match="flash-attn"):
+        attention_for("flash_attention_2", "cuda")
+    assert attention_for("auto", "cuda") == "sdpa"
+
+
+def test_vllm_missing_package(monkeypatch, tmp_path):
+    _fake_cuda(monkeypatch)
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    cfg = compose(["hardware.device=cuda"], tmp_path)
+    with pytest.raises(UserError, match=r"'vllm' is not installed.*\[vllm\]"):
+        vllm_engine.check(cfg)
+    with pytest.raises(UserError, match="vllm"):
+        vllm_engine.VLLMEngine(cfg, tokenizer=None, contract=None)
+
+
+def test_fp8_missing_package(monkeypatch):
+    from workbench import precision
+
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    with pytest.raises(UserError, match="torchao"):
+        precision.fp8_backend()
+
+
+def test_unsloth_refusals(monkeypatch, tmp_path):
+    _fake_cuda(monkeypatch)
+    multi = compose(["++model.loader=unsloth", "hardware.device=cuda", "hardware.procs=2"], tmp_path)
+    with pytest.raises(UserError, match="one GPU only"):
+        unsloth_loader.check(multi)
+    dora = compose(["++model.loader=unsloth", "hardware.device=cuda", "peft=dora"], tmp_path)
+    with pytest.raises(UserError, match="dora"):
+        unsloth_loader.check(dora)
+    single = compose(["++model.loader=unsloth", "hardware.device=cuda"], tmp_path)
+    monkeypatch.setitem(sys.modules, "unsloth", None)
+    with pytest.raises(UserError, match=r"'unsloth' is not installed.*\[unsloth\]"):
+        unsloth_loader.check(single)
+    # installed, but the libraries around it break its pins
+    monkeypatch.setattr(unsloth_loader.importlib.util, "find_spec", lambda name: object())
+    versions = {"transformers": "5.18.1", "trl": "1.15.0", "datasets": "5.0.0"}
+    monkeypatch.setattr(unsloth_loader, "_version", versions.get)
+    with pytest.raises(UserError, match=r"transformers 5\.18\.1 \(needs <=5\.17\.0\), datasets 5\.0\.0 \(needs <5\)"):
+        unsloth_loader.check(single)
+
+
+def test_unsloth_pin_bounds():
+    at_the_pins = {"transformers": "5.17.0", "trl": "1.15.0", "datasets": "4.99.1"}
+    assert unsloth_loader.pin_problems(at_the_pins) == []
+    assert unsloth_loader.pin_problems({"trl": "1.16.0"}) == ["trl 1.16.0 (needs <=1.15.0)"]
+    assert unsloth_loader.pin_problems({"datasets": "5.0.0rc1"}) == ["datasets 5.0.0rc1 (needs <5)"]  # PEP 440
+    assert unsloth_loader.pin_problems({"transformers": "5.17.1"}) == ["transformers 5.17.1 (needs <=5.17.0)"]
+
+
+# -- weight sync and its check --------------------------------------------------------------------
+def _lora_model(tmp_path, kind="lora"):
+    from workbench.peft import lora
+
+    cfg = compose([f"peft={kind}"], tmp_path)
+    model = lora.apply(load_model(cfg.model), cfg.peft)
+    torch.manual_seed(1)
+    with torch.no_grad():  # fresh LoRA B is zero; make the adapters matter
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return cfg, model
+
+
+def test_merged_state_dict_equals_peft_merge(tmp_path):
+    cfg, model = _lora_model(tmp_path)
+    merged = vllm_engine.merged_state_dict(model)
+    ref = dict(copy.deepcopy(model).merge_and_unload().named_parameters())
+    assert set(merged) == set(ref)
+    for name, t in ref.items():
+        torch.testing.assert_close(merged[name].float(), t.float(), rtol=1e-5, atol=1e-6, msg=name)
+    # the training model keeps its adapters unmerged
+    assert any("lora_A" in n for n, _ in model.named_parameters())
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+
+
+class HFStandIn:
+    """The engine-side calls of _VLLMAdapter, served by an HF model (what vLLM holds)."""
+
+    def __init__(self, model, apply_loads=True):
+        self.model = copy.deepcopy(model)
+        self.apply_loads = apply_loads
+        self.calls: list[str] = []
+
+    def load_weights(self, items):
+        self.calls.append("load")
+        if self.apply_loads:
+            params = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for n, t in items:
+                    params[n].copy_(t)
+
+    def layer_checksum(self):
+        return vllm_engine.layer_checksum(list(self.model.named_parameters()))
+
+    def prompt_logprobs(self, ids):
+        return vllm_engine.hf_prompt_logprobs(self.model, ids)
+
+    def generate(self, prompts, n, max_new_tokens, temperature, top_p, stop_ids):
+        self.calls.append("generate")
+        out = []
+        for p in prompts:
+            seq = self.model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new_tokens,
+                                      num_return_sequences=1, pad_token_id=0)[0, len(p):].tolist()
+            out.append([seq + [stop_ids[0], 5]] * n)  # anything after end-of-turn must be cut
+        return out
+
+    def sleep(self, level):
+        self.calls.append(f"sleep{level}")
+
+    def wake_up(self):
+        self.calls.append("wake")
+
+
+def test_engine_sync_generate_and_stale_check(tmp_path):
+    from workbench.data.formats import setup_tokenizer
+
+    cfg, model = _lora_model(tmp_path)
+    tok = load_tokenizer(cfg.model)
+    contract = setup_tokenizer(tok)
+    plain = load_model(cfg.model)  # the engine starts from the base weights, as vLLM would
+    stand_in = HFStandIn(plain)
+    engine = vllm_engine.VLLMEngine(cfg, tok, contract, adapter=stand_in)
+    first = engine.sync_weights(model)
+    assert first["probe_logprob_delta"] < 0.05
+    convs = [[{"role": "user", "content": "1+1?"}], [{"role": "user", "content": "2+2?"}]]
+    ids = engine.generate(convs, num_generations=3, max_new_tokens=3, temperature=1.0, top_p=1.0)
+    assert len(ids) == 6 and ids[0] == ids[2] and all(contract.end_of_turn_id not in x for x in ids)
+    assert stand_in.calls[-2:] == ["generate", "sleep1"] and not engine.awake
+    with torch.no_grad():  # an optimizer step changes the adapters
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.1)
+    second = engine.sync_weights(model)
+    assert stand_in.calls[-2:] == ["wake", "load"]
+    assert second["checksum"] != first["checksum"]
+    # an engine that silently ignores loaded weights is caught at the next sync
+    stale = vllm_engine.VLLMEngine(cfg, tok, contract, adapter=HFStandIn(plain, apply_loads=False))
+    with pytest.raises(RuntimeError, match="stale weights"):
+        stale.sync_weights(model)
+
+
+# -- the prepared GPU check's CPU wiring ------------------------------------------------------------
+def test_gpu_check_dry_runs_every_section():
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["mode"] == "dry"
+    for name in ("bf16_full_ft", "lora", "fp8", "rollout", "planner", "megatron"):
+        assert isinstance(out[name], dict) or out[name].startswith("skipped: "), (name, out[name])
+    ft = out["bf16_full_ft"]
+    assert ft["smollm2_135m"]["tokens_per_s"] > 0 and ft["llama_1b_random"]["n_params"] != ft["smollm2_135m"]["n_params"]
+    assert out["lora"]["lora_hf"]["tokens_per_s"] > 0
+    for got, option in ((out["lora"]["lora_liger"], "kernels=liger"),
+                        (out["lora"]["qlora_unsloth"], "model.loader=unsloth"),
+                        (out["fp8"]["fp8"], "precision=fp8"), (out["rollout"]["vllm"], "method.engine=vllm")):
+        assert got.startswith("skipped: ") and option in got and "GPU" in got, got
+    assert out["rollout"]["hf_generate"]["completion_tokens"] > 0

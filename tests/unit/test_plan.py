@@ -1,0 +1,196 @@
+"""The planner: exact counts, the memory terms, sharding, verdicts and fixes, speed and cost.
+
+    OMP_NUM_THREADS=1 pytest -q tests/unit/test_plan.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.conftest import compose
+from workbench.config import ArchConfig, ModelConfig, PeftConfig
+from workbench.models.load import zoo_entry
+from workbench.plan import catalog, make_plan, refusal
+from workbench.plan.counts import build_full, count, probe
+from workbench.plan.fit import GiB, devices_needed, verdict
+from workbench.plan.memory import estimate, nf4_bytes_per_param
+from workbench.plan.setup import Setup
+from workbench.plan.speed import cost_per_million_tokens, speed, train_flops_per_token
+
+
+def model_cfg(name: str, **arch):
+    node = OmegaConf.merge(OmegaConf.structured(ModelConfig), zoo_entry(name))
+    for k, v in arch.items():
+        node.arch[k] = v
+    return node
+
+
+def lora(kind="lora", r=16):
+    return OmegaConf.structured(PeftConfig(kind=kind, r=r))
+
+
+def llama_formula(a) -> int:
+    """Parameter count of a Llama-family model written out by hand (no torch)."""
+    d = a.head_dim or a.hidden // a.heads
+    attn = a.hidden * a.heads * d * 2 + a.hidden * a.kv_heads * d * 2
+    block = attn + 3 * a.hidden * a.intermediate + 2 * a.hidden
+    embed = a.vocab * a.hidden * (1 if a.tie_embeddings else 2)
+    return a.layers * block + embed + a.hidden
+
+
+@pytest.mark.parametrize("name,arch", [("tiny", {}), ("smollm2-135m", {}), ("mixtral-8x22b", {"layers": 3})])
+def test_one_block_probe_equals_full_meta_build(name, arch):
+    m = model_cfg(name, **arch)
+    full = sum(p.numel() for p in build_full(m).parameters())
+    assert count(probe(m), m.arch).total == full
+
+
+def test_70b_exact_count_matches_the_formula_and_loads_nothing():
+    m = model_cfg("70b")
+    model = probe(m)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    c = count(model, m.arch, lora())
+    assert c.total == llama_formula(m.arch) == 70_553_706_496
+    # LoRA r=16 on all 7 linear layers of 80 blocks
+    a, d = m.arch, m.arch.head_dim
+    per = 16 * ((a.hidden + a.heads * d) * 2 + (a.hidden + a.kv_heads * d) * 2 + 3 * (a.hidden + a.intermediate))
+    assert c.lora == 80 * per
+
+
+def test_moe_active_parameters():
+    m = model_cfg("mixtral-8x22b")
+    c = count(probe(m), m.arch)
+    assert 140e9 < c.total < 142e9  # "141B"
+    assert 38.5e9 < c.active < 39.5e9  # "39B active"
+
+
+def test_nf4_constants_match_bitsandbytes():
+    bnb = pytest.importorskip("bitsandbytes")
+    for dq in (True, False):
+        w = bnb.nn.Params4bit(torch.randn(512, 1024), requires_grad=False, quant_type="nf4",
+                              compress_statistics=dq).to("cpu")
+        qs = w.quant_state
+        nbytes = w.data.numel() * w.data.element_size() + qs.absmax.numel() * qs.absmax.element_size()
+        if dq:
+            nbytes += qs.state2.absmax.numel() * qs.state2.absmax.element_size()
+        assert nbytes / (512 * 1024) == pytest.approx(nf4_bytes_per_param(dq), rel=0.002)
+
+
+def _est(name="70b", **kw):
+    m = model_cfg(name)
+    peft = kw.pop("peft_cfg", None)
+    c = count(probe(m), m.arch, peft)
+    return c, m.arch, estimate(c, m.arch, Setup(**kw))
+
+
+def test_full_finetune_bytes_per_param():
+    c, _, e = _est(peft="none", precision="bf16-mixed", micro_batch=1, seq_len=16)
+    # fp32 params + fp32 grads + 2 fp32 Adam moments = 16 bytes per parameter
+    assert (e.weights + e.grads + e.optimizer) / c.total == pytest.approx(16)
+    c, _, e = _est(peft="none", precision="bf16-mixed", backend="deepspeed", stage=0, micro_batch=1, seq_len=16)
+    assert (e.weights + e.grads + e.optimizer + e.master) / c.total == pytest.approx(16)  # 2+2+8+4
+    assert e.master / c.total == pytest.approx(4)
+
+
+def test_sharding_ladder_and_offload():
+    kw = dict(peft="none", precision="bf16-mixed", backend="deepspeed", devices=8, micro_batch=1, seq_len=512)
+    peaks = [_est(stage=s, **kw)[2] for s in (0, 1, 2, 3)]
+    assert peaks[0].peak > peaks[1].peak > peaks[2].peak > peaks[3].peak
+    assert peaks[1].optimizer == pytest.approx(peaks[0].optimizer / 8)
+    assert peaks[2].grads == pytest.approx(peaks[0].grads / 8)
+    assert peaks[3].weights == pytest.approx(peaks[0].weights / 8)
+    fsdp = _est(peft="none", precision="bf16-mixed", backend="fsdp2", devices=8, micro_batch=1, seq_len=512)[2]
+    single = _est(peft="none", precision="bf16-mixed", devices=8, micro_batch=1, seq_len=512)[2]
+    assert fsdp.weights + fsdp.grads + fsdp.optimizer == pytest.approx(
+        (single.weights + single.grads + single.optimizer) / 8)
+    off = _est(stage=3, offload_optimizer=True, **kw)[2]
+    assert off.optimizer == 0 and off.host == pytest.approx(peaks[3].optimizer + peaks[3].master)
+
+
+def test_activations_scale_and_checkpointing():
+    base = dict(peft="lora", peft_cfg=lora(), precision="bf16-mixed", micro_batch=1, seq_len=1024)
+    a1 = _est(**base)[2].activations
+    a2 = _est(**{**base, "seq_len": 2048})[2].activations
+    a4 = _est(**{**base, "micro_batch": 4})[2].activations
+    ck = _est(**{**base, "checkpointing": "full"})[2].activations
+    assert a2 == pytest.approx(2 * a1) and a4 == pytest.approx(4 * a1)
+    assert ck < a1 / 5
+
+
+def test_qlora_70b_fits_one_h100_and_full_does_not():
+    m = model_cfg("70b")
+    h100 = catalog.profiles()["h100-80gb"]
+    s = Setup(peft="qlora", precision="bf16-mixed", micro_batch=1, seq_len=2048, checkpointing="full")
+    c = count(probe(m), m.arch, lora("qlora"))
+    v = verdict(c, m.arch, s, h100.memory_gb, "cuda")
+    assert v.fits and 35 < v.peak_gb < 60
+    full = verdict(count(probe(m), m.arch), m.arch, s.but(peft="none"), h100.memory_gb, "cuda", node_size=8)
+    assert not full.fits
+    # 70B x 16 bytes = 1.1 TB of state: sharded over whole 8-GPU nodes it needs 16 or more GPUs
+    assert full.devices_needed and full.devices_needed >= 16 and full.devices_needed % 8 == 0
+
+
+def test_smallest_fix_is_found_and_really_fits():
+    m = model_cfg("llama3-8b")
+    c = count(probe(m), m.arch, lora())
+    s = Setup(peft="lora", precision="bf16-mixed", micro_batch=4, seq_len=4096)
+    v = verdict(c, m.arch, s, 80, "cuda")
+    assert not v.fits and v.fix == "model.gradient_checkpointing=true"
+    assert v.fix_peak_gb < v.usable_gb
+
+
+def test_dpo_reference_and_grpo_generation_terms():
+    kw = dict(peft="none", precision="bf16-mixed", micro_batch=2, seq_len=1024)
+    sft = _est("llama3-8b", method="sft", **kw)[2]
+    copy = _est("llama3-8b", method="dpo", dpo_ref="copy", **kw)[2]
+    pre = _est("llama3-8b", method="dpo", dpo_ref="precompute", **kw)[2]
+    assert copy.reference > 0 and pre.reference == 0
+    assert pre.activations == pytest.approx(2 * sft.activations)  # chosen + rejected
+    short = _est("llama3-8b", method="grpo", completion_len=128, **kw)[2]
+    long = _est("llama3-8b", method="grpo", completion_len=1024, **kw)[2]
+    assert long.generation > short.generation > 0
+    vllm = _est("llama3-8b", method="grpo", vllm_fraction=0.3, **kw)[2]
+    assert vllm.generation == 0 and vllm.vllm_fraction == 0.3
+
+
+def test_worked_example_70b_1t_tokens_256_h100():
+    h100 = catalog.profiles()["h100-80gb"]
+    fpt = train_flops_per_token(70e9, 70e9, "none")
+    assert fpt == 6 * 70e9
+    sp = speed(1e12, fpt, 256, catalog.peak_tflops(h100, "fp8"), mfu=0.38, price=[3.0, 3.0])
+    assert sp.days == pytest.approx(25, rel=0.03)
+    assert sp.device_hours == pytest.approx(153_600, rel=0.03)
+    assert sp.cost[0] == pytest.approx(460_000, rel=0.03)
+    exact = speed(1e12, fpt, 256, 1.0, mfu=1.0, price=[3.0])
+    assert exact.cost[0] == pytest.approx(exact.device_hours * 3)
+
+
+def test_lora_flops_are_fewer_and_dollars_per_million_tokens():
+    assert train_flops_per_token(1e9, 1e7, "lora") < train_flops_per_token(1e9, 1e9, "none")
+    assert cost_per_million_tokens(tokens_per_s=1e6 / 3600, devices=1, price_per_hour=2.0) == pytest.approx(2.0)
+
+
+def test_catalog_profiles_and_prices():
+    p = catalog.profiles()
+    for name in ("h100-80gb", "h100-ib", "h200", "b200", "gb200-nvl72", "mi300x", "mi325x", "gaudi3", "trn2",
+                 "tpu-v5p", "8xh100"):
+        hw = p[name]
+        assert hw.memory_gb > 0 and hw.bf16_tflops > 0 and len(hw.price_per_hour) == 2 and hw.price_date == "2026-05"
+    assert list(p["h100-80gb"].price_per_hour) == [1.99, 3.50]
+    assert list(p["b200"].price_per_hour) == [4.50, 6.50]
+    assert list(p["mi300x"].price_per_hour) == [1.70, 2.80]
+    assert p["8xh100"].procs == 8 and p["8xh100"].memory_gb == 80
+    assert "NCCL_IB_HCA" in p["h100-ib"].env and p["gb200-nvl72"].env["NCCL_NVLS_ENABLE"] == "1"
+    assert p["gb200-nvl72"].procs * p["gb200-nvl72"].nodes == 72
+
+
+def test_make_plan_for_70b_dpo_on_cpu_refuses_with_where_it_fits():
+    cfg = compose(["model=70b", "method=dpo", "hardware=cpu", "plan.hardware=[8xh100,h100-80gb,8xb200]"])
+    plan = make_plan(cfg)
+    assert plan["params"]["total"] == 70_553_706_496
+    assert not plan["here"]["fits"]
+    msg = refusal(plan)
+    assert "GiB per device" in msg and "hardware=" in msg and "$" in msg
+    assert {r["hardware"] for r in plan["profiles"]} == {"8xh100", "h100-80gb", "8xb200"}

@@ -1,0 +1,172 @@
+"""Preflight: incompatible or impossible configurations are refused before anything heavy, each
+with a message naming the fix; the compatibility docs match the rules; dry_run plans 70B here.
+
+    OMP_NUM_THREADS=1 pytest -q tests/unit/test_preflight.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.conftest import ROOT, compose
+from workbench import preflight, rules
+from workbench.errors import UserError
+
+ALL = frozenset({"bitsandbytes", "deepspeed", "megatron", "torchao", "vllm", "unsloth"})
+CPU = rules.Env(cuda=False, gpus=0, packages=ALL)
+GPU8 = rules.Env(cuda=True, gpus=8, packages=ALL)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return compose([])
+
+
+def variant(base, changes: dict):
+    cfg = copy.deepcopy(base)
+    OmegaConf.set_struct(cfg, False)
+    for key, value in changes.items():
+        if isinstance(value, dict):
+            cfg[key] = OmegaConf.create(value)
+        else:
+            OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+CUDA = {"hardware.device": "cuda"}
+GRPO = {"method": {"name": "grpo", "num_generations": 4, "engine": "hf"}, "reward": {"functions": [{"name": "x"}]}}
+
+# (rule id, config changes, environment, words the message must contain)
+CASES = [
+    ("fp8-needs-gpu", {"precision.name": "fp8"}, CPU, "precision=bf16-mixed"),
+    ("fp8-needs-fp8-units", {**CUDA, "precision.name": "fp8", "hardware.fp8_tflops": 0.0,
+                             "hardware.bf16_tflops": 459.0}, GPU8, "bf16-mixed"),
+    ("fp8-needs-torchao", {**CUDA, "precision.name": "fp8", "hardware.fp8_tflops": 1979.0},
+     rules.Env(cuda=True, gpus=1), "pip install torchao"),
+    ("cuda-not-visible", {**CUDA, "hardware.name": "h100-80gb"}, CPU, "hardware=cpu"),
+    ("planning-only-accelerator", {"hardware.device": "tpu", "hardware.name": "tpu-v5p"}, CPU, "dry_run=true"),
+    ("procs-exceed-gpus", {**CUDA, "hardware.procs": 16}, GPU8, "hardware.procs<=8"),
+    ("multinode-needs-rendezvous", {"hardware.nodes": 2}, CPU, "hardware.rdzv_endpoint"),
+    ("unsloth-needs-cuda", {"model.loader": "unsloth"}, CPU, "model.loader=hf"),
+    ("unsloth-single-gpu", {**CUDA, "model.loader": "unsloth", "hardware.procs": 2}, GPU8, "backend=fsdp2"),
+    ("unsloth-backend", {**CUDA, "model.loader": "unsloth", "backend": {"name": "fsdp2"}}, GPU8, "backend=single"),
+    ("qlora-sharded-storage", {"peft.kind": "qlora", "peft.quant_storage": "int8", "backend": {"name": "fsdp2"}},
+     CPU, "peft.quant_storage=bfloat16"),
+    ("qlora-zero3-checkpointing", {"peft.kind": "qlora", "model.gradient_checkpointing": True,
+                                   "backend": {"name": "deepspeed", "stage": 3}}, CPU, "backend=fsdp2"),
+    ("deepspeed-fp8", {**CUDA, "precision.name": "fp8", "backend": {"name": "deepspeed", "stage": 3}}, GPU8,
+     "precision=bf16-mixed"),
+    ("fsdp2-model-checkpointing", {"model.gradient_checkpointing": True, "backend": {"name": "fsdp2"}}, CPU,
+     "backend.activation_checkpointing=full"),
+    ("qlora-megatron", {"peft.kind": "qlora", "backend": {"name": "megatron"}}, CPU, "peft=lora"),
+    ("qlora-fp8", {**CUDA, "peft.kind": "qlora", "precision.name": "fp8"}, GPU8, "precision=bf16-mixed"),
+    ("qlora-needs-bitsandbytes", {"peft.kind": "qlora"}, rules.Env(packages=ALL - {"bitsandbytes"}),
+     "pip install bitsandbytes"),
+    ("dora-megatron", {"peft.kind": "dora", "backend": {"name": "megatron"}}, CPU, "peft=lora"),
+    ("deepspeed-stage", {"backend": {"name": "deepspeed", "stage": 5}}, CPU, "0, 1, 2 or 3"),
+    ("param-offload-needs-zero3", {"backend": {"name": "deepspeed", "stage": 2, "offload_param": "cpu"}}, CPU,
+     "backend.stage=3"),
+    ("nvme-offload-needs-path", {"backend": {"name": "deepspeed", "stage": 3, "offload_optimizer": "nvme",
+                                             "nvme_path": ""}}, CPU, "backend.nvme_path"),
+    ("fsdp2-offload-on-cpu", {"backend": {"name": "fsdp2", "cpu_offload": True}}, CPU, "cpu_offload=false"),
+    ("deepspeed-needs-package", {"backend": {"name": "deepspeed", "stage": 3}},
+     rules.Env(packages=ALL - {"deepspeed"}), "pip install -e '.[deepspeed]'"),
+    ("megatron-needs-package", {"backend": {"name": "megatron"}}, rules.Env(packages=ALL - {"megatron"}),
+     "'.[megatron]'"),
+    ("tp-divides-heads", {"backend": {"name": "megatron", "tp": 3}, "hardware.procs": 3}, CPU, "divisor of 2"),
+    ("pp-divides-layers", {"backend": {"name": "megatron", "pp": 3}, "hardware.procs": 3}, CPU, "divisor of 2"),
+    ("parallel-divides-world", {"backend": {"name": "megatron", "tp": 2}, "hardware.procs": 3}, CPU,
+     "must divide the 3 devices"),
+    ("ep-needs-experts", {"backend": {"name": "megatron", "ep": 2}, "hardware.procs": 2}, CPU, "backend.ep=1"),
+    ("cp-divides-seq", {"backend": {"name": "megatron", "cp": 2}, "hardware.procs": 2, "data.seq_len": 30}, CPU,
+     "multiple of 4"),
+    ("grpo-needs-reward", {**GRPO, "reward": None}, CPU, "reward=arith_exact"),
+    ("grpo-group-size", {**GRPO, "method": {"name": "grpo", "num_generations": 1}}, CPU, "num_generations>=2"),
+    ("vllm-needs-cuda", {**GRPO, "method": {"name": "grpo", "num_generations": 4, "engine": "vllm"}}, CPU,
+     "method.engine=hf"),
+    ("dpo-adapter-ref-needs-peft", {"method": {"name": "dpo", "reference": "adapter"}, "peft.kind": "none"}, CPU,
+     "method.reference=copy"),
+    ("seq-exceeds-context", {"data.seq_len": 4096}, CPU, "data.seq_len<=2048"),
+    ("flash-attn-on-cpu", {"model.attn_implementation": "flash_attention_2"}, CPU,
+     "model.attn_implementation=sdpa"),
+    ("liger-on-cpu", {"kernels": "liger"}, CPU, "kernels=none"),
+]
+
+
+@pytest.mark.parametrize("rule_id,changes,env,fix", CASES, ids=[c[0] for c in CASES])
+def test_preflight_refuses_with_the_fix(base, rule_id, changes, env, fix):
+    cfg = variant(base, changes)
+    with pytest.raises(UserError) as err:
+        preflight.check(cfg, env=env)
+    msg = str(err.value)
+    assert msg.startswith(f"[{rule_id}]"), msg
+    assert fix in msg, msg
+    assert "\n" not in msg
+
+
+def test_every_rule_is_exercised_and_the_base_config_passes(base):
+    assert {c[0] for c in CASES} == {r.id for r in rules.RULES}
+    assert len(CASES) >= 20
+    assert rules.violations(base, CPU) == []
+
+
+def test_a_run_that_cannot_fit_is_refused_with_the_plan(base):
+    cfg = variant(base, {"model": OmegaConf.merge(base.model, {"name": "llama3-70b", "arch": {
+        "layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8, "head_dim": 128, "intermediate": 28672,
+        "vocab": 128256, "max_position": 131072, "tie_embeddings": False}})})
+    with pytest.raises(UserError) as err:
+        preflight.check(cfg, env=CPU)
+    msg = str(err.value)
+    assert "GiB per device" in msg and "hardware=cpu" in msg and "dry_run=true" in msg
+
+
+def test_dry_run_plans_past_machine_rules_and_renders_a_sample(base):
+    cfg = variant(base, {**CUDA, "hardware.name": "h100-80gb", "hardware.memory_gb": 80.0, "dry_run": True})
+    facts = preflight.check(cfg, env=CPU)
+    assert any("cuda-not-visible" in w for w in facts["warnings"])
+    assert facts["plan"]["here"]["fits"]
+    assert facts["sample"]["trained"] > 0 and facts["sample"]["tokens"] > facts["sample"]["trained"]
+    assert facts["n_params"] == facts["plan"]["params"]["total"]
+
+
+def test_a_remote_launcher_skips_this_machines_rules(base):
+    cfg = variant(base, {**CUDA, "hardware.name": "h100-80gb", "launcher": {"name": "modal"}})
+    assert rules.check(cfg, CPU) and "cuda-not-visible" in rules.check(cfg, CPU)[0]
+
+
+def test_compatibility_docs_are_generated_from_the_rules():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_compat_docs", ROOT / "scripts" / "gen_compat_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "docs" / "compatibility.md").read_text() == module.render(), \
+        "docs/compatibility.md is stale: run python scripts/gen_compat_docs.py"
+
+
+def test_cli_70b_dpo_refuses_then_plans_without_download(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf"), "WORKBENCH_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "workbench", "method=dpo", "model=70b", f"output_dir={tmp_path / 'run'}"]
+    t = time.perf_counter()
+    refused = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    wall = time.perf_counter() - t
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "error: model=llama3-70b method=dpo" in refused.stderr and "GiB per device" in refused.stderr
+    planned = subprocess.run(cmd + ["dry_run=true", "plan.json=true"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    plan = json.loads(planned.stdout[planned.stdout.index("{"):])["plan"]
+    assert plan["params"]["total"] == 70_553_706_496 and not plan["here"]["fits"]
+    assert any(r["fits"] or r["devices_needed"] for r in plan["profiles"])
+    assert not any(Path(tmp_path / "hf").rglob("*.safetensors"))  # nothing was downloaded
+    print(f"70B refusal took {wall:.1f} s wall")

@@ -1,0 +1,287 @@
+"""backend=fsdp2: PyTorch FSDP2 (`fully_shard`) with DCP checkpoints.
+
+    python -m workbench backend=fsdp2 hardware.procs=2            # starts torchrun itself
+    torchrun --nproc_per_node=2 -m workbench backend=fsdp2        # or under your own launcher
+
+Every decoder block is its own `fully_shard` group, then the root (SelectiveLM around the
+possibly-PEFT model) takes what is left (embeddings, final norm, lm_head). Parameters become
+DTensors sharded on dim 0 over all ranks; `wrap` checks that they really are and stops
+otherwise. Gradients are reduce-scattered and averaged over ranks, like DDP, so the loss
+scaling below matches backend=single exactly at equal global batch.
+
+Checkpoints are torch.distributed.checkpoint (DCP) directories: each rank writes its own
+shards, and a checkpoint can be loaded at another world size. With peft, only the trainable
+(adapter) tensors are saved; the frozen base is reloaded from its source.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from workbench import precision as prec
+from workbench.errors import UserError
+from workbench.methods.base import StepBatch
+from workbench.optim import build_optimizer, build_scheduler
+from workbench.peft.lora import base_model
+
+
+@dataclass
+class Config:
+    name: str = "fsdp2"
+    reshard_after_forward: bool = True  # free gathered weights after forward (ZeRO-3-like); False ~ ZeRO-2
+    cpu_offload: bool = False  # keep sharded params, grads and optimizer state in host memory
+    activation_checkpointing: str = "none"  # none | full (every block) | selective (every Nth block)
+    selective_every: int = 2
+    reduce_dtype: str = "float32"  # gradient reduce-scatter dtype under mixed precision
+    async_checkpoint: bool = False  # DCP async_save: training continues while shards are written
+
+
+def preflight(cfg) -> None:
+    """Checks and config adjustments that must happen before any weights load."""
+    b = cfg.backend
+    if b.activation_checkpointing not in ("none", "full", "selective"):
+        raise UserError(f"config field 'backend.activation_checkpointing' must be none, full or selective "
+                        f"(got {b.activation_checkpointing!r})")
+    if b.selective_every < 1:
+        raise UserError("config field 'backend.selective_every' must be >= 1")
+    if b.reduce_dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"config field 'backend.reduce_dtype' must be float32, bfloat16 or float16 "
+                        f"(got {b.reduce_dtype!r})")
+    if b.cpu_offload and cfg.hardware.device == "cpu":
+        raise UserError("backend.cpu_offload=true moves shards from GPU to host memory; on hardware.device=cpu "
+                        "they already are there: use backend.cpu_offload=false")
+    if cfg.model.gradient_checkpointing:
+        raise UserError("under backend=fsdp2 use backend.activation_checkpointing=full instead of "
+                        "model.gradient_checkpointing=true")
+    check_method(cfg, "backend=fsdp2")
+    fix_quant_storage(cfg)
+
+
+def check_method(cfg, where: str) -> None:
+    """Methods that need the full weights on one rank outside the backend's forward."""
+    name = cfg.method.name
+    if name == "grpo":
+        raise UserError(f"method=grpo generates with the full model on each rank, which {where} shards; "
+                        "use backend=deepspeed backend.stage=2 (or backend=single, DDP) for GRPO")
+    if name == "dpo":
+        ref = cfg.method.reference
+        if ref == "copy" or (ref == "auto" and cfg.peft.kind == "none"):
+            raise UserError(f"method=dpo with a copied reference model cannot be sharded by {where}; "
+                            "use method.reference=precomputed (or peft=lora, whose reference is the adapter-free base)")
+
+
+def fix_quant_storage(cfg) -> None:
+    """QLoRA under sharding: packed 4-bit weights must be stored in a float dtype so FSDP/ZeRO can
+    flatten and shard them together with the other parameters (uint8 storage cannot be)."""
+    if cfg.peft.kind == "qlora" and cfg.peft.quant_storage not in ("float32", "bfloat16", "float16"):
+        frozen = prec.policy(cfg.precision.name, cfg.hardware.device).frozen_dtype
+        cfg.peft.quant_storage = str(frozen).replace("torch.", "")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_process_group(device: str) -> None:
+    """FSDP2 needs a process group even on one process (e.g. backend=fsdp2 hardware.procs=1)."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+
+
+def decoder_blocks(module: torch.nn.Module) -> torch.nn.ModuleList:
+    lm = base_model(module.inner)
+    blocks = getattr(getattr(lm, "model", None), "layers", None)
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise RuntimeError(f"fsdp2: cannot find the decoder blocks (model.layers) of {type(lm).__name__}")
+    return blocks
+
+
+def keep_quant_state(model: torch.nn.Module) -> None:
+    """QLoRA: sharding turns Params4bit into DTensors and drops their quantisation constants;
+    bitsandbytes recovers them from the owning module, so put them there before sharding."""
+    for mod in model.modules():
+        qs = getattr(getattr(mod, "weight", None), "quant_state", None)
+        if qs is not None and getattr(mod, "quant_state", None) is None:
+            mod.quant_state = qs
+
+
+class FSDP2Backend:
+    name = "fsdp2"
+    sharded = True
+
+    def __init__(self, cfg, ctx):
+        self.cfg = cfg
+        self.ctx = ctx
+        self._pending = None
+
+    # -- setup ---------------------------------------------------------------------------
+    def wrap(self, model: torch.nn.Module, ctx) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        ensure_process_group(ctx.device)
+        self.model, self.pol, self.device = model, ctx.policy, ctx.device
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self._activation_checkpointing(model)
+        # The compute dtype: params are all-gathered in it, so no autocast is needed for matmuls.
+        # Pure bf16 still sets it, because fp32 adapters and bf16 base weights share a group.
+        param_dtype = self.pol.autocast_dtype or (self.pol.trainable_dtype
+                                                 if self.pol.trainable_dtype != torch.float32 else None)
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                  reduce_dtype=getattr(torch, self.cfg.reduce_dtype) if param_dtype else None)
+        keep_quant_state(model)
+        mesh = init_device_mesh(self.device, (self.world,))
+        kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=self.cfg.reshard_after_forward)
+        if self.cfg.cpu_offload:
+            kw["offload_policy"] = CPUOffloadPolicy()
+        for block in decoder_blocks(model):
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        self.verify_sharded()
+        self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(model.parameters(), ctx.cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, ctx.cfg.optim, ctx.cfg.train.max_steps)
+        self.scaler = torch.amp.GradScaler(self.device) if self.pol.loss_scaling else None
+        self.max_grad_norm = ctx.cfg.optim.max_grad_norm
+
+    def _activation_checkpointing(self, model) -> None:
+        mode = self.cfg.activation_checkpointing
+        if mode == "none":
+            return
+        lm = base_model(model.inner)
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.ctx.cfg.peft.kind != "none":
+            lm.enable_input_require_grads()
+        if mode == "selective":  # recompute every Nth block only: trades less memory for less recompute
+            for i, block in enumerate(decoder_blocks(model)):
+                block.gradient_checkpointing = i % self.cfg.selective_every == 0
+
+    def verify_sharded(self) -> None:
+        """The user asked for FSDP: every parameter must be a DTensor sharded over all ranks."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        for n, p in self.model.named_parameters():
+            if not isinstance(p, DTensor) or not any(isinstance(pl, Shard) for pl in p.placements):
+                raise RuntimeError(f"fsdp2: parameter {n} is not sharded (type {type(p).__name__}); "
+                                   "refusing to continue as if it were")
+            if p.device_mesh.size() != self.world:
+                raise RuntimeError(f"fsdp2: parameter {n} is sharded over {p.device_mesh.size()} ranks, "
+                                   f"not the world of {self.world}")
+
+    def unwrapped(self) -> torch.nn.Module:
+        return self.model
+
+    def local_bytes(self) -> dict[str, int]:
+        """Bytes of parameters and optimizer state held by this rank (its shards)."""
+        params = sum(p.to_local().numel() * p.element_size() for p in self.model.parameters())
+        optim = sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.numel() * t.element_size()
+                    for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+        return {"params": params, "optimizer": optim}
+
+    # -- step ----------------------------------------------------------------------------
+    def _all_sum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def forward_backward(self, batch: StepBatch, loss_fn) -> dict[str, float]:
+        self.model.train()
+        denom = self._all_sum(batch.denom)
+        scale = self.world / max(denom, 1e-12)  # gradients are averaged over ranks, as in DDP
+        total, sums = 0.0, {}
+        for i, micro in enumerate(batch.micro):
+            last = i == len(batch.micro) - 1
+            self.model.set_requires_gradient_sync(last)  # reduce-scatter once per step
+            with prec.autocast(self.pol, self.device):
+                loss_sum, metrics = loss_fn(self.model, micro)
+            loss = loss_sum.float() * scale
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += float(loss_sum.detach())
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        return {"loss": self._all_sum(total) / max(denom, 1e-12), **sums}
+
+    def optimizer_step(self) -> dict[str, float]:
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.max_grad_norm > 0:
+            gn = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        else:
+            gn = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
+        lr = self.scheduler.get_last_lr()[0]
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(gn), "lr": lr}
+
+    # -- state ---------------------------------------------------------------------------
+    def _dcp_state(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        keep = set(self.trainable)
+        return {"model": {k: v for k, v in msd.items() if k in keep}, "optim": osd}
+
+    def state_dict(self) -> dict:
+        """What checkpoint.save writes: the DCP directory comes from `writer` on every rank."""
+        return {"writer": self.save_to}
+
+    def save_to(self, path: Path):
+        import torch.distributed.checkpoint as dcp
+
+        state = self._dcp_state()
+        if self.rank == 0:
+            torch.save({"scheduler": self.scheduler.state_dict(),
+                        "scaler": self.scaler.state_dict() if self.scaler else None}, Path(path) / "schedule.pt")
+        if self.cfg.async_checkpoint:
+            # Shards are staged to host memory now and written in a background thread; the
+            # checkpoint only becomes `latest` once the returned future has completed.
+            return dcp.async_save(state, checkpoint_id=str(Path(path) / "dcp"))
+        dcp.save(state, checkpoint_id=str(Path(path) / "dcp"))
+        return None
+
+    def load_from(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))
+        rest = torch.load(Path(path) / "schedule.pt", weights_only=True)
+        self.scheduler.load_state_dict(rest["scheduler"])
+        if self.scaler and rest.get("scaler"):
+            self.scaler.load_state_dict(rest["scaler"])
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load_from(state["path"])
+
+    def gathered_model(self):
+        """Collective: a plain copy of the trained model with full weights on rank 0, None elsewhere."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return None
+        from workbench.export import rebuild_plain
+
+        return rebuild_plain(self.ctx.cfg, self.pol, full, only=set(self.trainable))
+
+
+def build(cfg, ctx) -> FSDP2Backend:
+    return FSDP2Backend(cfg, ctx)

@@ -1,0 +1,127 @@
+"""Tokenised sources on disk, keyed by fingerprint, as plain numpy arrays (no pickle).
+
+A source's tokens live in one directory per fingerprint:
+
+    ids.npy      int32  every example's token ids, concatenated
+    mask.npy     uint8  1 where the token is trained (labels == ids), 0 where it is IGNORE
+    offsets.npy  int64  example i is ids[offsets[i]:offsets[i+1]]
+    meta.json    counts (rows read, skipped, truncated, filtered) and the first bad-row messages
+
+The arrays are opened memory-mapped (`np.load(mmap_mode="r", allow_pickle=False)`), so a
+large source costs page cache, not process memory, and a re-run or resume does not
+re-tokenise. Writes go to a temporary directory renamed into place, so a killed run never
+leaves a half-written cache that a later run would trust.
+
+    TokenArrays.build(chunks)   # from (ids, labels) pairs
+    save(dir, arrays, meta) / load(dir) -> (TokenArrays, meta) | None
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from workbench.data.formats import IGNORE
+
+
+class TokenArrays:
+    """A read-only sequence of (input_ids, labels) examples backed by flat arrays."""
+
+    def __init__(self, ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray):
+        self.ids, self.mask, self.offsets = ids, mask, offsets
+
+    @classmethod
+    def empty(cls) -> "TokenArrays":
+        return cls(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def arrays(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        ids = np.asarray(self.ids[a:b], dtype=np.int64)
+        return ids, np.where(np.asarray(self.mask[a:b], dtype=bool), ids, IGNORE)
+
+    def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        ids, labels = self.arrays(i)
+        return ids.tolist(), labels.tolist()
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def trained_tokens(self) -> int:
+        return int(np.count_nonzero(self.mask))
+
+
+class ArrayBuilder:
+    """Accumulates examples in growing numpy chunks (no per-token Python lists kept around)."""
+
+    def __init__(self):
+        self._ids: list[np.ndarray] = []
+        self._mask: list[np.ndarray] = []
+        self._lens: list[int] = []
+
+    def add(self, ids: list[int], labels: list[int]) -> None:
+        a = np.asarray(ids, dtype=np.int32)
+        self._ids.append(a)
+        self._mask.append(np.asarray(labels, dtype=np.int64) != IGNORE)
+        self._lens.append(len(ids))
+
+    def __len__(self) -> int:
+        return len(self._lens)
+
+    def build(self) -> TokenArrays:
+        if not self._lens:
+            return TokenArrays.empty()
+        offsets = np.zeros(len(self._lens) + 1, np.int64)
+        np.cumsum(self._lens, out=offsets[1:])
+        return TokenArrays(np.concatenate(self._ids), np.concatenate(self._mask).astype(np.uint8), offsets)
+
+
+def default_dir() -> Path:
+    root = Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "workbench"))
+    return root / "tokenised"
+
+
+def save(directory: Path, arrays: TokenArrays, meta: dict) -> None:
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        np.save(tmp / "ids.npy", np.ascontiguousarray(arrays.ids, dtype=np.int32))
+        np.save(tmp / "mask.npy", np.ascontiguousarray(arrays.mask, dtype=np.uint8))
+        np.save(tmp / "offsets.npy", np.ascontiguousarray(arrays.offsets, dtype=np.int64))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if directory.exists():  # another process finished first; its copy is identical
+            shutil.rmtree(tmp)
+            return
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load(directory: Path) -> tuple[TokenArrays, dict] | None:
+    """The cached arrays and meta, or None when absent or unreadable (then it is rebuilt)."""
+    directory = Path(directory)
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        arrs = [np.load(directory / f"{k}.npy", mmap_mode="r", allow_pickle=False) for k in ("ids", "mask", "offsets")]
+    except (OSError, ValueError):
+        return None
+    ids, mask, offsets = arrs
+    if len(ids) != len(mask) or len(offsets) < 1 or int(offsets[-1]) != len(ids):
+        return None
+    return TokenArrays(ids, mask, offsets), meta

@@ -1,0 +1,167 @@
+"""Preference rows (DPO) and prompt rows (GRPO): normalise the accepted shapes, then tokenise.
+
+Accepted preference rows (one JSON object per line):
+
+    {"prompt": "text", "chosen": "text", "rejected": "text"}
+    {"prompt": [messages], "chosen": [assistant messages], "rejected": [assistant messages]}
+    {"chosen": [full conversation], "rejected": [full conversation]}   # shared prefix = prompt
+
+Accepted prompt rows (GRPO): {"prompt": "text" | [messages], ...}; every other column (e.g.
+`answer`) is handed to the reward functions by name.
+
+Completions are tokenised exactly like SFT targets (formats.tokenize_chat): the generation
+prompt, then the assistant text and the template's end-of-turn token, so what DPO scores is
+what inference produces. A row in any other shape stops the run with `file:line` and the
+list of accepted schemas.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from workbench.data import formats
+from workbench.data.readers import fingerprint_parts, iter_rows
+from workbench.data.recipes import Source
+from workbench.errors import UserError
+
+PREFERENCE_SCHEMAS = (
+    '{"prompt": str, "chosen": str, "rejected": str}; '
+    '{"prompt": [messages], "chosen": [messages], "rejected": [messages]}; '
+    '{"chosen": [full conversation], "rejected": [full conversation]}'
+)
+PROMPT_SCHEMAS = '{"prompt": str | [messages], ...extra columns for rewards (e.g. "answer")}'
+
+
+def _messages(value, where: str, what: str, role: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                  for m in value):
+        return value
+    raise UserError(f"{where}: '{what}' must be a string or a non-empty list of {{role, content}} messages")
+
+
+def _common_prefix(a: list[dict], b: list[dict]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def preference_row(row: dict, where: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """(prompt messages, chosen messages, rejected messages) of one row, checked."""
+    if "chosen" not in row or "rejected" not in row:
+        raise UserError(f"{where}: not a preference row (keys: {sorted(row)}); method=dpo accepts: "
+                        f"{PREFERENCE_SCHEMAS}")
+    if "prompt" in row:
+        prompt = _messages(row["prompt"], where, "prompt", "user")
+        chosen = _messages(row["chosen"], where, "chosen", "assistant")
+        rejected = _messages(row["rejected"], where, "rejected", "assistant")
+    else:
+        full_c = _messages(row["chosen"], where, "chosen", "assistant")
+        full_r = _messages(row["rejected"], where, "rejected", "assistant")
+        n = _common_prefix(full_c, full_r)
+        if n == 0 or n == len(full_c) or n == len(full_r):
+            raise UserError(f"{where}: chosen and rejected conversations need a shared prompt and must differ "
+                            f"after it; accepted: {PREFERENCE_SCHEMAS}")
+        prompt, chosen, rejected = full_c[:n], full_c[n:], full_r[n:]
+    for name, turns in (("chosen", chosen), ("rejected", rejected)):
+        if turns[-1]["role"] != "assistant":
+            raise UserError(f"{where}: '{name}' must end with an assistant turn")
+    return prompt, chosen, rejected
+
+
+def _completion(tokenizer, contract, prompt: list[dict], turns: list[dict], p_ids: list[int]):
+    """(input_ids, labels) of prompt + completion; labels only on the completion's assistant tokens."""
+    ids, labels = formats.tokenize_chat(tokenizer, prompt + turns, contract, "assistant")
+    # assistant turns inside a multi-turn prompt are context, not the compared completion
+    labels = [formats.IGNORE] * len(p_ids) + labels[len(p_ids):]
+    return ids, labels
+
+
+@dataclass
+class Pair:
+    chosen: tuple[list[int], list[int]]  # (input_ids, labels)
+    rejected: tuple[list[int], list[int]]
+    prompt_len: int
+
+
+@dataclass
+class PreferenceSource:
+    source: Source
+    pairs: list[Pair]
+    skipped: int = 0
+    truncated: int = 0
+    fingerprint: str = ""
+    bad: list[str] = field(default_factory=list)
+
+
+def _fingerprint(source: Source, tokenizer, contract, seq_len: int) -> str:
+    parts = "|".join(fingerprint_parts(source.path, getattr(source, "hub", None)))
+    return hashlib.sha256(f"{parts}|{contract.template_hash}|{tokenizer.name_or_path}|"
+                          f"{seq_len}".encode()).hexdigest()[:16]
+
+
+def _check_format(source: Source, wanted: str, schemas: str) -> None:
+    if source.format not in ("auto", wanted):
+        raise UserError(f"{source.label}: format {source.format!r} is not usable here; this method reads "
+                        f"format {wanted} (or auto): {schemas}")
+
+
+def tokenise_preferences(source: Source, tokenizer, contract, data_cfg) -> PreferenceSource:
+    _check_format(source, "preference", PREFERENCE_SCHEMAS)
+    out = PreferenceSource(source, [])
+    for where, row in iter_rows(source):
+        try:
+            prompt, chosen, rejected = preference_row(row, where)
+        except UserError as exc:
+            if data_cfg.on_bad_row == "skip":
+                out.skipped += 1
+                out.bad.append(str(exc))
+                continue
+            raise
+        p_ids = formats.prompt_ids(tokenizer, prompt)
+        seqs = []
+        for turns in (chosen, rejected):
+            ids, labels = _completion(tokenizer, contract, prompt, turns, p_ids)
+            if len(ids) > data_cfg.seq_len:
+                ids, labels = ids[: data_cfg.seq_len], labels[: data_cfg.seq_len]
+                out.truncated += 1
+            seqs.append((ids, labels))
+        if any(all(x == formats.IGNORE for x in lab[1:]) for _, lab in seqs):
+            out.skipped += 1  # the prompt alone fills seq_len: nothing to compare
+            continue
+        out.pairs.append(Pair(seqs[0], seqs[1], len(p_ids)))
+        if source.max_samples and len(out.pairs) >= source.max_samples:
+            break
+    if not out.pairs:
+        raise UserError(f"{source.label}: no usable preference rows; accepted: {PREFERENCE_SCHEMAS}")
+    out.fingerprint = _fingerprint(source, tokenizer, contract, data_cfg.seq_len)
+    return out
+
+
+@dataclass
+class PromptSource:
+    source: Source
+    rows: list[dict]  # {"prompt": [messages], **extra columns}
+    fingerprint: str = ""
+
+
+def read_prompts(source: Source, tokenizer, contract, data_cfg) -> PromptSource:
+    _check_format(source, "prompt_only", PROMPT_SCHEMAS)
+    rows = []
+    for where, row in iter_rows(source):
+        if "prompt" not in row:
+            hint = " (this looks like SFT data)" if "messages" in row else ""
+            raise UserError(f"{where}: not a prompt row{hint} (keys: {sorted(row)}); method=grpo accepts: "
+                            f"{PROMPT_SCHEMAS}")
+        prompt = _messages(row["prompt"], where, "prompt", "user")
+        if prompt[-1]["role"] == "assistant":
+            raise UserError(f"{where}: the prompt ends with an assistant turn; GRPO generates that turn")
+        rows.append({**row, "prompt": prompt, "_where": where})
+        if source.max_samples and len(rows) >= source.max_samples:
+            break
+    if not rows:
+        raise UserError(f"{source.label}: no prompt rows; accepted: {PROMPT_SCHEMAS}")
+    return PromptSource(source, rows, _fingerprint(source, tokenizer, contract, data_cfg.seq_len))

@@ -1,0 +1,76 @@
+"""`data.preview=true`: show what training will see, through the template and the loss mask, then stop.
+
+    python -m workbench data.preview=true data.preview_samples=5
+    python -m workbench data.preview=true data.recipe=my_mix data.chat_template=chatml
+
+Only the tokenizer is loaded (never model weights). The samples are the first ones of the
+training stream itself (same recipe, mixture and seed), so what is shown is what step 1 trains.
+Trained tokens are shown in green on a terminal, and between ⟦ ⟧ otherwise; everything else is
+context the model reads but is not trained to produce.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from workbench.data.formats import IGNORE, setup_tokenizer
+from workbench.data.mixing import Mixture
+from workbench.data.pipeline import tokenise_recipe
+from workbench.data.recipes import load_recipe
+
+OPEN, CLOSE = "⟦", "⟧"
+GREEN, RESET = "\033[32;1m", "\033[0m"
+
+
+def spans(ids: list[int], labels: list[int]) -> list[tuple[bool, list[int]]]:
+    """Consecutive runs of (trained?, token ids)."""
+    out: list[tuple[bool, list[int]]] = []
+    for t, y in zip(ids, labels):
+        trained = y != IGNORE
+        if out and out[-1][0] == trained:
+            out[-1][1].append(t)
+        else:
+            out.append((trained, [t]))
+    return out
+
+
+def render(tokenizer, ids: list[int], labels: list[int], color: bool = False) -> str:
+    parts = []
+    for trained, toks in spans(ids, labels):
+        text = tokenizer.decode(toks, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if trained:
+            text = f"{GREEN}{text}{RESET}" if color else f"{OPEN}{text}{CLOSE}"
+        parts.append(text)
+    return "".join(parts)
+
+
+def preview(cfg, out=None) -> dict:
+    """Render the first `data.preview_samples` training samples; return them for callers and tests."""
+    from workbench.models.load import load_tokenizer
+
+    out = out or sys.stdout
+    color = hasattr(out, "isatty") and out.isatty()
+    tokenizer = load_tokenizer(cfg.model)
+    contract = setup_tokenizer(tokenizer, cfg.data.chat_template)
+    loss_on = getattr(cfg.method, "loss_on", "assistant") if cfg.method is not None else "assistant"
+    sources = tokenise_recipe(load_recipe(cfg.data.recipe), tokenizer, contract, cfg.data, loss_on)
+    mixture = Mixture([len(s.examples) for s in sources], [s.source.weight for s in sources],
+                      seed=cfg.data.shuffle_seed)
+    print(f"data preview: recipe={cfg.data.recipe}, end-of-turn={contract.end_of_turn!r}, "
+          f"template={contract.template_hash}; trained tokens shown "
+          f"{'in green' if color else f'between {OPEN} {CLOSE}'}", file=out)
+    for s in sources:
+        r = s.report()
+        print(f"  source {s.source.name}: {r['rows']} examples (read {r['rows_read']}, skipped {r['skipped']}, "
+              f"filtered {r['filtered']}, truncated {r['truncated']}), weight {s.source.weight}", file=out)
+    samples = []
+    for n in range(cfg.data.preview_samples):
+        src, row = mixture.next()
+        ids, labels = sources[src].examples[row]
+        trained = sum(y != IGNORE for y in labels)
+        text = render(tokenizer, ids, labels, color)
+        print(f"\n--- sample {n + 1}: source {sources[src].source.name} row {row}, {len(ids)} tokens, "
+              f"{trained} trained ---\n{text}", file=out)
+        samples.append({"source": sources[src].source.name, "row": row, "tokens": len(ids), "trained": trained,
+                        "text": render(tokenizer, ids, labels, False)})
+    return {"preview": samples, "sources": {s.source.name: s.report() for s in sources}}

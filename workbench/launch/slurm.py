@@ -1,0 +1,74 @@
+"""launcher=slurm: the job side of Slurm runs submitted by Hydra's submitit launcher.
+
+    python -m workbench -m launcher=slurm hardware.nodes=2 hardware.procs=8 launcher.partition=gpu \
+        train.checkpoint_every=200
+
+Submission itself is Hydra's (conf/launcher/slurm.yaml selects `hydra/launcher=submitit_slurm` and
+maps nodes, GPUs per node, time and partition onto it). Inside each Slurm task this module:
+exports the torch.distributed variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) from submitit's job
+environment, writes the launch record into the run dir (rank 0), and lets the runner train in
+this process. Requeued after preemption, the job keeps its sweep subdir as output_dir, so
+`train.resume=auto` continues from the last checkpoint there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from workbench.errors import UserError, missing_package
+from workbench.launch import remote
+
+
+@dataclass
+class Config:
+    name: str = "slurm"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time_minutes: int = 240
+    gpus_per_node: int = 1
+    cpus_per_task: int = 8
+    mem_gb: int | None = None
+    max_requeues: int = 3
+    constraint: str | None = None
+    setup: list[str] = field(default_factory=list)
+
+
+def in_slurm_job() -> bool:
+    return os.environ.get("SUBMITIT_EXECUTOR") == "slurm" or (
+        "SLURM_JOB_ID" in os.environ and "SLURM_PROCID" in os.environ)
+
+
+def export_dist_env() -> dict:
+    """Set torch.distributed's env:// variables for this Slurm task; return them."""
+    try:
+        from submitit.helpers import TorchDistributedEnvironment
+    except ImportError:
+        raise missing_package("submitit", "slurm") from None
+    env = TorchDistributedEnvironment()
+    if env.world_size > 1:
+        # CUDA_VISIBLE_DEVICES is left alone: the runner picks cuda:LOCAL_RANK itself.
+        env.export(set_cuda_visible_devices=False)
+    return {"RANK": env.rank, "WORLD_SIZE": env.world_size, "LOCAL_RANK": env.local_rank,
+            "MASTER_ADDR": env.master_addr, "MASTER_PORT": env.master_port}
+
+
+def launch(cfg):
+    lc = remote.launcher_config(Config, cfg)
+    if not in_slurm_job():
+        try:
+            import submitit  # noqa: F401
+        except ImportError:
+            raise missing_package("submitit", "slurm") from None
+        raise UserError("launcher=slurm submits through Hydra's submitit launcher; add -m, e.g. "
+                        "`python -m workbench -m launcher=slurm launcher.partition=<p> ...`")
+    dist_env = export_dist_env()
+    if dist_env["RANK"] == 0:
+        spec = remote.job_spec(cfg, "slurm")
+        spec["manifest"]["slurm"] = {k: os.environ.get(k) for k in (
+            "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_NODELIST", "SLURM_RESTART_COUNT")}
+        spec["manifest"]["slurm"]["partition"] = lc.partition
+        spec["manifest"]["dist"] = dist_env
+        remote.materialize(spec, cfg.output_dir)
+    return None  # train here, as this Slurm task's rank

@@ -1,0 +1,249 @@
+"""Hydra multirun support: per-job run dirs and the sweep summary.
+
+    python -m workbench -m optim.lr=1e-4,3e-4 peft.r=8,16 model=tiny
+    python -m workbench -m hydra/sweeper=optuna_accuracy          # Optuna, maximise eval accuracy
+
+Under `-m` each job trains in its own sweep subdir (`job_dir`, the `workbench.job_dir` resolver
+that `output_dir` in conf/train.yaml goes through). When the sweep ends, `SweepSummary` (a Hydra
+callback registered in conf/train.yaml) writes into the sweep dir:
+
+- sweep_summary.md / sweep_summary.csv: swept overrides -> final train loss and eval metrics,
+  the best job marked;
+- loss_curves.png: each job's loss curve, side by side, on a shared y axis.
+
+Each job also leaves `sweep_job.json` in its Hydra job dir (where its results live, its status),
+so the summary finds jobs that wrote their run dir elsewhere or ran on another machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+JOB_FILE = "sweep_job.json"
+
+
+def job_dir(default: str) -> str:
+    """`output_dir` under Hydra: the job's sweep subdir in multirun, else `default`."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+    except ImportError:
+        return default
+    if not HydraConfig.initialized():
+        return default
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        out = OmegaConf.select(hc, "runtime.output_dir", default=None)
+        if out:
+            return str(out)
+    return default
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("workbench.job_dir"):
+        OmegaConf.register_new_resolver("workbench.job_dir", job_dir)
+
+
+# -- reading jobs -------------------------------------------------------------------------------
+def _load_job(jdir: Path) -> dict | None:
+    info_path = jdir / JOB_FILE
+    ov_path = jdir / ".hydra" / "overrides.yaml"
+    if not info_path.exists() and not ov_path.exists():
+        return None
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    overrides = info.get("overrides")
+    if overrides is None:
+        overrides = list(OmegaConf.load(ov_path)) if ov_path.exists() else []
+    out = Path(info.get("output_dir") or jdir)
+    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    curve = []
+    if (out / "metrics.jsonl").exists():
+        for line in (out / "metrics.jsonl").read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                curve.append((row["step"], row["loss"]))
+    try:
+        num = int(jdir.name)
+    except ValueError:
+        num = jdir.name
+    return {"num": num, "dir": str(out), "overrides": [str(o) for o in overrides], "results": results,
+            "curve": curve, "status": info.get("status", "COMPLETED" if results else "NO_RESULTS"),
+            "error": info.get("error")}
+
+
+def collect(sweep_dir: Path) -> list[dict]:
+    jobs = [j for d in sorted(Path(sweep_dir).iterdir()) if d.is_dir() and (j := _load_job(d))]
+    return sorted(jobs, key=lambda j: (isinstance(j["num"], str), j["num"]))
+
+
+def metrics_of(job: dict) -> dict[str, float]:
+    """Final train loss and the end-of-training eval numbers of one job."""
+    res = job["results"]
+    out: dict[str, float] = {}
+    losses = res.get("losses") or []
+    if job["curve"]:
+        out["final_loss"] = job["curve"][-1][1]
+    elif losses:
+        out["final_loss"] = losses[-1]
+    if job["curve"]:
+        out["steps"] = job["curve"][-1][0]
+    for k, v in sorted((res.get("eval_end") or {}).items()):
+        if isinstance(v, float) and k != "eval_seconds":  # accuracies etc.; counts are ints
+            out[k] = float(v)
+    return out
+
+
+def pick_metric(jobs: list[dict], metric: str, mode: str) -> tuple[str | None, str]:
+    """`auto`: the first eval accuracy any job reports (higher is better), else final loss (lower)."""
+    if metric != "auto":
+        return metric, mode if mode != "auto" else ("min" if "loss" in metric else "max")
+    keys = sorted({k for j in jobs for k in metrics_of(j) if k.endswith("accuracy")})
+    if keys:
+        return keys[0], "max"
+    if any("final_loss" in metrics_of(j) for j in jobs):
+        return "final_loss", "min"
+    return None, "min"
+
+
+def _swept(jobs: list[dict]) -> list[str]:
+    """Override keys whose values differ between jobs, in first-seen order."""
+    seen: dict[str, set] = {}
+    for j in jobs:
+        for o in j["overrides"]:
+            k, _, v = o.partition("=")
+            seen.setdefault(k, set()).add(v)
+    return [k for k, vals in seen.items() if len(vals) > 1 or len(jobs) == 1]
+
+
+def _value(job: dict, key: str) -> str:
+    for o in job["overrides"]:
+        k, _, v = o.partition("=")
+        if k == key:
+            return v
+    return ""
+
+
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+# -- writing the summary ------------------------------------------------------------------------
+def summarize(sweep_dir: Path, metric: str = "auto", mode: str = "auto", plot: bool = True) -> dict:
+    """Write sweep_summary.{md,csv} and loss_curves.png into `sweep_dir`; return what was written."""
+    sweep_dir = Path(sweep_dir)
+    jobs = collect(sweep_dir)
+    if not jobs:
+        return {}
+    metric, mode = pick_metric(jobs, metric, mode)
+    swept = _swept(jobs)
+    mkeys = ["final_loss"] + sorted({k for j in jobs for k in metrics_of(j)} - {"final_loss", "steps"})
+    scored = [(metrics_of(j).get(metric), j["num"]) for j in jobs] if metric else []
+    scored = [(v, n) for v, n in scored if v is not None]
+    best = None
+    if scored:
+        best = (max if mode == "max" else min)(scored, key=lambda t: t[0])[1]
+
+    header = ["job", *swept, "steps", *mkeys, "status", "best"]
+    rows: list[list] = []
+    for j in jobs:
+        m = metrics_of(j)
+        rows.append([j["num"], *(_value(j, k) for k in swept), m.get("steps"), *(m.get(k) for k in mkeys),
+                     j["status"], "*" if j["num"] == best else ""])
+
+    with (sweep_dir / "sweep_summary.csv").open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(header)
+        w.writerows(rows)
+    title = f"best by {metric} ({'higher' if mode == 'max' else 'lower'} is better): job {best}" if best is not None \
+        else "no job reported a metric to rank by"
+    md = [f"# Sweep summary: {sweep_dir}", "", f"{len(jobs)} jobs; {title}.", "",
+          "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    md += ["| " + " | ".join(_fmt(c) for c in r[:-1]) + (" | **best** |" if r[-1] else " |  |") for r in rows]
+    md += ["", "Run dirs:", ""] + [f"- job {j['num']}: `{j['dir']}`" for j in jobs]
+    (sweep_dir / "sweep_summary.md").write_text("\n".join(md) + "\n")
+
+    written = {"markdown": str(sweep_dir / "sweep_summary.md"), "csv": str(sweep_dir / "sweep_summary.csv"),
+               "best_job": best, "metric": metric, "mode": mode}
+    if plot and any(j["curve"] for j in jobs):
+        written["plot"] = str(plot_curves(jobs, swept, best, sweep_dir / "loss_curves.png"))
+    return written
+
+
+def plot_curves(jobs: list[dict], swept: list[str], best, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on clusters and CI
+    import matplotlib.pyplot as plt
+
+    n = len(jobs)
+    cols = min(n, 4)
+    nrows = math.ceil(n / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 2.8 * nrows), sharey=True, squeeze=False)
+    for ax, j in zip(axes.flat, jobs):
+        if j["curve"]:
+            steps, losses = zip(*j["curve"])
+            ax.plot(steps, losses, color="tab:red" if j["num"] == best else "tab:blue", linewidth=1.5)
+        label = ", ".join(f"{k}={_value(j, k)}" for k in swept) or "(no overrides)"
+        ax.set_title(f"#{j['num']}{' (best)' if j['num'] == best else ''}\n{label}", fontsize=8)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    for row in axes:
+        row[0].set_ylabel("train loss", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+class SweepSummary(Callback):
+    """Hydra callback: records each job, and summarizes the sweep when it ends."""
+
+    def __init__(self, metric: str = "auto", mode: str = "auto", plot: bool = True):
+        self.metric, self.mode, self.plot = metric, mode, plot
+
+    def on_job_end(self, config: DictConfig, job_return, **kwargs: Any) -> None:
+        from hydra.types import RunMode
+
+        hc = config.hydra
+        if hc.mode != RunMode.MULTIRUN:
+            return
+        jdir = Path(hc.runtime.output_dir)
+        try:
+            out = str(config.output_dir)
+        except Exception:  # an unresolvable output_dir: the job failed before using it
+            out = str(jdir)
+        status = getattr(job_return.status, "name", str(job_return.status))
+        error = None
+        if status != "COMPLETED":
+            error = repr(getattr(job_return, "_return_value", None))
+        info = {"output_dir": out, "overrides": list(hc.overrides.task), "status": status, "error": error}
+        try:
+            info["return_value"] = job_return.return_value if status == "COMPLETED" else None
+        except Exception:
+            info["return_value"] = None
+        jdir.mkdir(parents=True, exist_ok=True)
+        (jdir / JOB_FILE).write_text(json.dumps(info, indent=1, default=str))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if not sweep_dir.exists():
+            return
+        written = summarize(sweep_dir, self.metric, self.mode, self.plot)
+        if written:
+            log.info(f"sweep summary: {written['markdown']} (best job: {written['best_job']} by {written['metric']})")
+            print(f"sweep summary: {written['markdown']}", flush=True)

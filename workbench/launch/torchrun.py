@@ -1,0 +1,113 @@
+"""Start the same run under torchrun's elastic agent when more than one process is asked for.
+
+    python -m workbench backend=fsdp2 hardware.procs=2                       # one node, 2 processes
+    python -m workbench hardware.procs=8 hardware.max_restarts=3             # restart on failure
+    python -m workbench hardware.nodes=2 hardware.procs=8 hardware.rdzv_endpoint=head:29400   # on each node
+
+`dispatch()` calls `launch(cfg)` only when this process is not already a torchrun/accelerate
+worker, so a user's own `torchrun -m workbench ...` is never launched twice. The workers run
+`python -m workbench` with this command line's Hydra overrides and `output_dir` pinned, so all
+ranks, all restarts and all nodes write to one run directory. An elastic restart re-runs every
+worker; with `train.resume=auto` they continue from the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+from workbench.errors import UserError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_devices(cfg) -> None:
+    """procs per node cannot exceed the GPUs of this machine."""
+    hw = cfg.hardware
+    if hw.device != "cuda":
+        return
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if hw.procs > n:
+        raise UserError(f"hardware.procs={hw.procs} but this machine has {n} GPU(s); "
+                        f"use hardware.procs={max(n, 1)} (one process per GPU)")
+
+
+def worker_args(cfg) -> list[str]:
+    """`-m workbench` plus this job's overrides, with output_dir pinned to the resolved path."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:  # not under @hydra.main (e.g. called from Python): nothing to forward
+        overrides = []
+    keep = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "output_dir"]
+    return ["-m", "workbench", *keep, f"output_dir={Path(cfg.output_dir).resolve()}"]
+
+
+def launch_config(cfg):
+    from torch.distributed.launcher.api import LaunchConfig
+
+    hw = cfg.hardware
+    if hw.nodes > 1 and not hw.rdzv_endpoint:
+        raise UserError(f"hardware.nodes={hw.nodes} needs hardware.rdzv_endpoint=host:port (reachable from "
+                        "every node; start the same command on each node)")
+    rdzv_configs: dict = {"join_timeout": 60 * hw.timeout_minutes}
+    if hw.node_rank >= 0:
+        rdzv_configs["is_host"] = hw.node_rank == 0
+    return LaunchConfig(
+        min_nodes=hw.nodes, max_nodes=hw.nodes, nproc_per_node=hw.procs, run_id=hw.rdzv_id,
+        rdzv_backend="c10d", rdzv_endpoint=hw.rdzv_endpoint or f"127.0.0.1:{_free_port()}",
+        rdzv_configs=rdzv_configs, max_restarts=hw.max_restarts, monitor_interval=1.0,
+        start_method="spawn",
+    )
+
+
+def launch(cfg) -> dict | None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from workbench.config import plugin_module
+
+    check_devices(cfg)
+    backend = plugin_module("backend", cfg.backend.name)
+    if hasattr(backend, "preflight"):  # e.g. deepspeed missing: say so before starting workers
+        backend.preflight(cfg)
+    # Presets of the hardware profile (NCCL transport settings and the like) reach every worker;
+    # values the user exported already win.
+    for key, value in (cfg.hardware.env or {}).items():
+        os.environ.setdefault(str(key), str(value))
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.hardware.threads or 1))
+    config = launch_config(cfg)
+    args = worker_args(cfg)
+    print(f"launching {cfg.hardware.nodes} x {cfg.hardware.procs} workers (torchrun, rendezvous "
+          f"{config.rdzv_endpoint}, max_restarts={config.max_restarts})", file=sys.stderr)
+    try:
+        elastic_launch(config, entrypoint=sys.executable)(*args)
+    except ChildFailedError as exc:
+        raise RuntimeError(f"distributed run failed: {exc.format_msg()}") from None
+    return _results(cfg)
+
+
+def _results(cfg) -> dict:
+    """What the workers left in the run directory (rank 0 writes the report)."""
+    run_dir = Path(cfg.output_dir)
+    out: dict = {"launched": "torchrun", "output_dir": str(run_dir.resolve()),
+                 "world_size": cfg.hardware.procs * cfg.hardware.nodes}
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        by_step: dict = {}  # after an elastic restart the resumed steps are logged again: last wins
+        for line in metrics.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if "loss" in row and "step" in row:
+                by_step[row["step"]] = row["loss"]
+        out["losses"] = [by_step[k] for k in sorted(by_step)]
+    return out

@@ -1,0 +1,273 @@
+"""method=dpo: direct preference optimisation on (prompt, chosen, rejected) pairs.
+
+    python -m workbench method=dpo                                   # LoRA DPO of SmolLM2-135M, arith pairs
+    python -m workbench method=dpo method.loss_type=ipo method.beta=0.5
+    python -m workbench method=dpo peft=none                         # full fine-tuning, frozen copy as reference
+    python -m workbench method=dpo method.reference=precomputed      # reference log-probs computed once, cached
+
+Losses on the reference-relative log-ratio difference d = (pi_c - ref_c) - (pi_r - ref_r):
+`sigmoid` -(1-e) log s(b d) - e log s(-b d) (e = label_smoothing, conservative DPO), `ipo`
+(d per completion token - 1/(2b))^2 as in TRL, `hinge` relu(1 - b d). Log-probs are summed over
+completion tokens only (SelectiveLM's `select`). The step's loss is the sum over pairs divided
+by the global number of pairs (StepBatch.denom).
+
+Reference: `adapter` (the PEFT model with adapters disabled; no second copy; the default with
+peft), `copy` (a frozen copy of the initial model; the default without peft), `precomputed`
+(reference log-probs of every pair computed once before training and cached in
+$WORKBENCH_CACHE/ref_logps/<fingerprint>.safetensors, keyed by model and data).
+
+Logged metrics (means over this rank's batch): rewards/chosen, rewards/rejected (b times the
+log-ratios), rewards/margins, rewards/accuracies, logps/chosen, logps/rejected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from workbench.data.collate import pad_batch
+from workbench.data.mixing import Mixture
+from workbench.data.preference import tokenise_preferences
+from workbench.data.recipes import load_recipe
+from workbench.errors import UserError
+from workbench.methods.base import StepBatch
+
+LOSSES = ("sigmoid", "ipo", "hinge")
+REFERENCES = ("auto", "adapter", "copy", "precomputed")
+
+
+@dataclass
+class Config:
+    name: str = "dpo"
+    recipe: str = "arith_dpo"  # data_recipes/<recipe>.yaml; a data.recipe other than arith_sft wins
+    loss_type: str = "sigmoid"  # sigmoid | ipo | hinge
+    beta: float = 0.1
+    label_smoothing: float = 0.0  # sigmoid only: probability that a pair's label is flipped
+    reference: str = "auto"  # auto (adapter with peft, copy without) | adapter | copy | precomputed
+    precompute_batch_size: int = 16
+
+
+def check(cfg, peft_kind: str) -> str:
+    """Validate the options; return the reference strategy in force."""
+    if cfg.loss_type not in LOSSES:
+        raise UserError(f"method.loss_type={cfg.loss_type!r} is not one of {list(LOSSES)}")
+    if cfg.reference not in REFERENCES:
+        raise UserError(f"method.reference={cfg.reference!r} is not one of {list(REFERENCES)}")
+    if cfg.beta <= 0:
+        raise UserError(f"method.beta must be > 0 (got {cfg.beta})")
+    if not 0.0 <= cfg.label_smoothing < 0.5:
+        raise UserError(f"method.label_smoothing must be in [0, 0.5) (got {cfg.label_smoothing})")
+    if cfg.label_smoothing and cfg.loss_type != "sigmoid":
+        raise UserError("method.label_smoothing applies to loss_type=sigmoid only")
+    ref = cfg.reference
+    if ref == "auto":
+        ref = "copy" if peft_kind == "none" else "adapter"
+    if ref == "adapter" and peft_kind == "none":
+        raise UserError("method.reference=adapter needs adapters (peft=lora|qlora|dora); with peft=none use "
+                        "method.reference=copy or precomputed")
+    return ref
+
+
+def sequence_logps(model, micro: dict) -> torch.Tensor:
+    """Summed log-prob of each row's selected target tokens, shape (rows,)."""
+    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], select=micro["select"])
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
+    rows = micro["select"].nonzero()[:, 0]
+    return torch.zeros(micro["input_ids"].shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
+
+
+def dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg, n_c=None, n_r=None) -> torch.Tensor:
+    """Per-pair loss. n_c / n_r: completion token counts (ipo normalises by them)."""
+    lr_c, lr_r = pi_c - ref_c, pi_r - ref_r
+    if cfg.loss_type == "ipo":
+        d = lr_c / n_c.clamp(min=1) - lr_r / n_r.clamp(min=1)
+        return (d - 1 / (2 * cfg.beta)) ** 2
+    d = lr_c - lr_r
+    if cfg.loss_type == "hinge":
+        return torch.relu(1 - cfg.beta * d)
+    e = cfg.label_smoothing
+    return -(1 - e) * F.logsigmoid(cfg.beta * d) - e * F.logsigmoid(-cfg.beta * d)
+
+
+def collate(pairs: list, pad_id: int) -> dict:
+    """One micro-batch: rows [chosen_0..chosen_n-1, rejected_0..rejected_n-1]."""
+    micro = pad_batch([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id)
+    micro["n_tokens"] = micro["select"].sum(dim=1)
+    return micro
+
+
+class DPO:
+    name = "dpo"
+
+    def __init__(self, cfg, ctx):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.reference = check(cfg, ctx.cfg.peft.kind)
+        self.ref_model = None
+        self.peft_model = None
+        self.ref_logps: list[torch.Tensor] | None = None  # per source: (rows, 2) chosen, rejected
+        self._pairs_in_step = 1.0
+
+    # -- data ----------------------------------------------------------------------------
+    def prepare(self, ctx) -> None:
+        data = ctx.cfg.data
+        name = data.recipe if data.recipe != "arith_sft" else self.cfg.recipe
+        recipe = load_recipe(name)
+        self.sources = [tokenise_preferences(s, ctx.tokenizer, ctx.contract, data) for s in recipe.sources]
+        self.mixture = Mixture([len(s.pairs) for s in self.sources], [s.source.weight for s in self.sources],
+                               seed=data.shuffle_seed)
+
+    def data_report(self) -> dict:
+        return {s.source.name: {"pairs": len(s.pairs), "skipped": s.skipped, "truncated": s.truncated,
+                                "fingerprint": s.fingerprint} for s in self.sources}
+
+    # -- reference -----------------------------------------------------------------------
+    def attach(self, backend) -> None:
+        """Set up the reference once the backend holds the model (before any step)."""
+        module = backend.unwrapped()
+        if self.reference == "adapter":
+            self.peft_model = module.inner
+            if not hasattr(self.peft_model, "disable_adapter"):
+                raise UserError("method.reference=adapter: the model has no PEFT adapters to disable")
+        elif self.reference == "copy":
+            self.ref_model = copy.deepcopy(module).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        else:
+            self.ref_logps = self._precompute(module)
+
+    def _fingerprint(self) -> str:
+        c = self.ctx.cfg
+        key = {"model": [c.model.name, c.model.hub_id, c.model.path, c.model.init_seed],
+               "quantised": c.peft.kind == "qlora", "precision": c.precision.name,
+               "data": [s.fingerprint for s in self.sources], "sizes": [len(s.pairs) for s in self.sources]}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+    @torch.no_grad()
+    def _precompute(self, module) -> list[torch.Tensor]:
+        from safetensors.torch import load_file, save_file
+
+        from workbench import precision
+        from workbench.models.load import cache_root
+
+        path = Path(cache_root()) / "ref_logps" / f"{self._fingerprint()}.safetensors"
+        if path.exists():
+            cached = load_file(str(path))
+            return [cached[f"source{i}"] for i in range(len(self.sources))]
+        was = module.training
+        module.eval()
+        out, bs = [], self.cfg.precompute_batch_size
+        pad = self.ctx.tokenizer.pad_token_id
+        device = self.ctx.device
+        with precision.autocast(self.ctx.policy, device):
+            for src in self.sources:
+                vals = []
+                for i in range(0, len(src.pairs), bs):
+                    chunk = src.pairs[i:i + bs]
+                    micro = {k: v.to(device) for k, v in collate(chunk, pad).items()}
+                    lp = sequence_logps(module, micro).float().cpu()
+                    vals.append(torch.stack(lp.chunk(2), dim=1))
+                out.append(torch.cat(vals))
+        module.train(was)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file({f"source{i}": t.contiguous() for i, t in enumerate(out)}, str(tmp))
+        tmp.rename(path)
+        return out
+
+    # -- batches -------------------------------------------------------------------------
+    def _draw(self, n: int) -> list[tuple[int, int]]:
+        return [self.mixture.next() for _ in range(n)]
+
+    def next_batch(self, state, backend) -> StepBatch:
+        t = self.ctx.cfg.train
+        world, rank = self.ctx.world_size, self.ctx.rank
+        per_rank = t.micro_batch_size * t.grad_accum
+        if self.ctx.cfg.debug.overfit_batches:
+            if not hasattr(self, "_overfit"):
+                self._overfit = [self._draw(per_rank * world) for _ in range(self.ctx.cfg.debug.overfit_batches)]
+            drawn = self._overfit[state.step % len(self._overfit)]
+        else:
+            drawn = self._draw(per_rank * world)  # every rank draws the global batch, keeps its slice
+        mine = drawn[rank * per_rank:(rank + 1) * per_rank]
+        pad = self.ctx.tokenizer.pad_token_id
+        micro = []
+        for i in range(0, per_rank, t.micro_batch_size):
+            idx = mine[i:i + t.micro_batch_size]
+            m = collate([self.sources[s].pairs[r] for s, r in idx], pad)
+            if self.ref_logps is not None:
+                ref = torch.stack([self.ref_logps[s][r] for s, r in idx])
+                m["ref_chosen"], m["ref_rejected"] = ref[:, 0], ref[:, 1]
+            micro.append({k: v.to(self.ctx.device) for k, v in m.items()})
+        self._pairs_in_step = float(len(mine))
+        tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))
+        return StepBatch(micro=micro, denom=float(len(mine)), tokens=tokens)
+
+    def _reference(self, model, micro) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ref_logps is not None:
+            return micro["ref_chosen"], micro["ref_rejected"]
+        with torch.no_grad():
+            if self.ref_model is not None:
+                lp = sequence_logps(self.ref_model, micro)
+            else:
+                with self.peft_model.disable_adapter():
+                    lp = sequence_logps(model, micro)
+        return lp.chunk(2)
+
+    def loss(self, model, micro: dict):
+        ref_c, ref_r = self._reference(model, micro)
+        pi_c, pi_r = sequence_logps(model, micro).chunk(2)
+        n_c, n_r = micro["n_tokens"].chunk(2)
+        per_pair = dpo_loss(pi_c, pi_r, ref_c.float(), ref_r.float(), self.cfg, n_c, n_r)
+        with torch.no_grad():
+            rc, rr = self.cfg.beta * (pi_c - ref_c), self.cfg.beta * (pi_r - ref_r)
+            k = self._pairs_in_step
+            metrics = {"rewards/chosen": float(rc.sum()) / k, "rewards/rejected": float(rr.sum()) / k,
+                       "rewards/margins": float((rc - rr).sum()) / k,
+                       "rewards/accuracies": float((rc > rr).float().sum()) / k,
+                       "logps/chosen": float(pi_c.sum()) / k, "logps/rejected": float(pi_r.sum()) / k}
+        return per_pair.sum(), metrics
+
+    def state_dict(self) -> dict:
+        return {"mixture": self.mixture.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mixture.load_state_dict(state["mixture"])
+
+
+@torch.no_grad()
+def preference_accuracy(model, tokenizer, contract, rows: list[dict], batch_size: int = 16, autocast=None) -> float:
+    """Share of held-out pairs where the model's log-prob of `chosen` beats `rejected` (model: HF/PEFT)."""
+    from workbench.data.preference import Pair, _completion, preference_row
+    from workbench.data.formats import prompt_ids
+    from workbench.models.head import SelectiveLM
+
+    pairs = []
+    for i, row in enumerate(rows):
+        p, c, r = preference_row(row, f"row {i}")
+        ids = prompt_ids(tokenizer, p)
+        pairs.append(Pair(_completion(tokenizer, contract, p, c, ids), _completion(tokenizer, contract, p, r, ids),
+                          len(ids)))
+    lm = SelectiveLM(model)
+    was = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    wins = 0
+    for i in range(0, len(pairs), batch_size):
+        micro = {k: v.to(device) for k, v in collate(pairs[i:i + batch_size], tokenizer.pad_token_id).items()}
+        with (autocast or contextlib.nullcontext()):
+            c, r = sequence_logps(lm, micro).chunk(2)
+        wins += int((c > r).sum())
+    model.train(was)
+    return wins / max(1, len(pairs))
+
+
+def build(cfg, ctx) -> DPO:
+    return DPO(cfg, ctx)

@@ -1,0 +1,276 @@
+"""method=grpo: group relative policy optimisation with verifiable rewards.
+
+    python -m workbench method=grpo                                  # LoRA GRPO of SmolLM2-135M, reward=arith_exact
+    python -m workbench method=grpo reward=arith_format method.num_generations=8
+    python -m workbench method=grpo method.loss_type=dr_grpo method.scale_rewards=none   # Dr. GRPO
+    python -m workbench method=grpo method.beta=0.04                 # KL to the reference (k3 estimator)
+
+Every `num_iterations` steps, `next_batch` samples `num_generations` completions per prompt with
+the backend's current weights (HF `generate` with the KV cache, or vLLM with
+`method.engine=vllm`), scores them with the reward functions (workbench/rollout/rewards.py,
+weighted sum), and turns rewards into group-normalised advantages. The loss is the clipped
+ratio objective min(r A, clip(r, 1-eps_low, 1+eps_high) A) per completion token, r = pi/pi_old,
+plus beta * KL(pi || ref) per token (k3 estimator, times the ratio unless
+kl_importance_correction=false), normalised as `loss_type` says:
+grpo (mean over each completion's tokens, then over completions), dapo (over all completion
+tokens of the step), dr_grpo (over completions x max_new_tokens). Log-probs use logits divided
+by the sampling temperature.
+
+The global batch is train.micro_batch_size x grad_accum x ranks completions, i.e. that divided
+by num_generations prompts; each rank generates and scores its own whole groups. Logged: reward
+mean/std per function, completion lengths, clip fractions, KL; a few sample completions of each
+generation go to <run_dir>/samples/grpo.jsonl.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+
+import torch
+
+from workbench.data.collate import pad_batch
+from workbench.data.formats import IGNORE, prompt_ids
+from workbench.data.mixing import Mixture
+from workbench.data.preference import read_prompts
+from workbench.data.recipes import load_recipe
+from workbench.errors import UserError, missing_package
+from workbench.methods.base import StepBatch
+from workbench.rollout import advantages, rewards
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+
+
+@dataclass
+class Config:
+    name: str = "grpo"
+    recipe: str = "arith_grpo"  # data_recipes/<recipe>.yaml (prompt rows); a data.recipe other than arith_sft wins
+    num_generations: int = 4  # completions per prompt (a group); >= 2
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    loss_type: str = "dapo"  # grpo | dapo | dr_grpo
+    scale_rewards: str = "group"  # group | batch | none (Dr. GRPO)
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: same as epsilon (DAPO suggests 0.28)
+    beta: float = 0.0  # KL coefficient; > 0 needs a reference (adapter disabled, or a frozen copy)
+    # weight the per-token KL by pi/pi_old: the samples come from pi_old (TRL's default too)
+    kl_importance_correction: bool = True
+    num_iterations: int = 1  # optimisation steps per generation batch
+    engine: str = "hf"  # hf | vllm
+    log_completions: int = 3
+
+
+def check(cfg, root) -> list:
+    """Validate options and rewards (before any weights load); return the reward functions."""
+    if cfg.num_generations < 2:
+        raise UserError(f"method.num_generations must be >= 2 (got {cfg.num_generations}): group-relative "
+                        "advantages compare completions of the same prompt")
+    if cfg.loss_type not in LOSS_TYPES:
+        raise UserError(f"method.loss_type={cfg.loss_type!r} is not one of {list(LOSS_TYPES)}")
+    if cfg.scale_rewards not in advantages.SCALES:
+        raise UserError(f"method.scale_rewards={cfg.scale_rewards!r} is not one of {list(advantages.SCALES)}")
+    if cfg.engine not in ("hf", "vllm"):
+        raise UserError(f"method.engine={cfg.engine!r} is not one of ['hf', 'vllm']")
+    if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise missing_package("vllm", "vllm")
+    if cfg.num_iterations < 1 or cfg.max_new_tokens < 1 or cfg.temperature <= 0:
+        raise UserError("method.num_iterations and method.max_new_tokens must be >= 1, method.temperature > 0")
+    if cfg.beta < 0:
+        raise UserError(f"method.beta must be >= 0 (got {cfg.beta})")
+    per_rank = root.train.micro_batch_size * root.train.grad_accum
+    if per_rank % cfg.num_generations:
+        raise UserError(f"train.micro_batch_size x train.grad_accum = {per_rank} completions per rank must be a "
+                        f"multiple of method.num_generations={cfg.num_generations} (whole groups per rank)")
+    return rewards.resolve(root.reward)
+
+
+def token_logps(model, micro: dict, temperature: float) -> torch.Tensor:
+    """Log-probs of the selected target tokens (flat, row-major), logits / temperature."""
+    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], select=micro["select"])
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return logp.gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
+
+
+def policy_loss(logp, old_logp, adv_tok, cfg, ref_logp=None):
+    """Per-token loss and (low, high) clip indicators. All inputs flat over completion tokens."""
+    ratio = torch.exp(logp - old_logp)
+    eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
+    clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + eps_hi)
+    loss = -torch.min(ratio * adv_tok, clipped * adv_tok)
+    kl = None
+    if cfg.beta:
+        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
+        if cfg.kl_importance_correction:
+            kl = kl * ratio
+        loss = loss + cfg.beta * kl
+    low = (ratio < 1 - cfg.epsilon) & (adv_tok < 0)
+    high = (ratio > 1 + eps_hi) & (adv_tok > 0)
+    return loss, low, high, kl
+
+
+class GRPO:
+    name = "grpo"
+
+    def __init__(self, cfg, ctx):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.reward_fns = check(cfg, ctx.cfg)
+        self.engine = None
+        self.ref_model = None
+        self.peft_model = None
+        self._cached: StepBatch | None = None
+        self._uses = 0
+        self._step_tokens = 1.0
+
+    # -- data ----------------------------------------------------------------------------
+    def prepare(self, ctx) -> None:
+        data = ctx.cfg.data
+        recipe = load_recipe(data.recipe if data.recipe != "arith_sft" else self.cfg.recipe)
+        self.sources = [read_prompts(s, ctx.tokenizer, ctx.contract, data) for s in recipe.sources]
+        self.mixture = Mixture([len(s.rows) for s in self.sources], [s.source.weight for s in self.sources],
+                               seed=data.shuffle_seed)
+
+    def data_report(self) -> dict:
+        return {s.source.name: {"prompts": len(s.rows), "fingerprint": s.fingerprint} for s in self.sources}
+
+    def attach(self, backend) -> None:
+        module = backend.unwrapped()
+        if self.cfg.beta:
+            if hasattr(module.inner, "disable_adapter"):
+                self.peft_model = module.inner
+            else:
+                import copy
+
+                self.ref_model = copy.deepcopy(module).eval()
+                for p in self.ref_model.parameters():
+                    p.requires_grad_(False)
+        if self.cfg.engine == "vllm":
+            from workbench.rollout.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(self.ctx.cfg, self.ctx.tokenizer, self.ctx.contract)
+
+    # -- rollouts ------------------------------------------------------------------------
+    def _generate(self, backend, convs: list) -> list[list[int]]:
+        c = self.cfg
+        model = backend.unwrapped().inner
+        if self.engine is not None:
+            self.engine.sync_weights(model)
+            out = self.engine.generate(convs, c.num_generations, c.max_new_tokens, c.temperature, c.top_p)
+            if out and out[0] and isinstance(out[0][0], list):  # grouped per prompt -> flat
+                out = [ids for group in out for ids in group]
+            eot, pad = self.ctx.contract.end_of_turn_id, self.ctx.tokenizer.pad_token_id
+            return [[t for t in (ids[: ids.index(eot)] if eot in ids else ids) if t != pad] for ids in out]
+        from workbench import precision
+        from workbench.rollout.generate import generate
+
+        return generate(model, self.ctx.tokenizer, convs, c.max_new_tokens, self.ctx.contract.end_of_turn_id,
+                        do_sample=True, temperature=c.temperature, top_p=c.top_p,
+                        num_return_sequences=c.num_generations,
+                        autocast=precision.autocast(self.ctx.policy, self.ctx.device))
+
+    def _rollout(self, backend) -> StepBatch:
+        c, t = self.cfg, self.ctx.cfg.train
+        world, rank, G = self.ctx.world_size, self.ctx.rank, c.num_generations
+        per_rank = t.micro_batch_size * t.grad_accum  # completions
+        drawn = [self.mixture.next() for _ in range(per_rank * world // G)]  # the global prompts ...
+        rows = [self.sources[s].rows[r] for s, r in drawn[rank * per_rank // G:(rank + 1) * per_rank // G]]
+        convs = [r["prompt"] for r in rows]
+        comp = self._generate(backend, convs)
+        if len(comp) != len(rows) * G:
+            raise RuntimeError(f"rollout engine returned {len(comp)} completions for {len(rows)} x {G}")
+        tok = self.ctx.tokenizer
+        texts = [tok.decode(ids, skip_special_tokens=True) for ids in comp]
+        prompts = [r["prompt"] for r in rows for _ in range(G)]
+        extra_cols = sorted({k for r in rows for k in r if k not in ("prompt", "_where")})
+        columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in extra_cols}
+        per_fn = rewards.score(self.reward_fns, prompts, texts, comp, columns, max_new_tokens=c.max_new_tokens)
+        weights = torch.tensor([f.weight for f in self.reward_fns])
+        total = (per_fn * weights).sum(dim=1)
+        adv = advantages.group_advantages(total, G, c.scale_rewards)
+
+        # sequences: prompt + completion (+ end-of-turn when the completion stopped by itself)
+        eot = self.ctx.contract.end_of_turn_id
+        seqs = []
+        for i, ids in enumerate(comp):
+            p = prompt_ids(tok, convs[i // G])
+            target = ids + ([eot] if len(ids) < c.max_new_tokens else [])
+            seqs.append((p + target, [IGNORE] * len(p) + target))
+        micro = []
+        for i in range(0, per_rank, t.micro_batch_size):
+            m = pad_batch(seqs[i:i + t.micro_batch_size], tok.pad_token_id)
+            m["advantages"] = adv[i:i + t.micro_batch_size]
+            m["n_tokens"] = m["select"].sum(dim=1)
+            micro.append({k: v.to(self.ctx.device) for k, v in m.items()})
+        if c.num_iterations > 1:  # ratios are taken against the policy that generated the batch
+            module = backend.unwrapped()
+            with torch.no_grad():
+                for m in micro:
+                    m["old_logps"] = token_logps(module, m, c.temperature).detach()
+        lengths = torch.tensor([float(len(ids)) for ids in comp])
+        info = {"reward": float(total.mean()), "reward_std": float(total.std()),
+                "completion_length": float(lengths.mean()),
+                "completion_length_max": float(lengths.max()),
+                "stopped_fraction": float((lengths < c.max_new_tokens).float().mean()),
+                "zero_std_groups": advantages.zero_std_fraction(total, G)}
+        for j, f in enumerate(self.reward_fns):
+            info[f"rewards/{f.name}/mean"] = float(per_fn[:, j].mean())
+            info[f"rewards/{f.name}/std"] = float(per_fn[:, j].std())
+        self._write_samples(texts, prompts, total)
+        n_tok = float(sum(int(m["n_tokens"].sum()) for m in micro))
+        denom = {"grpo": float(per_rank), "dapo": n_tok, "dr_grpo": float(per_rank * c.max_new_tokens)}[c.loss_type]
+        tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))
+        self._step_tokens = n_tok
+        return StepBatch(micro=micro, denom=denom, tokens=tokens, info=info)
+
+    def _write_samples(self, texts, prompts, total) -> None:
+        if self.ctx.rank or not self.cfg.log_completions:
+            return
+        path = self.ctx.run_dir / "samples" / "grpo.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as fh:
+            for i in range(min(self.cfg.log_completions, len(texts))):
+                fh.write(json.dumps({"prompt": prompts[i][-1]["content"], "completion": texts[i],
+                                     "reward": float(total[i])}) + "\n")
+
+    def next_batch(self, state, backend) -> StepBatch:
+        if self._cached is None or self._uses >= self.cfg.num_iterations:
+            self._cached, self._uses = self._rollout(backend), 0
+        self._uses += 1
+        return self._cached
+
+    # -- loss ----------------------------------------------------------------------------
+    def _ref_logps(self, model, micro):
+        with torch.no_grad():
+            if self.ref_model is not None:
+                return token_logps(self.ref_model, micro, self.cfg.temperature)
+            with self.peft_model.disable_adapter():
+                return token_logps(model, micro, self.cfg.temperature)
+
+    def loss(self, model, micro: dict):
+        c = self.cfg
+        ref = self._ref_logps(model, micro) if c.beta else None
+        logp = token_logps(model, micro, c.temperature)
+        old = micro["old_logps"] if "old_logps" in micro else logp.detach()
+        rows = micro["select"].nonzero()[:, 0]
+        adv_tok = micro["advantages"][rows]
+        per_tok, low, high, kl = policy_loss(logp, old, adv_tok, c, ref)
+        if c.loss_type == "grpo":  # each completion's token mean
+            per_tok = per_tok / micro["n_tokens"][rows].clamp(min=1)
+        k = self._step_tokens
+        metrics = {"clip/low": float(low.float().sum()) / k, "clip/high": float(high.float().sum()) / k,
+                   "clip/region": float((low | high).float().sum()) / k}
+        if kl is not None:
+            metrics["kl"] = float(kl.detach().sum()) / k
+        return per_tok.sum(), metrics
+
+    def state_dict(self) -> dict:
+        return {"mixture": self.mixture.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mixture.load_state_dict(state["mixture"])
+
+
+def build(cfg, ctx) -> GRPO:
+    return GRPO(cfg, ctx)

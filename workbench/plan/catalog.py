@@ -1,0 +1,51 @@
+"""The hardware catalog: every profile in conf/hardware/*.yaml merged onto HardwareConfig.
+
+Profiles may extend another (`defaults: [h100-80gb]`), as Hydra would compose them. The CPU
+profile's memory is this machine's available memory, read at plan time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from workbench.config import HardwareConfig
+
+HW_DIR = Path(__file__).resolve().parents[2] / "conf" / "hardware"
+
+
+def _load(name: str):
+    node = OmegaConf.load(HW_DIR / f"{name}.yaml")
+    base = OmegaConf.structured(HardwareConfig)
+    if "defaults" in node:
+        for parent in node.pop("defaults"):
+            base = OmegaConf.merge(base, _load(parent))
+    return OmegaConf.merge(base, node)
+
+
+def host_memory_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def memory_gb(hw) -> float:
+    return float(hw.memory_gb) if hw.memory_gb else (host_memory_gb() if hw.device == "cpu" else 0.0)
+
+
+def profiles() -> dict:
+    """name -> HardwareConfig node, for every profile in the catalog."""
+    return {p.stem: _load(p.stem) for p in sorted(HW_DIR.glob("*.yaml"))}
+
+
+def peak_tflops(hw, precision: str) -> float:
+    if precision == "fp8" and hw.fp8_tflops:
+        return float(hw.fp8_tflops)
+    if precision == "fp32":
+        return float(hw.bf16_tflops) / 2 if hw.device != "cpu" else 0.0  # TF32 tensor cores
+    return float(hw.bf16_tflops)

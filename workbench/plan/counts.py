@@ -1,0 +1,82 @@
+"""Exact parameter counts from a one-block model on the meta device.
+
+A decoder-only model is embeddings + L identical blocks + final norm + head, so building one
+block on the meta device (no memory, no weights) and multiplying gives the exact count for any
+depth in well under a second, even for 70B or Mixtral 8x22B. `tests/unit/test_plan.py`
+checks the extrapolation against a full meta build.
+
+    from workbench.plan.counts import probe, count
+    c = count(probe(cfg.model), cfg.model.arch, cfg.peft)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workbench.models.load import hf_config
+
+
+@dataclass(frozen=True)
+class Counts:
+    total: int  # every parameter (tied embeddings once)
+    active: int  # parameters one token passes through (MoE: k of E experts)
+    per_block: int
+    block_linear: int  # Linear weights inside the blocks (what QLoRA stores as NF4), all blocks
+    embed: int  # input embeddings + untied head
+    lora: int  # adapter parameters for the peft config (0 for peft=none)
+    layers: int
+
+
+def probe(model_cfg) -> nn.Module:
+    """The model with one decoder block, built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(model_cfg.arch)
+    cfg.num_hidden_layers = 1
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+def build_full(model_cfg) -> nn.Module:
+    """The whole model on the meta device (slow for 70B; used to check `count`)."""
+    from workbench.models.load import build_meta
+
+    return build_meta(model_cfg)
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def lora_params(block: nn.Module, targets: list[str], r: int, dora: bool = False) -> int:
+    """Adapter parameters in one block: r*(in+out) per targeted Linear (+ out for DoRA's magnitude)."""
+    n = 0
+    for full, mod in block.named_modules():
+        if isinstance(mod, nn.Linear) and full.rsplit(".", 1)[-1] in targets:
+            n += r * (mod.in_features + mod.out_features) + (mod.out_features if dora else 0)
+    return n
+
+
+def count(model: nn.Module, arch, peft_cfg=None) -> Counts:
+    from workbench.peft.lora import target_names
+
+    block = model.model.layers[0]
+    per_block = _numel(block)
+    layers = int(arch.layers)
+    total = _numel(model) + (layers - 1) * per_block
+    linear = sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
+    experts = sum(p.numel() for n, p in block.named_parameters() if ".experts." in f".{n}")
+    active = total
+    if arch.experts and experts:
+        active = total - layers * experts * (1 - arch.experts_per_token / arch.experts)
+    embed = _numel(model) - per_block - sum(p.numel() for n, p in model.named_parameters()
+                                            if n.startswith("model.norm"))
+    n_lora = 0
+    if peft_cfg is not None and peft_cfg.kind != "none":
+        targets = target_names(model, peft_cfg.target_modules)  # UserError if a target is missing
+        n_lora = layers * lora_params(block, targets, peft_cfg.r, peft_cfg.kind == "dora")
+    return Counts(total=total, active=int(active), per_block=per_block, block_linear=layers * linear,
+                  embed=embed, lora=n_lora, layers=layers)

@@ -1,0 +1,196 @@
+"""Per-device memory of a training step, term by term.
+
+    weights      trainable and frozen parameters (NF4 blocks with their quantisation constants)
+    master       fp32 master weights where the backend keeps bf16 params (DeepSpeed, Megatron)
+    grads        gradients of trainable parameters
+    optimizer    AdamW moments (2 per trainable parameter)
+    activations  what autograd saves per token per block (counted from the HF Llama/Mixtral
+                 blocks under SDPA: both norms' inputs and outputs, q, k, v (grouped-query heads
+                 expanded), attention output and log-sum-exp, 3 MLP intermediates), x tokens
+    logits       log-softmax, its gradient and the logits' gradient at the selected positions
+    transient    the dense embedding gradient made in backward; the two temporaries of
+                 torch's AdamW step (all parameters with foreach on GPU, the largest tensor on CPU)
+    reference    DPO: a frozen reference copy (ref=copy); none for adapter-disabled or precomputed
+    generation   GRPO: KV cache and logits of the generation batch (HF generate)
+
+Peak = weights + master + optimizer + the larger of
+  backward:  max(activations + logits + head gradient, gradients + dense embedding gradient)
+  step:      gradients + optimizer temporaries
+plus reference + generation ("transient" reports what the peak holds beyond the listed terms).
+Sharding divides each term by the backend: ZeRO-1 optimizer (+master), ZeRO-2 also grads, ZeRO-3 / FSDP2 also weights; offload moves
+optimizer (and params) to host memory; tensor/pipeline/context/expert parallel sizes split
+blocks, sequence and experts. `tests/integration/test_plan_memory.py` holds the predicted
+peak against the torch allocator's measured peak on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workbench.plan.counts import Counts
+from workbench.plan.setup import Setup
+
+TRAINABLE = {"fp32": 4, "bf16": 2, "bf16-mixed": 4, "fp16": 4, "fp8": 4}
+FROZEN = {"fp32": 4, "bf16": 2, "bf16-mixed": 2, "fp16": 2, "fp8": 2}
+COMPUTE = {"fp32": 4, "bf16": 2, "bf16-mixed": 2, "fp16": 2, "fp8": 2}
+# bitsandbytes NF4, blocksize 64: 4 bits per weight + one absmax per block; double
+# quantisation stores the absmax as 8-bit with an fp32 constant per 256 blocks.
+NF4_BLOCK = 64
+
+
+def nf4_bytes_per_param(double_quant: bool) -> float:
+    if double_quant:
+        return 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * 256)
+    return 0.5 + 4 / NF4_BLOCK
+
+
+@dataclass(frozen=True)
+class Estimate:
+    weights: float
+    master: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    transient: float
+    reference: float
+    generation: float
+    host: float  # offloaded to CPU memory
+    peak: float
+    vllm_fraction: float = 0.0  # share of device memory a colocated vLLM engine reserves
+
+    def terms(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in ("weights", "master", "grads", "optimizer", "activations",
+                                              "logits", "transient", "reference", "generation")}
+
+
+def act_elements_per_token(arch, s: Setup) -> tuple[float, float]:
+    """(elements in the residual dtype, elements in the compute dtype) saved per token per block."""
+    h = arch.hidden
+    d = arch.head_dim or arch.hidden // arch.heads
+    q = arch.heads * d
+    mlp = 3 * arch.intermediate
+    if arch.experts:
+        mlp = arch.experts_per_token * 3 * arch.intermediate + arch.experts
+    residual = 4 * h  # two RMSNorms: input and normalised output each
+    compute = 4 * q + arch.heads + mlp
+    if COMPUTE[s.precision] != _residual_bytes(s):
+        compute += 2 * h  # autocast keeps half-precision copies of the attention and MLP inputs
+    if s.peft in ("lora", "qlora", "dora"):
+        compute += 7 * 16  # adapter A outputs (r each, ~7 targets); r is small next to h
+    return residual, compute
+
+
+def _residual_bytes(s: Setup) -> int:
+    if s.peft != "none" or s.backend in ("deepspeed", "megatron"):
+        return FROZEN[s.precision]
+    return TRAINABLE[s.precision]
+
+
+def tokens_per_micro(s: Setup) -> int:
+    seqs = s.micro_batch * (2 if s.method == "dpo" else 1)  # DPO: chosen and rejected
+    length = s.seq_len + (s.completion_len if s.method == "grpo" else 0)
+    return seqs * length
+
+
+def activation_bytes(arch, s: Setup, tokens: int | None = None) -> float:
+    tokens = tokens_per_micro(s) if tokens is None else tokens
+    res, comp = act_elements_per_token(arch, s)
+    per_block = res * _residual_bytes(s) + comp * COMPUTE[s.precision]
+    split = s.tp * s.cp  # sequence-parallel TP and context parallel split the tokens
+    kept = arch.hidden * _residual_bytes(s)  # a checkpointed block keeps only its input
+    if s.checkpointing == "full":
+        total = tokens * (arch.layers * kept + per_block)  # one block recomputed at a time
+    elif s.checkpointing == "selective":
+        ck = arch.layers // max(s.checkpoint_every, 1)
+        total = tokens * (ck * kept + (arch.layers - ck) * per_block + per_block)
+    else:
+        total = tokens * arch.layers * per_block
+    total += tokens * 3 * arch.hidden * _residual_bytes(s)  # embedding output, final norm
+    return total / split
+
+
+def logits_bytes(arch, s: Setup, selected: float | None = None) -> float:
+    if selected is None:
+        selected = tokens_per_micro(s) * s.select_fraction
+    c = COMPUTE[s.precision]
+    return selected * arch.vocab * (12 + (c if c != 4 else 0)) / s.tp
+
+
+def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected: float | None = None) -> Estimate:
+    """Bytes per device for this setup; `tokens`/`selected` override the config's batch shape."""
+    mp = s.tp * s.pp
+    dp = s.dp
+    half_params = s.backend in ("deepspeed", "megatron") and s.precision != "fp32"
+    # parameters held per device before data-parallel sharding
+    expert = counts.total - counts.active if counts.active < counts.total else 0
+    per_dev = (counts.total - counts.embed - expert) / mp + counts.embed / s.tp + expert / (mp * s.ep)
+    if s.peft == "none":
+        trainable, frozen_bytes = per_dev, 0.0
+        w_bytes = (2 if half_params else TRAINABLE[s.precision]) * trainable
+    else:
+        trainable = counts.lora / mp
+        base = per_dev
+        quant = counts.block_linear / mp if s.peft == "qlora" else 0.0
+        frozen_bytes = (base - quant) * FROZEN[s.precision] + quant * nf4_bytes_per_param(s.double_quant)
+        w_bytes = frozen_bytes + trainable * 4  # adapters train in fp32
+    g_per = 2 if (half_params and s.peft == "none") else 4 if s.peft != "none" else TRAINABLE[s.precision]
+    state_per = 4 if (half_params or s.peft != "none") else TRAINABLE[s.precision]
+    moments = 2 if s.optimizer == "adamw" else 0
+    grads = trainable * g_per
+    optim = trainable * moments * state_per
+    master = trainable * 4 if (half_params and s.peft == "none") else 0.0
+    weights = w_bytes
+    stage = 3 if s.backend == "fsdp2" else s.stage
+    if s.backend == "megatron" and stage == 0:
+        stage = 1  # the distributed optimizer shards optimizer state and master weights
+    if stage >= 1:
+        optim, master = optim / dp, master / dp
+    if stage >= 2:
+        grads = grads / dp
+    if stage >= 3:
+        weights = weights / dp
+    host = 0.0
+    if s.offload_optimizer:
+        host += optim + master
+        optim = master = 0.0
+    if s.offload_params and stage >= 3:
+        host += weights
+        weights = 0.0
+    acts = activation_bytes(arch, s, tokens)
+    logit = logits_bytes(arch, s, selected)
+    embed_grad = arch.vocab * arch.hidden * g_per / s.tp if s.peft == "none" else 0.0
+    # torch's AdamW makes two parameter-sized temporaries: for the whole list at once with the
+    # foreach kernels (GPU default), for one tensor at a time on CPU; DeepSpeed/Megatron fuse.
+    if s.device == "cpu":
+        biggest = max(arch.vocab * arch.hidden, arch.hidden * arch.intermediate) / s.tp if s.peft == "none" \
+            else 16 * max(arch.hidden, arch.intermediate)
+        opt_span = min(biggest, trainable)
+    else:
+        opt_span = trainable / (dp if stage >= 1 else 1)
+    opt_tmp = 0.0 if s.backend in ("deepspeed", "megatron") or s.offload_optimizer or not moments else \
+        2 * opt_span * state_per
+    reference = 0.0
+    if s.method in ("dpo", "grpo") and s.dpo_ref == "copy":
+        reference = per_dev * FROZEN[s.precision] / (dp if stage >= 3 else 1)
+    generation = 0.0
+    vllm = 0.0
+    if s.method == "grpo":
+        if s.vllm_fraction:
+            vllm = s.vllm_fraction
+        else:
+            d = arch.head_dim or arch.hidden // arch.heads
+            seqs = max(s.micro_batch, s.generations)
+            kv = 2 * arch.layers * arch.kv_heads * d * COMPUTE[s.precision] * seqs * (s.seq_len + s.completion_len)
+            generation = kv / mp + seqs * arch.vocab * 4
+    # Backward runs from the head down: at its start all activations (and the head's gradient)
+    # are alive, by its end the activations are freed and all gradients (plus the dense
+    # embedding gradient) exist; the optimizer step then holds gradients, state and temporaries.
+    head_grad = embed_grad
+    backward = weights + master + optim + max(acts + logit + head_grad, grads + embed_grad)
+    step = weights + master + optim + grads + opt_tmp
+    peak = max(backward, step) + reference + generation
+    transient = max(0.0, peak - (weights + master + optim + grads + acts + logit + reference + generation))
+    return Estimate(weights=weights, master=master, grads=grads, optimizer=optim, activations=acts, logits=logit,
+                    transient=transient, reference=reference, generation=generation, host=host, peak=peak,
+                    vllm_fraction=vllm)

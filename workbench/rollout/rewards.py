@@ -1,0 +1,146 @@
+"""Reward functions for GRPO: a registry of built-ins plus any `module:function` the user names.
+
+    python -m workbench method=grpo reward=arith_exact        # conf/reward/arith_exact.yaml
+    python -m workbench method=grpo reward=arith_format       # exact match + format, weighted
+
+The `reward` config node is `{functions: [{name: arith_exact, weight: 1.0}, "format", ...]}`.
+Every function is called once per generation batch as
+
+    fn(prompts=[messages...], completions=[str...], completion_ids=[[int...]...], **columns) -> [float...]
+
+where `columns` are the prompt rows' other fields (e.g. `answer`), one list entry per
+completion. A function that raises, returns the wrong number of values, or returns NaN / None
+stops the run with one line naming the function and the sample.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from workbench.data import arith
+from workbench.errors import UserError
+
+_NUMBER = re.compile(r"-?\d+")
+
+
+def arith_exact(completions, answer, **_) -> list[float]:
+    """1.0 when the completion is exactly the expected number (arith.is_correct), else 0.0."""
+    return [float(arith.is_correct(c, str(a))) for c, a in zip(completions, answer)]
+
+
+def number_format(completions, **_) -> list[float]:
+    """1.0 when the completion is a bare integer and nothing else, else 0.0."""
+    return [float(bool(_NUMBER.fullmatch(c.strip()))) for c in completions]
+
+
+def length(completion_ids, max_new_tokens=None, **_) -> list[float]:
+    """Shorter is better: 1 - tokens / max_new_tokens (or -tokens when the budget is unknown)."""
+    if max_new_tokens:
+        return [1.0 - len(ids) / max_new_tokens for ids in completion_ids]
+    return [-float(len(ids)) for ids in completion_ids]
+
+
+def digits(completions, **_) -> list[float]:
+    """Share of the completion's non-space characters that are digits (partial credit toward a bare number)."""
+    out = []
+    for c in completions:
+        chars = [ch for ch in c if not ch.isspace()]
+        out.append(sum(ch.isdigit() for ch in chars) / len(chars) if chars else 0.0)
+    return out
+
+
+REGISTRY: dict[str, Callable] = {"arith_exact": arith_exact, "format": number_format, "length": length,
+                                 "digits": digits}
+
+
+@dataclass
+class RewardFn:
+    name: str
+    fn: Callable
+    weight: float
+
+
+def _lookup(name: str) -> Callable:
+    if name in REGISTRY:
+        return REGISTRY[name]
+    if ":" not in name:
+        raise UserError(f"reward: unknown reward function {name!r}; built-ins are {sorted(REGISTRY)}, "
+                        "or name your own as 'package.module:function'")
+    mod_name, fn_name = name.split(":", 1)
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise UserError(f"reward: cannot import module {mod_name!r} for {name!r}: {exc}") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise UserError(f"reward: {mod_name!r} has no function {fn_name!r}")
+    return fn
+
+
+def resolve(spec) -> list[RewardFn]:
+    """Reward functions and weights from the `reward` config node; UserError when there are none."""
+    if spec is None:
+        raise UserError("method=grpo needs a reward: add e.g. reward=arith_exact (see conf/reward/)")
+    functions = spec.get("functions") if hasattr(spec, "get") else spec
+    if not functions:
+        raise UserError("reward.functions is empty: method=grpo needs at least one reward function")
+    out = []
+    for i, item in enumerate(functions):
+        if isinstance(item, str):
+            name, weight = item, 1.0
+        elif hasattr(item, "get") and item.get("name"):
+            name, weight = str(item["name"]), item.get("weight", 1.0)
+        else:
+            raise UserError(f"reward.functions[{i}]: expected a name or {{name, weight}}, got {item!r}")
+        try:
+            weight = float(weight)
+        except (TypeError, ValueError):
+            raise UserError(f"reward.functions[{i}].weight: not a number: {weight!r}") from None
+        out.append(RewardFn(name, _lookup(name), weight))
+    return out
+
+
+def _describe(prompts, completions, i: int) -> str:
+    prompt = prompts[i][-1]["content"] if prompts[i] else ""
+    return f"sample {i} (prompt {prompt[:60]!r}, completion {completions[i][:60]!r})"
+
+
+def score(fns: list[RewardFn], prompts, completions, completion_ids, columns: dict, **extra) -> torch.Tensor:
+    """Per-function rewards, shape (completions, functions), checked."""
+    n = len(completions)
+    cols = []
+    for rf in fns:
+        kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra)
+        try:
+            values = rf.fn(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - find which sample a user's function fails on
+            bad = next((i for i in range(n) if _fails(rf.fn, kwargs, i)), None)
+            where = _describe(prompts, completions, bad) if bad is not None else "a batch"
+            raise UserError(f"reward function {rf.name!r} raised on {where}: {type(exc).__name__}: {exc}") from None
+        try:
+            values = [float("nan") if v is None else float(v) for v in values]
+        except (TypeError, ValueError):
+            raise UserError(f"reward function {rf.name!r} returned non-numbers: {values!r:.200}") from None
+        if len(values) != n:
+            raise UserError(f"reward function {rf.name!r} returned {len(values)} values for {n} completions")
+        nan = next((i for i, v in enumerate(values) if math.isnan(v) or math.isinf(v)), None)
+        if nan is not None:
+            raise UserError(f"reward function {rf.name!r} returned {values[nan]} for "
+                            f"{_describe(prompts, completions, nan)}")
+        cols.append(values)
+    return torch.tensor(cols, dtype=torch.float32).T.reshape(n, len(fns))
+
+
+def _fails(fn, kwargs: dict, i: int) -> bool:
+    one = {k: (v[i:i + 1] if isinstance(v, list) else v) for k, v in kwargs.items()}
+    try:
+        fn(**one)
+    except Exception:  # noqa: BLE001
+        return True
+    return False

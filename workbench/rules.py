@@ -1,0 +1,283 @@
+"""Compatibility rules: which combinations of method x peft x backend x precision x hardware
+cannot work, and what to use instead.
+
+Each rule is data (what it covers, for the docs) plus a predicate over the validated config and
+the environment. `check(cfg)` raises the first violation as a UserError whose message names the
+fix; `scripts/gen_compat_docs.py` writes docs/compatibility.md from the same table, so the docs
+cannot drift from what the code enforces.
+
+    from workbench import rules
+    rules.violations(cfg)          # all broken rules, as (rule, message)
+    rules.check(cfg)               # raise the first one
+
+Fields owned by other modules (backend.stage, backend.tp, method.num_generations, ...) are read
+with OmegaConf.select and defaults, so rules apply to any backend or method config.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Callable
+
+from workbench.errors import UserError
+from workbench.plan.setup import pick
+
+RUNNABLE_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Env:
+    """What the machine offers; tests pass their own."""
+
+    cuda: bool = False
+    gpus: int = 0
+    packages: frozenset = frozenset()
+
+    def has(self, package: str) -> bool:
+        return package in self.packages
+
+
+def current_env() -> Env:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    names = ("bitsandbytes", "deepspeed", "megatron", "unsloth", "vllm", "liger_kernel", "torchao",
+             "transformer_engine", "flash_attn")
+    found = frozenset(n for n in names if importlib.util.find_spec(n) is not None)
+    return Env(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0, packages=found)
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    covers: dict[str, str]  # axis -> value(s) the rule is about, for the docs table
+    broken: Callable  # (cfg, env) -> bool
+    fix: Callable | str  # message naming the fix; callable gets (cfg, env)
+    why: str = ""
+    tags: tuple = field(default=())
+
+    def message(self, cfg, env) -> str:
+        return self.fix(cfg, env) if callable(self.fix) else self.fix
+
+
+# -- helpers that read fields other modules own -------------------------------------------------
+def _dev(c):
+    return c.hardware.device
+
+
+def _world(c):
+    return int(c.hardware.procs) * int(c.hardware.nodes)
+
+
+def _backend(c):
+    return pick(c, "backend.name", "single")
+
+
+def _method(c):
+    return pick(c, "method.name", "sft")
+
+
+def _stage(c):
+    return int(pick(c, ["backend.stage", "backend.zero_stage"], 0))
+
+
+def _storage_float(c):
+    return c.peft.quant_storage in ("bfloat16", "float16", "float32")
+
+
+def _par(c, key):
+    return int(pick(c, f"backend.{key}", 1))
+
+
+def _rewards(c):
+    r = pick(c, ["reward.functions", "method.rewards", "reward"], None)
+    if r is None:
+        return []
+    if isinstance(r, str):
+        return [r] if r else []
+    try:
+        return list(r.keys()) if hasattr(r, "keys") else list(r)
+    except TypeError:
+        return [r]
+
+
+def _offload(c, key):
+    v = pick(c, f"backend.{key}", "none")
+    return v not in (None, False, "none", "", "false")
+
+
+def _use_vllm(c):
+    return pick(c, ["method.engine", "method.rollout", "method.generator"], "hf") == "vllm"
+
+
+RULES: list[Rule] = [
+    # precision x hardware
+    Rule("fp8-needs-gpu", {"precision": "fp8", "hardware": "cpu"},
+         lambda c, e: c.precision.name == "fp8" and _dev(c) != "cuda",
+         "precision=fp8 needs a Hopper/Blackwell GPU; on CPU use precision=bf16-mixed"),
+    Rule("fp8-needs-fp8-units", {"precision": "fp8", "hardware": "no fp8 units (e.g. tpu-v5p)"},
+         lambda c, e: c.precision.name == "fp8" and _dev(c) == "cuda" and float(c.hardware.bf16_tflops) > 0
+         and float(c.hardware.fp8_tflops) == 0,  # a catalog profile that lists no fp8 rate
+         lambda c, e: f"precision=fp8: hardware={c.hardware.name} has no fp8 matmul units; use precision=bf16-mixed"),
+    Rule("fp8-needs-torchao", {"precision": "fp8", "hardware": "cuda"},
+         lambda c, e: c.precision.name == "fp8" and _dev(c) == "cuda" and e.cuda and not e.has("torchao")
+         and not e.has("transformer_engine"),
+         "precision=fp8 needs torchao (pip install torchao) or Transformer Engine; or use precision=bf16-mixed"),
+    # hardware
+    Rule("cuda-not-visible", {"hardware": "cuda profile on a machine without GPU"},
+         lambda c, e: _dev(c) == "cuda" and not e.cuda,
+         lambda c, e: f"hardware={c.hardware.name} wants CUDA but no GPU is visible; use hardware=cpu, "
+                      f"or add dry_run=true to only plan"),
+    Rule("planning-only-accelerator", {"hardware": "gaudi3, trn2, tpu-v5p"},
+         lambda c, e: _dev(c) not in RUNNABLE_DEVICES,
+         lambda c, e: f"hardware={c.hardware.name} (device {c.hardware.device}) is a planning profile; the "
+                      f"backends run on cpu or cuda: add dry_run=true to plan, or use a cuda profile such as hardware=8xh100"),
+    Rule("procs-exceed-gpus", {"hardware": "procs > visible GPUs"},
+         lambda c, e: _dev(c) == "cuda" and e.cuda and int(c.hardware.procs) > e.gpus,
+         lambda c, e: f"hardware.procs={c.hardware.procs} but this node has {e.gpus} GPU(s); set hardware.procs<={e.gpus}"),
+    Rule("multinode-needs-rendezvous", {"hardware": "nodes > 1"},
+         lambda c, e: int(c.hardware.nodes) > 1 and not c.hardware.rdzv_endpoint,
+         "hardware.nodes > 1 needs a rendezvous: set hardware.rdzv_endpoint=host:port (the same on every node)"),
+    # unsloth
+    Rule("unsloth-needs-cuda", {"hardware": "cpu", "loader": "unsloth"},
+         lambda c, e: c.model.loader == "unsloth" and _dev(c) != "cuda",
+         "model.loader=unsloth needs a single CUDA GPU; on CPU use model.loader=hf"),
+    Rule("unsloth-single-gpu", {"hardware": "more than 1 device", "loader": "unsloth"},
+         lambda c, e: c.model.loader == "unsloth" and _world(c) > 1,
+         "model.loader=unsloth runs on one GPU only; use model.loader=hf with backend=fsdp2"),
+    Rule("unsloth-backend", {"backend": "fsdp2, deepspeed, megatron", "loader": "unsloth"},
+         lambda c, e: c.model.loader == "unsloth" and _backend(c) != "single",
+         "model.loader=unsloth works with backend=single only; use model.loader=hf for sharded backends"),
+    # qlora
+    Rule("qlora-sharded-storage", {"peft": "qlora", "backend": "fsdp2, deepspeed stage 3"},
+         lambda c, e: c.peft.kind == "qlora" and (_backend(c) == "fsdp2" or _backend(c) == "deepspeed" and _stage(c) == 3)
+         and c.peft.quant_storage != "uint8" and not _storage_float(c),
+         lambda c, e: f"peft=qlora under {_backend(c)} shards the packed 4-bit weights, which needs a float storage "
+                      f"dtype (uint8 is converted for you): set peft.quant_storage=bfloat16, not {c.peft.quant_storage}"),
+    Rule("qlora-zero3-checkpointing", {"peft": "qlora", "backend": "deepspeed stage 3", "other": "gradient checkpointing"},
+         lambda c, e: c.peft.kind == "qlora" and _backend(c) == "deepspeed" and _stage(c) == 3
+         and c.model.gradient_checkpointing,
+         "peft=qlora with ZeRO-3 and model.gradient_checkpointing is not supported; use backend=fsdp2 with "
+         "backend.activation_checkpointing=full"),
+    Rule("qlora-megatron", {"peft": "qlora", "backend": "megatron"},
+         lambda c, e: c.peft.kind == "qlora" and _backend(c) == "megatron",
+         "peft=qlora is not supported on backend=megatron (no 4-bit Megatron layers); use peft=lora there, "
+         "or peft=qlora with backend=fsdp2"),
+    Rule("qlora-fp8", {"peft": "qlora", "precision": "fp8"},
+         lambda c, e: c.peft.kind == "qlora" and c.precision.name == "fp8",
+         "peft=qlora computes in bf16 over NF4 weights; fp8 does not apply: use precision=bf16-mixed"),
+    Rule("qlora-needs-bitsandbytes", {"peft": "qlora"},
+         lambda c, e: c.peft.kind == "qlora" and not e.has("bitsandbytes"),
+         "peft=qlora needs bitsandbytes: pip install bitsandbytes (or use peft=lora)"),
+    Rule("dora-megatron", {"peft": "dora", "backend": "megatron"},
+         lambda c, e: c.peft.kind == "dora" and _backend(c) == "megatron",
+         "peft=dora is not supported on backend=megatron; use peft=lora"),
+    # backends
+    Rule("deepspeed-fp8", {"backend": "deepspeed", "precision": "fp8"},
+         lambda c, e: _backend(c) == "deepspeed" and c.precision.name == "fp8",
+         "precision=fp8 is not supported with backend=deepspeed; use precision=bf16-mixed, or backend=fsdp2 for fp8"),
+    Rule("fsdp2-model-checkpointing", {"backend": "fsdp2", "other": "model.gradient_checkpointing"},
+         lambda c, e: _backend(c) == "fsdp2" and c.model.gradient_checkpointing,
+         "under backend=fsdp2 use backend.activation_checkpointing=full instead of model.gradient_checkpointing=true"),
+    Rule("deepspeed-stage", {"backend": "deepspeed"},
+         lambda c, e: _backend(c) == "deepspeed" and _stage(c) not in (0, 1, 2, 3),
+         lambda c, e: f"backend.stage={_stage(c)}: ZeRO stages are 0, 1, 2 or 3"),
+    Rule("param-offload-needs-zero3", {"backend": "deepspeed stage < 3", "offload": "params"},
+         lambda c, e: _backend(c) == "deepspeed" and _offload(c, "offload_param") and _stage(c) != 3,
+         "backend.offload_param needs parameters partitioned: set backend.stage=3"),
+    Rule("nvme-offload-needs-path", {"backend": "deepspeed", "offload": "nvme"},
+         lambda c, e: _backend(c) == "deepspeed" and "nvme" in (pick(c, "backend.offload_optimizer", "none"),
+                                                                 pick(c, "backend.offload_param", "none"))
+         and not pick(c, "backend.nvme_path", ""),
+         "backend.offload_*=nvme needs a directory on local NVMe: set backend.nvme_path=/local/nvme/dir"),
+    Rule("fsdp2-offload-on-cpu", {"backend": "fsdp2", "offload": "cpu_offload", "hardware": "cpu"},
+         lambda c, e: _backend(c) == "fsdp2" and bool(pick(c, "backend.cpu_offload", False)) and _dev(c) == "cpu",
+         "backend.cpu_offload moves GPU memory to the host; on hardware=cpu set backend.cpu_offload=false"),
+    Rule("deepspeed-needs-package", {"backend": "deepspeed"},
+         lambda c, e: _backend(c) == "deepspeed" and not e.has("deepspeed"),
+         "backend=deepspeed needs deepspeed: pip install -e '.[deepspeed]' (or use backend=fsdp2)"),
+    Rule("megatron-needs-package", {"backend": "megatron"},
+         lambda c, e: _backend(c) == "megatron" and not e.has("megatron"),
+         "backend=megatron needs megatron-core: pip install -e '.[megatron]' (or use backend=fsdp2)"),
+    Rule("tp-divides-heads", {"backend": "megatron (tp)"},
+         lambda c, e: _par(c, "tp") > 1 and (c.model.arch.heads % _par(c, "tp") or c.model.arch.kv_heads % _par(c, "tp")),
+         lambda c, e: f"backend.tp={_par(c, 'tp')} must divide the attention heads ({c.model.arch.heads}) and KV "
+                      f"heads ({c.model.arch.kv_heads}) of model={c.model.name}; choose a divisor of "
+                      f"{c.model.arch.kv_heads}"),
+    Rule("pp-divides-layers", {"backend": "megatron (pp)"},
+         lambda c, e: _par(c, "pp") > 1 and c.model.arch.layers % _par(c, "pp"),
+         lambda c, e: f"backend.pp={_par(c, 'pp')} must divide the {c.model.arch.layers} layers of "
+                      f"model={c.model.name}; choose a divisor of {c.model.arch.layers}"),
+    Rule("parallel-divides-world", {"backend": "megatron (tp x pp x cp)", "hardware": "devices"},
+         lambda c, e: _world(c) % (_par(c, "tp") * _par(c, "pp") * _par(c, "cp")) != 0,
+         lambda c, e: f"backend.tp x pp x cp = {_par(c, 'tp') * _par(c, 'pp') * _par(c, 'cp')} must divide the "
+                      f"{_world(c)} devices (hardware.procs x hardware.nodes); change the parallel sizes or the devices"),
+    Rule("ep-needs-experts", {"backend": "megatron (ep)", "model": "dense or experts not divisible"},
+         lambda c, e: _par(c, "ep") > 1 and (not c.model.arch.experts or c.model.arch.experts % _par(c, "ep")),
+         lambda c, e: f"backend.ep={_par(c, 'ep')} needs a MoE model whose experts ({c.model.arch.experts}) it "
+                      f"divides; use backend.ep=1 for model={c.model.name}"),
+    Rule("cp-divides-seq", {"backend": "megatron (cp)", "data": "seq_len"},
+         lambda c, e: _par(c, "cp") > 1 and c.data.seq_len % (2 * _par(c, "cp")),
+         lambda c, e: f"backend.cp={_par(c, 'cp')} splits each sequence in 2 x cp chunks: make data.seq_len a "
+                      f"multiple of {2 * _par(c, 'cp')}"),
+    # methods
+    Rule("grpo-needs-reward", {"method": "grpo"},
+         lambda c, e: _method(c) == "grpo" and not _rewards(c),
+         "method=grpo needs at least one reward: add reward=arith_exact (or method.rewards=[module:function])"),
+    Rule("grpo-group-size", {"method": "grpo"},
+         lambda c, e: _method(c) == "grpo" and int(pick(c, ["method.num_generations", "method.generations"], 2)) < 2,
+         "method=grpo compares completions within a group: set method.num_generations>=2"),
+    Rule("vllm-needs-cuda", {"method": "grpo (vLLM rollouts)", "hardware": "cpu"},
+         lambda c, e: _use_vllm(c) and _dev(c) != "cuda",
+         "method.engine=vllm needs a CUDA GPU; on CPU use method.engine=hf (generate with KV cache)"),
+    Rule("dpo-adapter-ref-needs-peft", {"method": "dpo (ref=adapter)", "peft": "none"},
+         lambda c, e: _method(c) == "dpo" and pick(c, ["method.reference", "method.ref"], None) == "adapter"
+         and c.peft.kind == "none",
+         "method.reference=adapter uses the model with its adapter disabled as the reference, but peft=none has "
+         "no adapter: use peft=lora, or method.reference=copy / method.reference=precomputed"),
+    # model x data x kernels
+    Rule("seq-exceeds-context", {"data": "seq_len", "model": "max_position"},
+         lambda c, e: c.data.seq_len > c.model.arch.max_position,
+         lambda c, e: f"data.seq_len={c.data.seq_len} exceeds model={c.model.name}'s context of "
+                      f"{c.model.arch.max_position}; set data.seq_len<={c.model.arch.max_position}"),
+    Rule("flash-attn-on-cpu", {"hardware": "cpu", "attention": "flash_attention_2/3"},
+         lambda c, e: str(c.model.attn_implementation).startswith("flash_attention") and _dev(c) != "cuda",
+         "model.attn_implementation=flash_attention_* needs a CUDA GPU; use model.attn_implementation=sdpa"),
+    Rule("liger-on-cpu", {"hardware": "cpu", "kernels": "liger"},
+         lambda c, e: c.kernels == "liger" and _dev(c) != "cuda",
+         "kernels=liger are Triton GPU kernels; on CPU use kernels=none"),
+]
+
+
+def violations(cfg, env: Env | None = None) -> list[tuple[Rule, str]]:
+    env = env or current_env()
+    out = []
+    for rule in RULES:
+        if rule.broken(cfg, env):
+            out.append((rule, rule.message(cfg, env)))
+    return out
+
+
+# rules that stand between a CPU machine and a plan: dry_run=true may still plan past them
+PLANNABLE = {"cuda-not-visible", "multinode-needs-rendezvous", "planning-only-accelerator", "procs-exceed-gpus", "fp8-needs-torchao",
+             "unsloth-needs-cuda", "vllm-needs-cuda", "flash-attn-on-cpu", "liger-on-cpu",
+             "deepspeed-needs-package", "megatron-needs-package", "qlora-needs-bitsandbytes"}
+
+
+def runs_here(cfg) -> bool:
+    """False when a launcher sends the run to other machines (their hardware is checked there)."""
+    return pick(cfg, "launcher.name", "local") == "local"
+
+
+def check(cfg, env: Env | None = None, planning: bool = False) -> list[str]:
+    """Raise the first broken rule; rules about this machine only warn when planning
+    (dry_run=true) or when a launcher runs the job elsewhere."""
+    planning = planning or not runs_here(cfg)
+    warnings = []
+    for rule, msg in violations(cfg, env):
+        if planning and rule.id in PLANNABLE:
+            warnings.append(f"[{rule.id}] {msg}")
+            continue
+        raise UserError(f"[{rule.id}] {msg}")
+    return warnings
