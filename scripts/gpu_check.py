@@ -367,6 +367,9 @@ def main(argv: list[str]) -> int:
         if isinstance(summary[name], dict):
             summary[name]["section_seconds"] = time.perf_counter() - t
     summary["total_seconds"] = time.perf_counter() - c.t0
+    import shutil
+
+    shutil.rmtree(c.tmp, ignore_errors=True)
     text = json.dumps(summary, indent=1, default=str)
     if a.out:
         Path(a.out).write_text(text)

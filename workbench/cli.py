@@ -11,12 +11,11 @@ A mistake in config, data or environment prints one `error:` line and exits with
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from workbench.config import validate
+from workbench.config import CONF_DIR, validate
 from workbench.errors import UserError
 
 
@@ -51,10 +50,9 @@ def run_job(cfg: DictConfig) -> dict | None:
     return Runner(cfg).run()
 
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig):
     try:
         results = run_job(cfg)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -274,3 +275,40 @@ def _check_values(cfg: DictConfig) -> None:
     for name, ok, why in checks:
         if not ok:
             raise UserError(f"config field '{name}' {why} (got {OmegaConf.select(cfg, name)!r})")
+
+
+# Schema-backed groups: each YAML in conf/<group>/ starts with `defaults: [_schema, _self_]`, so
+# Hydra composes it onto the dataclass. Every field can then be overridden on the command line
+# (`model.loader=unsloth`) even when the YAML does not mention it, and a YAML with an unknown
+# key fails at composition.
+SCHEMA_GROUPS = {"model": ModelConfig, "peft": PeftConfig, "data": DataConfig, "optim": OptimConfig,
+                 "eval": EvalConfig, "hardware": HardwareConfig, "precision": PrecisionConfig}
+
+
+def register_schemas() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for group, node in SCHEMA_GROUPS.items():
+        store.store(group=group, name="_schema", node=node)
+
+
+register_schemas()
+
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def load_group_file(group: str, name: str) -> DictConfig:
+    """One file of a schema-backed group, with its defaults list applied, outside of a Hydra run
+    (the planner reads every hardware profile; a tiny model borrows a zoo entry's tokenizer)."""
+    path = CONF_DIR / group / f"{name}.yaml"
+    if not path.exists():
+        choices = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        raise UserError(f"{group}={name!r} does not exist; choose one of {choices}")
+    node = OmegaConf.load(path)
+    merged = OmegaConf.structured(SCHEMA_GROUPS[group])
+    for parent in node.pop("defaults", []) or []:
+        if parent not in ("_schema", "_self_"):
+            merged = OmegaConf.merge(merged, load_group_file(group, parent))
+    return OmegaConf.merge(merged, node)

@@ -18,7 +18,11 @@ import torch
 
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes", "hydra-core",
             "safetensors", "deepspeed", "megatron-core", "vllm", "unsloth", "liger-kernel", "ray", "modal", "runpod")
-SECRET_KEY = re.compile(r"(token|secret|password|passwd|api[_-]?key|credential)", re.I)
+# Whole key names that hold secrets: token, hf_token, api_key, wandb_api_key, password, ...
+# (not tokenizer, max_new_tokens or experts_per_token, which are ordinary settings).
+SECRET_KEY = re.compile(
+    r"^(token|(.*[_-])?(hf|auth|access|api|bearer|private)[_-]?token|"
+    r"(.*[_-])?(secret|password|passwd|api[_-]?key|access[_-]?key|secret[_-]?key|credentials?))$", re.I)
 REDACTED = "<redacted>"
 
 

@@ -38,13 +38,20 @@ class Env:
         return package in self.packages
 
 
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ValueError, ImportError):  # a module blocked in sys.modules, or a broken parent
+        return False
+
+
 def current_env() -> Env:
     import torch
 
     cuda = torch.cuda.is_available()
     names = ("bitsandbytes", "deepspeed", "megatron", "unsloth", "vllm", "liger_kernel", "torchao",
              "transformer_engine", "flash_attn")
-    found = frozenset(n for n in names if importlib.util.find_spec(n) is not None)
+    found = frozenset(n for n in names if _installed(n))
     return Env(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0, packages=found)
 
 
@@ -181,8 +188,9 @@ RULES: list[Rule] = [
          lambda c, e: _backend(c) == "fsdp2" and c.model.gradient_checkpointing,
          "under backend=fsdp2 use backend.activation_checkpointing=full instead of model.gradient_checkpointing=true"),
     Rule("deepspeed-stage", {"backend": "deepspeed"},
-         lambda c, e: _backend(c) == "deepspeed" and _stage(c) not in (0, 1, 2, 3),
-         lambda c, e: f"backend.stage={_stage(c)}: ZeRO stages are 0, 1, 2 or 3"),
+         lambda c, e: _backend(c) == "deepspeed" and _stage(c) not in (1, 2, 3),
+         lambda c, e: f"backend.stage={_stage(c)}: ZeRO stages are 1, 2 or 3; for plain data parallelism "
+                      f"use backend=single"),
     Rule("param-offload-needs-zero3", {"backend": "deepspeed stage < 3", "offload": "params"},
          lambda c, e: _backend(c) == "deepspeed" and _offload(c, "offload_param") and _stage(c) != 3,
          "backend.offload_param needs parameters partitioned: set backend.stage=3"),

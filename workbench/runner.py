@@ -54,8 +54,18 @@ def init_distributed(device: str, timeout_minutes: int = 30) -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         # The timeout bounds every collective: a dead peer fails the job instead of hanging it.
+        kw = {}
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart and "MASTER_ADDR" in os.environ:
+            # After an elastic restart the rendezvous store still holds the dead attempt's
+            # peer addresses under the same keys; a per-attempt prefix keeps them apart.
+            rank = int(os.environ["RANK"])
+            host_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
+            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                 is_master=host_store, timeout=timedelta(minutes=timeout_minutes))
+            kw = {"store": dist.PrefixStore(f"workbench/attempt_{restart}", base), "rank": rank, "world_size": world}
         dist.init_process_group(backend="nccl" if device == "cuda" else "gloo",
-                                timeout=timedelta(minutes=timeout_minutes))
+                                timeout=timedelta(minutes=timeout_minutes), **kw)
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -164,6 +174,7 @@ class Runner:
         t_launch = time.perf_counter()
         cfg = self.cfg
         self.tracker = Tracker(self.run_dir, enabled=self.is_main)
+        self.tracker.set_price(cfg.hardware.price_per_hour, self.world)
         if not hasattr(self, "backend"):
             self.build()
         resumed = self._resume()
@@ -186,11 +197,13 @@ class Runner:
             dt = time.perf_counter() - t0
             first_step_at = first_step_at or (time.perf_counter() - t_launch)
             self.state.step += 1
-            self.state.tokens_seen += batch.tokens * self.world
+            # data-parallel ranks each see different tokens; tensor/pipeline peers share theirs
+            dp = self.ctx.world_size
+            self.state.tokens_seen += batch.tokens * dp
             loss = m.pop("loss")
             losses.append(loss)
-            tps = batch.tokens * self.world / dt
-            row = {"step": self.state.step, "loss": loss, **m, **batch.info, "tokens": batch.tokens * self.world,
+            tps = batch.tokens * dp / dt
+            row = {"step": self.state.step, "loss": loss, **m, **batch.info, "tokens": batch.tokens * dp,
                    "tokens_per_s": tps, "step_seconds": dt, "time": time.time(), "mfu": tps * fpt / peak if peak else None}
             self.tracker.log(row, show=self.state.step % cfg.train.log_every == 0 or self.state.step == 1)
             every = cfg.train.checkpoint_every

@@ -23,8 +23,13 @@ class Tracker:
         self.enabled = enabled
         self.rows: list[dict] = []
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.price: tuple[list[float], int] | None = None  # ([low, high] $/device-hour, devices)
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def set_price(self, price_per_hour, devices: int) -> None:
+        """With a hardware price, every logged row with tokens_per_s also gets $ per million tokens."""
+        self.price = (list(price_per_hour), int(devices)) if price_per_hour else None
 
     def console(self, text: str) -> None:
         if self.enabled:
@@ -33,13 +38,26 @@ class Tracker:
     def log(self, row: dict, show: bool = False) -> None:
         if not self.enabled:
             return
+        if self.price and row.get("tokens_per_s"):
+            prices, devices = self.price
+            row["usd_per_mtok"] = [usd_per_million_tokens(row["tokens_per_s"], devices, p) for p in prices]
         self.rows.append(row)
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
         if show:
             mfu = f" mfu={row['mfu']:.1%}" if row.get("mfu") else ""
+            if row.get("usd_per_mtok"):
+                lo, hi = row["usd_per_mtok"][0], row["usd_per_mtok"][-1]
+                mfu += f" $/Mtok={lo:.2f}-{hi:.2f}"
             self.console(f"step {row['step']:>5}  loss={row['loss']:.4f}  grad_norm={row.get('grad_norm', 0):.3f}  "
                          f"lr={row.get('lr', 0):.2e}  tok/s={row['tokens_per_s']:.0f}{mfu}")
+
+
+def usd_per_million_tokens(tokens_per_s: float, devices: int, price_per_hour: float) -> float:
+    """Dollars per million trained tokens at this throughput on `devices` priced per device-hour."""
+    from workbench.plan.speed import cost_per_million_tokens
+
+    return cost_per_million_tokens(tokens_per_s, devices, price_per_hour)
 
 
 def flops_per_token(n_params: int, n_trainable: int, peft_kind: str) -> float:

@@ -3,7 +3,8 @@ loopback forming one 2-node job. Real `python -m workbench` processes, CPU and g
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/distributed/test_launch_torchrun.py
 
-Both compare against an uninterrupted 2-rank FSDP2 run made in the same way.
+Both compare against an uninterrupted backend=single run at the same global batch, in this
+process (test_backends.py shows FSDP2 with 2 ranks equals it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, TINY
+from tests.conftest import ROOT, TINY, train
 from tests.distributed.test_backends import env, free_port
 
 pytestmark = pytest.mark.distributed
@@ -44,8 +45,7 @@ def losses(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[float]:
     out = tmp_path_factory.mktemp("ref")
-    finish(workbench([*RUN, "hardware.procs=2", f"output_dir={out}"]))
-    return losses(out)
+    return train(["peft=none", "train.max_steps=3", "train.grad_accum=2"], out)["losses"]
 
 
 def test_killed_rank_restarts_and_finishes_with_the_same_loss(tmp_path, reference):

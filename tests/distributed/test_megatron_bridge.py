@@ -41,14 +41,14 @@ def launch(args: list[str], out: Path, timeout: int = 240) -> dict:
 
 
 @pytest.mark.distributed
-def test_tp2_and_pp2_round_trip_and_logits(tmp_path):
-    res = launch(["--layouts", "tp2,pp2"], tmp_path / "res.json")
+def test_tp2_pp2_ep2_round_trip_and_logits(tmp_path):
+    res = launch(["--layouts", "tp2,pp2,ep2"], tmp_path / "res.json")
     for case, r in res.items():
         assert r["round_trip_identical"], case
         assert r["max_abs_logit_diff"] < 2e-5, (case, r)
         assert r["n_tensors"] > 0
-    # Every family ran under TP=2, and the tiny Llama under PP=2 too.
-    assert {"tiny/tp2", "tiny/pp2", "qwen2/tp2", "qwen3/tp2", "mixtral/tp2"} <= set(res)
+    # Every family ran under TP=2, the tiny Llama under PP=2, Mixtral's experts split over EP=2.
+    assert {"tiny/tp2", "tiny/pp2", "qwen2/tp2", "qwen3/tp2", "mixtral/tp2", "mixtral/ep2"} <= set(res)
 
 
 # -- worker ---------------------------------------------------------------------------------------
@@ -85,10 +85,11 @@ def worker(out: str, layouts: list[str]) -> None:
     dist.init_process_group("gloo")
     results = {}
     for layout in layouts:
-        par = Parallel(tp=2) if layout == "tp2" else Parallel(pp=2)
-        ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp)
+        par = {"tp2": Parallel(tp=2), "pp2": Parallel(pp=2), "ep2": Parallel(ep=2)}[layout]
+        ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
+                                     expert_model_parallel_size=par.ep)
         for name, cfg in families().items():
-            if layout == "pp2" and name != "tiny":
+            if (layout == "pp2" and name != "tiny") or (layout == "ep2" and name != "mixtral"):
                 continue
             torch.manual_seed(0)
             hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()

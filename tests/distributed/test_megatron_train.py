@@ -44,23 +44,37 @@ def launch(out: Path, overrides: list[str], timeout: int = 300) -> dict:
     return json.loads(res.read_text())
 
 
-def single_losses(out: Path, overrides: list[str]) -> list[float]:
-    from tests.conftest import train
+def run_here(out: Path, overrides: list[str]):
+    """Run in this process; (results, the HF model's final weights)."""
+    from tests.conftest import compose
+    from workbench.runner import Runner
 
-    return train(SFT + overrides, out)["losses"]
+    runner = Runner(compose(overrides, out))
+    res = runner.run()
+    return res, {k: v.detach().clone() for k, v in runner.model.state_dict().items()}
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", [
     ["backend.tp=2"],
     pytest.param(["backend.pp=2"], marks=pytest.mark.slow),  # ~1 min more; the bridge test covers PP=2
-], ids=["tp2", "pp2"])
+    pytest.param(["backend.tp=2", "backend.recompute=full"], marks=pytest.mark.slow),
+    pytest.param(["backend.tp=2", "backend.recompute=selective"], marks=pytest.mark.slow),
+], ids=["tp2", "pp2", "tp2-recompute-full", "tp2-recompute-selective"])
 def test_sft_curve_equals_single(tmp_path, layout):
-    ref = single_losses(tmp_path / "single", ["backend=single"])
+    from safetensors.torch import load_file
+
+    ref, ref_weights = run_here(tmp_path / "single", SFT + ["backend=single"])
     got = launch(tmp_path / "meg", SFT + ["backend=megatron", *layout])
-    assert len(got["losses"]) == len(ref) == 3
-    assert got["losses"] == pytest.approx(ref, rel=RTOL), (got["losses"], ref)
+    assert len(got["losses"]) == len(ref["losses"]) == 3
+    assert got["losses"] == pytest.approx(ref["losses"], rel=RTOL), (got["losses"], ref["losses"])
     assert got["losses"][-1] < got["losses"][0]  # it learns
+    # The HF model the runner exports / evaluates holds the trained weights, bridged back.
+    weights = load_file(tmp_path / "meg" / "hf_final.safetensors")
+    ref_weights.pop("lm_head.weight", None)  # tied to the embedding in the tiny model
+    assert set(weights) == set(ref_weights)
+    worst = max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights)
+    assert worst < 1e-5, worst
 
 
 @pytest.mark.distributed
@@ -85,10 +99,12 @@ if __name__ == "__main__":
     import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT))
-    from tests.conftest import train
+    from safetensors.torch import save_file
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     out_dir, res_file, *ov = sys.argv[1:]
-    r = train(ov, Path(out_dir))
+    r, final = run_here(Path(out_dir), ov)
     if dist.get_rank() == 0:
         Path(res_file).write_text(json.dumps({"losses": r["losses"], "resumed_from": r["resumed_from"]}))
+        save_file({k: v.contiguous() for k, v in final.items() if k != "lm_head.weight"},
+                  Path(out_dir) / "hf_final.safetensors")

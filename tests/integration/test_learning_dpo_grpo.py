@@ -16,13 +16,15 @@ import pytest
 
 from tests.conftest import train
 
-BASE = ["train.export=false", "train.resume=never", "train.log_every=10", "eval.at_start=true", "eval.at_end=true"]
+BASE = ["train.export=false", "train.resume=never", "train.log_every=5", "eval.at_start=true", "eval.at_end=true",
+        "eval.num_samples=100"]
 
 
 @pytest.mark.slow
 def test_dpo_moves_preference_accuracy(tmp_path):
     t = time.perf_counter()
-    res = train(["method=dpo", "train.max_steps=60", "eval.tasks=[arith_pref]", "eval.num_samples=200", *BASE],
+    res = train(["method=dpo", "train.max_steps=30", "train.micro_batch_size=8", "eval.tasks=[arith_pref]",
+                 "eval.every_n_steps=10", *BASE],
                 tmp_path, base=[])
     before = res["eval_start"]["eval/arith_pref/accuracy"]
     after = res["eval_end"]["eval/arith_pref/accuracy"]
@@ -33,7 +35,7 @@ def test_dpo_moves_preference_accuracy(tmp_path):
 @pytest.mark.slow
 def test_grpo_raises_exact_match(tmp_path):
     t = time.perf_counter()
-    res = train(["method=grpo", "train.max_steps=80", "eval.tasks=[arith_add2]", "eval.num_samples=200", *BASE],
+    res = train(["method=grpo", "train.max_steps=60", "eval.tasks=[arith_add2]", "eval.every_n_steps=20", *BASE],
                 tmp_path, base=[])
     wall = time.perf_counter() - t
     before = res["eval_start"]["eval/arith_add2/accuracy"]

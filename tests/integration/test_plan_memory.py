@@ -9,17 +9,27 @@ workbench.plan.memory.estimate for the same config, given the batch's real shape
 loss positions), since arithmetic examples are far shorter than data.seq_len.
 
     OMP_NUM_THREADS=1 pytest -q tests/integration/test_plan_memory.py            # tiny
-    OMP_NUM_THREADS=1 pytest -q -m slow tests/integration/test_plan_memory.py    # + SmolLM2-135M
+    OMP_NUM_THREADS=1 pytest -q -m slow tests/integration/test_plan_memory.py    # + SmolLM2-135M, 2-rank fsdp2
+
+The 2-rank fsdp2 case runs this file as its own torchrun worker (`--worker OUT PEFT`); each rank
+reports its peak and the test holds the prediction against the larger one.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import compose
+if __name__ == "__main__":  # a torchrun worker (see below) imports the tests package from the root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.conftest import compose  # noqa: E402
 
 TOLERANCE = 0.15
 
@@ -33,6 +43,7 @@ def _model_bytes(model) -> int:
         if qs is not None:
             tensors += [qs.absmax] + ([qs.state2.absmax] if getattr(qs, "state2", None) is not None else [])
     for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard: this rank's part
         st = t.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
@@ -56,14 +67,15 @@ def measure(overrides, tmp_path, steps: int = 2) -> dict:
     from workbench.runner import Runner
     from workbench.tracking import Tracker
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = compose(overrides, tmp_path)
-    runner = Runner(cfg)
+    runner = Runner(cfg)  # under torchrun this joins the process group
     runner.tracker = Tracker(runner.run_dir, enabled=False)
     runner.build()
     # The profiler's running total counts only allocations made on this thread while a profiler
     # runs (from_pretrained loads weights on worker threads), so what the build left alive is
     # counted directly and the total's growth during the steps is added to it.
-    alive = _model_bytes(runner.model)
+    alive = _model_bytes(runner.backend.unwrapped())
     shapes = []
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.empty(8, dtype=torch.uint8)  # the first event gives the total's starting value
@@ -101,3 +113,39 @@ def test_tiny_single(peft, tmp_path):
 def test_smollm2_135m_single(peft, tmp_path):
     _check(measure(["model=smollm2-135m", f"peft={peft}", "train.micro_batch_size=8"], tmp_path),
            f"smollm2-135m single {peft}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft", [
+    "none",
+    pytest.param("lora", marks=pytest.mark.xfail(strict=True, reason=(
+        "measured ~11 MiB per rank against 22 MiB predicted: the gathered root unit (the tied 12.6 MB "
+        "embedding) does not appear in the profiler's total for frozen parameters; not explained yet"))),
+])
+def test_tiny_fsdp2_two_ranks(peft, tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+           str(Path(__file__).resolve()), "--worker", str(tmp_path), peft]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    worst = max(ranks, key=lambda r: r["measured"])
+    print("per-rank measured MiB:", [round(r["measured"] / 2**20, 1) for r in ranks])
+    _check(worst, f"tiny fsdp2x2 {peft}")
+
+
+def _worker(out: str, peft: str) -> None:
+    """One rank of the fsdp2 comparison: measure, write rank<r>.json."""
+    rank = int(os.environ["RANK"])
+    res = measure([f"peft={peft}", "backend=fsdp2", "hardware.procs=2"], Path(out) / f"r{rank}")
+    Path(out, f"rank{rank}.json").write_text(json.dumps({k: v for k, v in res.items() if k != "terms"}))
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    _worker(sys.argv[sys.argv.index("--worker") + 1], sys.argv[sys.argv.index("--worker") + 2])

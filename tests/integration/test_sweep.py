@@ -2,7 +2,8 @@
 the sweep summary (markdown + CSV, best marked) and the loss-curve plot; an Optuna sweep
 maximises the eval accuracy the jobs return.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/integration/test_sweep.py
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/integration/test_sweep.py            # grid
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m slow tests/integration/test_sweep.py    # Optuna
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def test_grid_sweep_writes_run_dirs_summary_and_plot(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
+@pytest.mark.slow  # a second CLI subprocess with generation-based eval; kept out of the default tier's time
 def test_optuna_sweep_maximises_eval_accuracy(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     sweep = tmp_path / "optuna"

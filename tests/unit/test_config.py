@@ -67,8 +67,16 @@ def test_unknown_method_option_is_rejected():
 
 
 def test_wrong_type_is_rejected():
-    with pytest.raises(UserError, match="optim.lr"):
+    # schema-backed groups reject it while Hydra composes; the rest when config.validate runs
+    with pytest.raises(ConfigCompositionException, match="optim.lr"):
         compose(["optim.lr=abc"])
+    with pytest.raises(UserError, match="train.max_steps"):
+        compose(["train.max_steps=many"])
+
+
+def test_schema_fields_are_overridable_without_plus():
+    cfg = compose(["model.loader=hf", "model.attn_implementation=eager", "eval.num_samples=3"])
+    assert cfg.model.attn_implementation == "eager" and cfg.eval.num_samples == 3
 
 
 def test_negative_lr_is_rejected():

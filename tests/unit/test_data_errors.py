@@ -22,7 +22,7 @@ def test_bad_row_names_file_line_and_the_expected_shape(tmp_path):
     with pytest.raises(UserError) as exc:
         tokenise(tmp_path, source("bad_row.jsonl", "messages"))
     msg = str(exc.value)
-    assert msg.startswith(f"{ASSETS / 'bad_row.jsonl'}:2: row has no 'messages' column")
+    assert msg.startswith(f"{ASSETS / 'bad_row.jsonl'}:2: row has no 'messages' field")
     assert '{"messages": [{"role": "user"' in msg  # what was expected
 
 
@@ -53,7 +53,7 @@ def test_empty_source(tmp_path):
 
 def test_missing_column_mapping(tmp_path):
     # no mapping: the columns fit no format, and the message says how to map them
-    with pytest.raises(UserError, match=r"mapped.jsonl:1: row has no 'prompt' column .*columns: \{prompt: <yours>\}"):
+    with pytest.raises(UserError, match=r"mapped.jsonl:1: row has no 'prompt' field .*columns: \{prompt: <yours>\}"):
         tokenise(tmp_path, source("mapped.jsonl", "prompt_completion"))
     # a mapping naming a column the file does not have
     src = source("mapped.jsonl", "prompt_completion", columns={"prompt": "query", "completion": "answer"})

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, compose, train
-from workbench.data.preference import Pair, _completion, preference_row, tokenise_preferences
+from workbench.data.formats import prompt_ids
+from workbench.data.preference import Pair, preference_row, tokenise_completion, tokenise_preferences
 from workbench.data.recipes import Source
 from workbench.errors import UserError
 from workbench.methods import dpo
@@ -72,11 +73,9 @@ def _pairs(tiny, n=3) -> list[Pair]:
     out = []
     for i, row in enumerate(rows):
         p, c, r = preference_row(row, f"row {i}")
-        from workbench.data.formats import prompt_ids
-
         ids = prompt_ids(tiny.tok, p)
-        out.append(Pair(_completion(tiny.tok, tiny.contract, p, c, ids), _completion(tiny.tok, tiny.contract, p, r, ids),
-                        len(ids)))
+        out.append(Pair(tokenise_completion(tiny.tok, tiny.contract, p, c, ids),
+                        tokenise_completion(tiny.tok, tiny.contract, p, r, ids), len(ids)))
     return out
 
 
@@ -119,11 +118,12 @@ def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu):
     loss_sum, metrics = method.loss(policy, micro)
     loss = loss_sum / len(pairs)
     loss.backward()
-    assert float(loss) == pytest.approx(float(trl_loss), rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(float(trl_loss.detach()), rel=1e-5)
     ours = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert set(ours) == set(trl_grads) and len(ours) > 10
     for n, g in ours.items():
-        torch.testing.assert_close(g, trl_grads[n], rtol=1e-5, atol=1e-7, msg=n)
+        # atol relative to the gradient's scale: summation order differs (index_add vs TRL's masked sums)
+        torch.testing.assert_close(g, trl_grads[n], rtol=1e-5, atol=1e-5 * float(trl_grads[n].abs().max()))
     assert metrics["rewards/accuracies"] in (0.0, 1 / 3, 2 / 3, 1.0)
 
 

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -116,7 +115,8 @@ def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu):  # noq
     ours = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert set(ours) == set(trl_grads)
     for n, g in ours.items():
-        torch.testing.assert_close(g, trl_grads[n], rtol=1e-5, atol=1e-7, msg=n)
+        # atol relative to the gradient's scale: summation order differs (index_add vs TRL's masked sums)
+        torch.testing.assert_close(g, trl_grads[n], rtol=1e-5, atol=1e-5 * float(trl_grads[n].abs().max()))
     assert metrics["clip/region"] > 0 and metrics["kl"] > 0  # the comparison exercised clipping and KL
 
 

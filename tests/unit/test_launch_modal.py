@@ -121,3 +121,14 @@ def test_missing_ray_and_submitit_give_install_hints(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(UserError, match=r"'submitit' is not installed.*pip install -e '\.\[slurm\]'"):
         slurm.launch(compose(["launcher.name=slurm"], tmp_path))
+
+
+@pytest.mark.parametrize("name,package", [("ray", "ray"), ("modal", "modal"), ("runpod", "runpod")])
+def test_dispatch_reaches_each_launcher(tmp_path, monkeypatch, name, package):
+    """launcher=<name> goes through launch.dispatch to its module (import blocked: the hint)."""
+    from workbench.launch import LAUNCHERS, dispatch
+
+    assert name in LAUNCHERS
+    monkeypatch.setitem(sys.modules, package, None)
+    with pytest.raises(UserError, match=rf"'{package}' is not installed"):
+        dispatch(compose([f"launcher={name}"], tmp_path))

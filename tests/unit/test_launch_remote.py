@@ -45,6 +45,7 @@ def test_far_side_command_reproduces_the_run_from_its_run_dir(tmp_path):
     remote.materialize(remote.job_spec(cfg, "test"), run_dir)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "WORKBENCH_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(remote.command(str(run_dir), sys.executable), cwd=ROOT, env=env, capture_output=True,
+                          stdin=subprocess.DEVNULL,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(json.loads((run_dir / "results.json").read_text())["losses"]) == 2

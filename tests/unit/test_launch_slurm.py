@@ -109,7 +109,10 @@ def test_inside_a_slurm_task_exports_ranks_and_records_the_job(tmp_path, monkeyp
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(k, raising=False)
+        # setenv first so that monkeypatch removes what submitit exports here when the test ends
+        # (a leaked WORLD_SIZE would make every later run in this process wait for a rendezvous)
+        monkeypatch.setenv(k, "unset")
+        monkeypatch.delenv(k)
     cfg = compose(["launcher=slurm", "launcher.partition=gpu"], tmp_path / "job")
     assert slurm.launch(cfg) is None  # train in this process, as rank 0 of 4
     import os
@@ -119,3 +122,9 @@ def test_inside_a_slurm_task_exports_ranks_and_records_the_job(tmp_path, monkeyp
     record = json.loads((tmp_path / "job" / "launch" / "launch.json").read_text())
     assert record["slurm"]["SLURM_JOB_ID"] == "4242" and record["dist"]["WORLD_SIZE"] == 4
     assert (tmp_path / "job" / "launch" / "job_config.yaml").exists()
+
+
+def test_no_distributed_variables_leak_from_the_slurm_test():
+    import os
+
+    assert "WORLD_SIZE" not in os.environ and "MASTER_ADDR" not in os.environ

@@ -43,6 +43,7 @@ def test_unmapped_architecture_is_named():
     (Parallel(pp=3), 3, "backend.pp=3 does not divide the model's 2 layers"),
     (Parallel(tp=2), 3, "does not divide the 3 processes"),
     (Parallel(sequence_parallel=True), 1, "sequence_parallel=true needs backend.tp > 1"),
+    (Parallel(tp=2, sequence_parallel=True), 2, "sequence_parallel=true needs Transformer Engine or Apex"),
     (Parallel(ep=2), 2, "backend.ep=2 needs a mixture-of-experts model"),
 ])
 def test_parallel_sizes_that_do_not_divide(par, world, field):

@@ -16,7 +16,6 @@ shards, and a checkpoint can be loaded at another world size. With peft, only th
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +120,7 @@ class FSDP2Backend:
     def __init__(self, cfg, ctx):
         self.cfg = cfg
         self.ctx = ctx
-        self._pending = None
+        self._ckpt_group = None  # async checkpoints: a process group of their own
 
     # -- setup ---------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, ctx) -> None:
@@ -250,8 +249,12 @@ class FSDP2Backend:
                         "scaler": self.scaler.state_dict() if self.scaler else None}, Path(path) / "schedule.pt")
         if self.cfg.async_checkpoint:
             # Shards are staged to host memory now and written in a background thread; the
-            # checkpoint only becomes `latest` once the returned future has completed.
-            return dcp.async_save(state, checkpoint_id=str(Path(path) / "dcp"))
+            # checkpoint only becomes `latest` once the returned future has completed. The
+            # thread's collectives get their own process group, so they never interleave with
+            # the training step's.
+            if self._ckpt_group is None:
+                self._ckpt_group = dist.new_group(backend="gloo")
+            return dcp.async_save(state, checkpoint_id=str(Path(path) / "dcp"), process_group=self._ckpt_group)
         dcp.save(state, checkpoint_id=str(Path(path) / "dcp"))
         return None
 

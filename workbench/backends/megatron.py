@@ -17,7 +17,7 @@ peers train on the same examples), so `wrap()` sets ctx.rank / ctx.world_size to
 Checkpoints: the workbench format, one file per rank (`sharded=True`) holding its Megatron-Core
 shard, with the TP/PP/EP layout recorded; resuming needs the same layout.
 `unwrapped()` is the HF model with the current weights bridged back (refreshed after the last
-step and at eval steps; on one process also on demand).
+step, at eval steps and, for GRPO's rollouts, after every step; on one process also on demand).
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def preflight(cfg) -> None:
     arch = OmegaConf.select(cfg, "model.arch", default=None)
     if arch is None:
         return  # checked again in wrap() against the loaded model's config
-    world = int(cfg.hardware.procs) * int(OmegaConf.select(cfg, "hardware.nodes", default=1) or 1)
+    # Inside a launched process the launcher's WORLD_SIZE is the truth; before launch, the request.
+    world = int(os.environ.get("WORLD_SIZE") or
+                int(cfg.hardware.procs) * int(OmegaConf.select(cfg, "hardware.nodes", default=1) or 1))
     check(cfg.backend, hf_config(arch), world, cfg.hardware.device, cfg.peft.kind)
 
 
@@ -192,6 +194,10 @@ class MegatronBackend:
                                          context_parallel_size=self.par.cp,
                                          expert_model_parallel_size=self.par.ep)
         self.layout = bridge.rank_layout()
+        if ctx.device == "cuda":  # Megatron's dropout / recompute RNG streams live on the GPU
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(ctx.cfg.train.seed)
         self.pol = ctx.policy
         self.device = ctx.device
         self.gpt = build_gpt(self.hf_config, self.par, self.pol.trainable_dtype)
@@ -341,7 +347,9 @@ class MegatronBackend:
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         t = self.ctx.cfg
-        if self.steps >= t.train.max_steps or (t.eval.every_n_steps and self.steps % t.eval.every_n_steps == 0):
+        # GRPO generates with unwrapped() every step, so it needs the bridge back every step.
+        if (self.steps >= t.train.max_steps or t.method.name == "grpo"
+                or (t.eval.every_n_steps and self.steps % t.eval.every_n_steps == 0)):
             self._sync_hf()  # export and eval read the HF model; every rank joins the gather
         return {"grad_norm": float(gn), "lr": lr}
 

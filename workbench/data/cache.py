@@ -104,10 +104,12 @@ def save(directory: Path, arrays: TokenArrays, meta: dict) -> None:
         np.save(tmp / "mask.npy", np.ascontiguousarray(arrays.mask, dtype=np.uint8))
         np.save(tmp / "offsets.npy", np.ascontiguousarray(arrays.offsets, dtype=np.int64))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        if directory.exists():  # another process finished first; its copy is identical
-            shutil.rmtree(tmp)
-            return
-        os.replace(tmp, directory)
+        try:
+            os.replace(tmp, directory)
+        except OSError:
+            if not directory.exists():
+                raise
+            shutil.rmtree(tmp)  # another process (e.g. another rank) finished first; its copy is identical
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

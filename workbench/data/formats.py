@@ -244,7 +244,7 @@ def detect_format(row: dict, where: str) -> str:
 
 def _need(row: dict, key: str, fmt: str, where: str):
     if key not in row:
-        raise UserError(f"{where}: row has no {key!r} column (columns: {sorted(row)}); format {fmt} expects "
+        raise UserError(f"{where}: row has no {key!r} field (columns: {sorted(row)}); format {fmt} expects "
                         f"{EXPECTED[fmt]}; map a differently named column with `columns: {{{key}: <yours>}}`")
     return row[key]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,4 +183,9 @@ def tokenise_source(source: Source, tokenizer, contract, data_cfg, loss_on="assi
 
 def tokenise_recipe(recipe: Recipe, tokenizer, contract, data_cfg, loss_on="assistant") -> list[Tokenised]:
     digest = tokenizer_digest(tokenizer)
-    return [tokenise_source(s, tokenizer, contract, data_cfg, loss_on, digest) for s in recipe.sources]
+    out = [tokenise_source(s, tokenizer, contract, data_cfg, loss_on, digest) for s in recipe.sources]
+    for t in out:
+        if t.skipped:  # on_bad_row=skip: say so once per source, with the first example
+            print(f"data: source {t.source.name!r}: skipped {t.skipped} bad row(s) (data.on_bad_row=skip); "
+                  f"first: {t.bad[0] if t.bad else '?'}", file=sys.stderr)
+    return out

@@ -72,7 +72,7 @@ def preference_row(row: dict, where: str) -> tuple[list[dict], list[dict], list[
     return prompt, chosen, rejected
 
 
-def _completion(tokenizer, contract, prompt: list[dict], turns: list[dict], p_ids: list[int]):
+def tokenise_completion(tokenizer, contract, prompt: list[dict], turns: list[dict], p_ids: list[int]):
     """(input_ids, labels) of prompt + completion; labels only on the completion's assistant tokens."""
     ids, labels = formats.tokenize_chat(tokenizer, prompt + turns, contract, "assistant")
     # assistant turns inside a multi-turn prompt are context, not the compared completion
@@ -124,7 +124,7 @@ def tokenise_preferences(source: Source, tokenizer, contract, data_cfg) -> Prefe
         p_ids = formats.prompt_ids(tokenizer, prompt)
         seqs = []
         for turns in (chosen, rejected):
-            ids, labels = _completion(tokenizer, contract, prompt, turns, p_ids)
+            ids, labels = tokenise_completion(tokenizer, contract, prompt, turns, p_ids)
             if len(ids) > data_cfg.seq_len:
                 ids, labels = ids[: data_cfg.seq_len], labels[: data_cfg.seq_len]
                 out.truncated += 1

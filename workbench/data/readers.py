@@ -16,7 +16,6 @@ rows: the 1-based row number) and says what was expected.
 from __future__ import annotations
 
 import csv
-import io
 import json
 import os
 from pathlib import Path
@@ -82,7 +81,8 @@ def iter_rows(source, columns: dict | None = None, split: str | None = None) -> 
 
 def _decode(raw: bytes, path, lineno: int) -> str:
     try:
-        return raw.decode("utf-8")
+        # utf-8-sig on the first line: editors on Windows start files with a byte-order mark
+        return raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"{path}:{lineno}: not UTF-8 text ({exc.reason} at byte {exc.start} of the line); "
                         "re-save the file as UTF-8") from None
@@ -159,26 +159,13 @@ def _csv(path, split) -> Iterator[tuple[str, dict]]:
     with open(path, "rb") as fb:
         # Decode line by line so a bad byte is reported at its line, then let csv parse the text.
         lines = (_decode(raw, path, n) for n, raw in enumerate(fb, 1))
-        reader = csv.DictReader(_LineFeed(lines))
+        reader = csv.DictReader(lines)
         for row in reader:
             if None in row:
                 raise UserError(f"{path}:{reader.line_num}: more fields than the header's {len(reader.fieldnames)}")
             if any(v is None for v in row.values()):
                 raise UserError(f"{path}:{reader.line_num}: fewer fields than the header's {len(reader.fieldnames)}")
             yield f"{path}:{reader.line_num}", dict(row)
-
-
-class _LineFeed(io.TextIOBase):
-    """Adapts a generator of decoded lines to the file-like iterator csv expects."""
-
-    def __init__(self, lines):
-        self._lines = lines
-
-    def __iter__(self):
-        return self._lines
-
-    def __next__(self):
-        return next(self._lines)
 
 
 def _parquet(path, split) -> Iterator[tuple[str, dict]]:

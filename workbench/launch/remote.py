@@ -28,21 +28,10 @@ CONFIG_NAME = "job_config"
 LAUNCH_SUBDIR = "launch"
 
 
-def _keep_non_secrets(raw, red):
-    """Undo redactions that cannot be secrets: numbers and flags (experts_per_token,
-    max_new_tokens) and tokenizer names; the far side needs those values to train the same run."""
-    if isinstance(raw, dict):
-        return {k: (raw[k] if red[k] == manifest.REDACTED and (not isinstance(raw[k], str) or "tokeniz" in str(k))
-                    else _keep_non_secrets(raw[k], red[k])) for k in raw}
-    if isinstance(raw, list):
-        return [_keep_non_secrets(a, b) for a, b in zip(raw, red)]
-    return red
-
-
 def composed_config(cfg: DictConfig) -> dict:
     """The resolved config that the far side trains with; secret-looking string values redacted."""
     raw = OmegaConf.to_container(cfg, resolve=True)
-    shipped = _keep_non_secrets(raw, manifest.redact(raw))
+    shipped = manifest.redact(raw)
     shipped["launcher"] = {"name": "local"}
     return shipped
 

@@ -187,6 +187,7 @@ def plot_curves(jobs: list[dict], swept: list[str], best, path: Path) -> Path:
 
     matplotlib.use("Agg")  # files only; no display on clusters and CI
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     n = len(jobs)
     cols = min(n, 4)
@@ -196,6 +197,9 @@ def plot_curves(jobs: list[dict], swept: list[str], best, path: Path) -> Path:
         if j["curve"]:
             steps, losses = zip(*j["curve"])
             ax.plot(steps, losses, color="tab:red" if j["num"] == best else "tab:blue", linewidth=1.5)
+        else:
+            ax.text(0.5, 0.5, f"no results ({j['status']})", ha="center", va="center", transform=ax.transAxes)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         label = ", ".join(f"{k}={_value(j, k)}" for k in swept) or "(no overrides)"
         ax.set_title(f"#{j['num']}{' (best)' if j['num'] == best else ''}\n{label}", fontsize=8)
         ax.set_xlabel("step", fontsize=8)

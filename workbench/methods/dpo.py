@@ -245,7 +245,7 @@ class DPO:
 @torch.no_grad()
 def preference_accuracy(model, tokenizer, contract, rows: list[dict], batch_size: int = 16, autocast=None) -> float:
     """Share of held-out pairs where the model's log-prob of `chosen` beats `rejected` (model: HF/PEFT)."""
-    from workbench.data.preference import Pair, _completion, preference_row
+    from workbench.data.preference import Pair, preference_row, tokenise_completion
     from workbench.data.formats import prompt_ids
     from workbench.models.head import SelectiveLM
 
@@ -253,8 +253,8 @@ def preference_accuracy(model, tokenizer, contract, rows: list[dict], batch_size
     for i, row in enumerate(rows):
         p, c, r = preference_row(row, f"row {i}")
         ids = prompt_ids(tokenizer, p)
-        pairs.append(Pair(_completion(tokenizer, contract, p, c, ids), _completion(tokenizer, contract, p, r, ids),
-                          len(ids)))
+        pairs.append(Pair(tokenise_completion(tokenizer, contract, p, c, ids),
+                          tokenise_completion(tokenizer, contract, p, r, ids), len(ids)))
     lm = SelectiveLM(model)
     was = model.training
     model.eval()

@@ -23,7 +23,6 @@ import torch
 
 from workbench.errors import UserError
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def cache_root() -> Path:
@@ -39,16 +38,9 @@ class Resolved:
 
 def zoo_entry(name: str):
     """The model config `conf/model/<name>.yaml`, following alias files."""
-    from omegaconf import OmegaConf
+    from workbench.config import load_group_file
 
-    path = CONF_DIR / "model" / f"{name}.yaml"
-    if not path.exists():
-        choices = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
-        raise UserError(f"model={name!r} is not in the zoo; choose one of {choices} or set model.path")
-    node = OmegaConf.load(path)
-    if "defaults" in node and "name" not in node:
-        return zoo_entry(node.defaults[0])
-    return node
+    return load_group_file("model", name)
 
 
 def _hub_reachable(timeout: float = 2.0) -> bool:

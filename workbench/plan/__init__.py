@@ -105,7 +105,8 @@ def refusal(plan: dict) -> str:
         needs = [r for r in runnable if r["devices_needed"]]
         if needs:
             r = min(needs, key=lambda r: (r["cost_usd"] or [1e18])[0])
-            msg += (f"; it needs {r['devices_needed']} x {r['accelerator']} with backend=fsdp2 "
+            how = "activation checkpointing" + (" and backend=fsdp2" if r["devices_needed"] > 1 else "")
+            msg += (f"; it fits on {r['devices_needed']} x {r['accelerator']} with {how} "
                     f"(hardware={r['hardware']}" + (f", ~{r['hours']:.1f} h, {money(r['cost_usd'])}"
                                                     if r["cost_usd"] else "") + ")")
     return msg + ". See the plan: add dry_run=true"

@@ -1,33 +1,29 @@
 """The hardware catalog: every profile in conf/hardware/*.yaml merged onto HardwareConfig.
 
 Profiles may extend another (`defaults: [h100-80gb]`), as Hydra would compose them. The CPU
-profile's memory is this machine's available memory, read at plan time.
+profile's memory is this machine's total memory, read at plan time.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import OmegaConf
 
-from workbench.config import HardwareConfig
+from workbench.config import load_group_file
 
 HW_DIR = Path(__file__).resolve().parents[2] / "conf" / "hardware"
 
 
 def _load(name: str):
-    node = OmegaConf.load(HW_DIR / f"{name}.yaml")
-    base = OmegaConf.structured(HardwareConfig)
-    if "defaults" in node:
-        for parent in node.pop("defaults"):
-            base = OmegaConf.merge(base, _load(parent))
-    return OmegaConf.merge(base, node)
+    return load_group_file("hardware", name)
 
 
 def host_memory_gb() -> float:
+    """This machine's total memory: what a run may count on when it has the machine to itself
+    (what is free right now depends on other processes of the moment)."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith("MemTotal:"):
                 return int(line.split()[1]) / 2**20
     except OSError:
         pass

@@ -1,6 +1,7 @@
 """Per-device memory of a training step, term by term.
 
-    weights      trainable and frozen parameters (NF4 blocks with their quantisation constants)
+    weights      trainable and frozen parameters (NF4 blocks with their quantisation constants);
+                 under FSDP2 / ZeRO-3 the local shard plus the gathered root unit and two blocks
     master       fp32 master weights where the backend keeps bf16 params (DeepSpeed, Megatron)
     grads        gradients of trainable parameters
     optimizer    AdamW moments (2 per trainable parameter)
@@ -157,6 +158,12 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     if s.offload_params and stage >= 3:
         host += weights
         weights = 0.0
+    # FSDP2 / ZeRO-3 gather a unit's full parameters to compute with it: the root unit
+    # (embeddings, head) stays gathered from forward to backward, plus a block and its prefetch.
+    gather = 0.0
+    if stage >= 3 and dp > 1:
+        unit_bytes = (2 if half_params else TRAINABLE[s.precision]) if s.peft == "none" else FROZEN[s.precision]
+        gather = (counts.embed / s.tp + 2 * counts.per_block / mp) * unit_bytes * (1 - 1 / dp)
     acts = activation_bytes(arch, s, tokens)
     logit = logits_bytes(arch, s, selected)
     embed_grad = arch.vocab * arch.hidden * g_per / s.tp if s.peft == "none" else 0.0
@@ -187,10 +194,12 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     # are alive, by its end the activations are freed and all gradients (plus the dense
     # embedding gradient) exist; the optimizer step then holds gradients, state and temporaries.
     head_grad = embed_grad
-    backward = weights + master + optim + max(acts + logit + head_grad, grads + embed_grad)
+    backward = weights + gather + master + optim + max(acts + logit + head_grad, grads + embed_grad)
     step = weights + master + optim + grads + opt_tmp
     peak = max(backward, step) + reference + generation
     transient = max(0.0, peak - (weights + master + optim + grads + acts + logit + reference + generation))
+    weights += gather  # reported with the weights: gathered copies are weights on this device
+    transient = max(0.0, transient - gather)
     return Estimate(weights=weights, master=master, grads=grads, optimizer=optim, activations=acts, logits=logit,
                     transient=transient, reference=reference, generation=generation, host=host, peak=peak,
                     vllm_fraction=vllm)

@@ -15,7 +15,9 @@ def _money(cost) -> str:
 def _hours(h) -> str:
     if h is None:
         return "-"
-    return f"{h / 24:.1f} d" if h >= 48 else f"{h:.1f} h" if h >= 1 else f"{h * 60:.1f} min"
+    if h >= 48:
+        return f"{h / 24:.1f} d"
+    return f"{h:.1f} h" if h >= 1 else f"{h * 60:.1f} min" if h * 60 >= 1 else f"{h * 3600:.1f} s"
 
 
 def show(plan: dict, console: Console | None = None) -> None:

@@ -98,12 +98,13 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if getattr(mod, "use_dora", {}) and any(mod.use_dora.values()):
             raise UserError("weight sync merges LoRA adapters; DoRA adapters are not supported")
         base = mod.get_base_layer()
-        w = _dense(base.weight).float()
+        dense = _dense(base.weight)
+        w = dense.float()
         if not getattr(mod, "merged", False):
             for adapter in mod.active_adapters:
                 if adapter in mod.lora_A:
                     w = w + mod.get_delta_weight(adapter).float()
-        out[f"{name}.weight"] = w
+        out[f"{name}.weight"] = w.to(dense.dtype)  # one layer at a time in fp32, stored as the base
         if getattr(base, "bias", None) is not None:
             out[f"{name}.bias"] = base.bias.detach()
     for pname, p in lm.named_parameters():
