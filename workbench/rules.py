@@ -169,7 +169,7 @@ RULES: list[Rule] = [
          "backend.activation_checkpointing=full"),
     Rule("qlora-megatron", {"peft": "qlora", "backend": "megatron"},
          lambda c, e: c.peft.kind == "qlora" and _backend(c) == "megatron",
-         "peft=qlora is not supported on backend=megatron (no 4-bit Megatron layers); use peft=lora there, "
+         "peft=qlora is not supported on backend=megatron (no 4-bit Megatron layers); use peft=none there, "
          "or peft=qlora with backend=fsdp2"),
     Rule("qlora-fp8", {"peft": "qlora", "precision": "fp8"},
          lambda c, e: c.peft.kind == "qlora" and c.precision.name == "fp8",
@@ -179,7 +179,7 @@ RULES: list[Rule] = [
          "peft=qlora needs bitsandbytes: pip install bitsandbytes (or use peft=lora)"),
     Rule("dora-megatron", {"peft": "dora", "backend": "megatron"},
          lambda c, e: c.peft.kind == "dora" and _backend(c) == "megatron",
-         "peft=dora is not supported on backend=megatron; use peft=lora"),
+         "peft=dora is not supported on backend=megatron; use peft=none there, or peft=dora with backend=fsdp2"),
     # backends
     Rule("deepspeed-fp8", {"backend": "deepspeed", "precision": "fp8"},
          lambda c, e: _backend(c) == "deepspeed" and c.precision.name == "fp8",
@@ -232,7 +232,7 @@ RULES: list[Rule] = [
     # methods
     Rule("grpo-needs-reward", {"method": "grpo"},
          lambda c, e: _method(c) == "grpo" and not _rewards(c),
-         "method=grpo needs at least one reward: add reward=arith_exact (or method.rewards=[module:function])"),
+         "method=grpo needs at least one reward: add reward=arith_exact (or reward.functions=[{name: module:function}])"),
     Rule("grpo-group-size", {"method": "grpo"},
          lambda c, e: _method(c) == "grpo" and int(pick(c, ["method.num_generations", "method.generations"], 2)) < 2,
          "method=grpo compares completions within a group: set method.num_generations>=2"),
@@ -255,6 +255,11 @@ RULES: list[Rule] = [
     Rule("liger-on-cpu", {"hardware": "cpu", "kernels": "liger"},
          lambda c, e: c.kernels == "liger" and _dev(c) != "cuda",
          "kernels=liger are Triton GPU kernels; on CPU use kernels=none"),
+    # last, so that megatron's parallel-size rules report first when several apply
+    Rule("lora-megatron", {"peft": "lora", "backend": "megatron"},
+         lambda c, e: c.peft.kind == "lora" and _backend(c) == "megatron",
+         "peft=lora is not built for backend=megatron yet (adapters on Megatron layers); use peft=none there, "
+         "or peft=lora with backend=fsdp2"),
 ]
 
 

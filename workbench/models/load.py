@@ -142,7 +142,21 @@ def materialise(model_cfg, res: Resolved) -> Resolved:
     return res
 
 
+_TOKENIZERS: dict = {}
+
+
 def load_tokenizer(model_cfg):
+    """The model's tokenizer; a fresh copy each call, read from disk once per process
+    (preflight renders a sample with it before the runner uses it)."""
+    import copy
+
+    key = (model_cfg.name, model_cfg.tokenizer, model_cfg.path, model_cfg.hub_id)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = _read_tokenizer(model_cfg)
+    return copy.deepcopy(_TOKENIZERS[key])
+
+
+def _read_tokenizer(model_cfg):
     from transformers import AutoTokenizer
 
     if model_cfg.name == "tiny" or model_cfg.tokenizer:
