@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.errors import UserError, missing_package
+from workbench.backends.step import all_sum
 from workbench.methods.base import StepBatch
 from workbench.optim import build_optimizer, build_scheduler
 
@@ -195,14 +196,9 @@ class DeepSpeedBackend:
         return {"params": params, "optimizer": optim}
 
     # -- step ----------------------------------------------------------------------------
-    def _all_sum(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t.item())
-
     def forward_backward(self, batch: StepBatch, loss_fn) -> dict[str, float]:
         self.engine.train()
-        denom = self._all_sum(batch.denom)
+        denom = all_sum(batch.denom)
         # ZeRO averages gradients over ranks (like DDP); the workbench normalises by the
         # global denominator itself, so DeepSpeed's own 1/grad_accum scaling is turned off.
         scale = self.world / max(denom, 1e-12)
@@ -215,7 +211,7 @@ class DeepSpeedBackend:
             total += float(loss_sum.detach())
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
-        return {"loss": self._all_sum(total) / max(denom, 1e-12), **sums}
+        return {"loss": all_sum(total) / max(denom, 1e-12), **sums}
 
     def optimizer_step(self) -> dict[str, float]:
         lr = self.scheduler.get_last_lr()[0]

@@ -16,6 +16,7 @@ shards, and a checkpoint can be loaded at another world size. With peft, only th
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from workbench import precision as prec
 from workbench.errors import UserError
+from workbench.backends.step import accumulate, clip_and_step
 from workbench.methods.base import StepBatch
 from workbench.optim import build_optimizer, build_scheduler
 from workbench.peft.lora import base_model
@@ -187,46 +189,18 @@ class FSDP2Backend:
         return {"params": params, "optimizer": optim}
 
     # -- step ----------------------------------------------------------------------------
-    def _all_sum(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t.item())
-
     def forward_backward(self, batch: StepBatch, loss_fn) -> dict[str, float]:
         self.model.train()
-        denom = self._all_sum(batch.denom)
-        scale = self.world / max(denom, 1e-12)  # gradients are averaged over ranks, as in DDP
-        total, sums = 0.0, {}
-        for i, micro in enumerate(batch.micro):
-            last = i == len(batch.micro) - 1
-            self.model.set_requires_gradient_sync(last)  # reduce-scatter once per step
-            with prec.autocast(self.pol, self.device):
-                loss_sum, metrics = loss_fn(self.model, micro)
-            loss = loss_sum.float() * scale
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total += float(loss_sum.detach())
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-        return {"loss": self._all_sum(total) / max(denom, 1e-12), **sums}
+
+        def sync(last: bool):  # reduce-scatter once per step, after the last micro-batch
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+
+        return accumulate(self.model, batch, loss_fn, self.pol, self.device, self.world, self.scaler, sync)
 
     def optimizer_step(self) -> dict[str, float]:
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.max_grad_norm > 0:
-            gn = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-        else:
-            gn = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-        lr = self.scheduler.get_last_lr()[0]
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(gn), "lr": lr}
+        return clip_and_step(self.model.parameters(), self.optimizer, self.scheduler, self.scaler,
+                             self.max_grad_norm)
 
     # -- state ---------------------------------------------------------------------------
     def _dcp_state(self) -> dict:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from workbench import precision as prec
+from workbench.backends.step import accumulate, clip_and_step
 from workbench.methods.base import StepBatch
 from workbench.optim import build_optimizer, build_scheduler
 
@@ -51,51 +51,18 @@ class SingleBackend:
         return self.model
 
     # -- step ----------------------------------------------------------------------------
-    def _all_sum(self, value: float) -> float:
-        if self.world == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t.item())
-
     def forward_backward(self, batch: StepBatch, loss_fn) -> dict[str, float]:
         net = self.ddp or self.model
         net.train()
-        denom = self._all_sum(batch.denom)
-        # DDP averages gradients over ranks; scaling by world makes the result the gradient of
-        # (sum of all ranks' losses) / (global denom), the same as one big batch on one device.
-        scale = self.world / max(denom, 1e-12)
-        total = 0.0
-        sums: dict[str, float] = {}
-        for i, micro in enumerate(batch.micro):
-            last = i == len(batch.micro) - 1
-            sync = contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
-            with sync, prec.autocast(self.pol, self.device):
-                loss_sum, metrics = loss_fn(net, micro)
-            loss = loss_sum.float() * scale
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total += float(loss_sum.detach())
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-        return {"loss": self._all_sum(total) / max(denom, 1e-12), **sums}
+
+        def sync(last: bool):  # DDP all-reduces gradients on the last micro-batch only
+            return contextlib.nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
+
+        return accumulate(net, batch, loss_fn, self.pol, self.device, self.world, self.scaler, sync)
 
     def optimizer_step(self) -> dict[str, float]:
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.max_grad_norm > 0:
-            gn = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
-        else:
-            gn = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params]))
-        lr = self.scheduler.get_last_lr()[0]
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(gn), "lr": lr}
+        return clip_and_step(self.model.parameters(), self.optimizer, self.scheduler, self.scaler,
+                             self.max_grad_norm)
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
