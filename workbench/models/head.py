@@ -24,6 +24,10 @@ class SelectiveLM(nn.Module):
     def forward(self, input_ids, attention_mask=None, position_ids=None, select=None):
         """Logits at positions where `select` is True (N x vocab), or all logits (B x T x V)."""
         lm = base_model(self.inner)
+        if right_padded(attention_mask):
+            # Under a causal mask no real token attends to the padding after it, so the padding
+            # mask changes nothing that is trained; without it SDPA takes its faster causal path.
+            attention_mask = None
         if select is None or not self._split:
             out = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=False)
@@ -31,6 +35,13 @@ class SelectiveLM(nn.Module):
         hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
         return lm.lm_head(hidden[select])
+
+
+def right_padded(attention_mask) -> bool:
+    """A 2-D mask whose rows are ones then zeros (padding only at the end)."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return False
+    return bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
 
 
 def shift_targets(input_ids: torch.Tensor, labels: torch.Tensor, ignore: int = -100):
