@@ -11,6 +11,12 @@
 # as wheels in .whl/ (hydra-core, omegaconf, antlr4-python3-runtime; optionally bitsandbytes,
 # liger-kernel, torchao, unsloth, vllm, flash-attn): they are installed into /tmp/site first.
 # Sections whose packages are missing record "skipped: <why>".
+#
+# Not covered by this one-GPU check, and never exercised on CPU (README, "Megatron-Core"):
+# Megatron with Transformer Engine layer specs and fp8 (refused until built), context
+# parallelism, NCCL tensor/pipeline parallel speed (needs >= 2 GPUs), the all-to-all MoE
+# dispatcher. The megatron section compares backend=megatron with backend=single in bf16 on
+# the CUDA build path (SDPA fused kernels, model_parallel_cuda_manual_seed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
