@@ -141,18 +141,19 @@ def test_dpo_under_fsdp2(fsdp, single, peft):
     close(fsdp[f"f_dpo_{peft}"]["losses"], single[f"dpo_{peft}"])
 
 
-def _adapter_tensors(export: dict) -> dict:
+def assert_real_adapter(export: dict) -> None:
+    """The exported adapter is non-empty and carries trained values (lora_B starts at zero)."""
     from safetensors.torch import load_file
 
-    return load_file(str(Path(export["adapter"]) / "adapter_model.safetensors"))
+    tensors = load_file(str(Path(export["adapter"]) / "adapter_model.safetensors"))
+    assert tensors and all(t.numel() > 0 for t in tensors.values())
+    lora_b = [t for k, t in tensors.items() if "lora_B" in k]
+    assert lora_b and any(t.abs().sum() > 0 for t in lora_b)
 
 
 @pytest.mark.parametrize("run", ["f_lora", "f_qlora"])
 def test_fsdp2_adapter_export_has_real_weights(fsdp, run):
-    tensors = _adapter_tensors(fsdp[run]["export"])
-    assert tensors and all(t.numel() > 0 for t in tensors.values())
-    lora_b = [t for k, t in tensors.items() if "lora_B" in k]
-    assert lora_b and any(t.abs().sum() > 0 for t in lora_b)  # B starts at zero: trained values arrived
+    assert_real_adapter(fsdp[run]["export"])
 
 
 def test_fsdp2_qlora_equals_single(fsdp, single):
@@ -175,9 +176,7 @@ def test_zero_equals_single(zero, single, stage):
 
 def test_zero3_lora_equals_single_and_exports_real_adapter(zero, single):
     close(zero["z3_lora"]["losses"], single["lora"])
-    tensors = _adapter_tensors(zero["z3_lora"]["export"])
-    assert tensors and all(t.numel() > 0 for t in tensors.values())
-    assert any(t.abs().sum() > 0 for k, t in tensors.items() if "lora_B" in k)
+    assert_real_adapter(zero["z3_lora"]["export"])
 
 
 def test_zero3_resume_equals_uninterrupted(zero):
