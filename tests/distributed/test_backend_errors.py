@@ -48,7 +48,8 @@ def test_procs_above_gpus_is_refused(monkeypatch, tmp_path):
     (["backend=deepspeed", "backend.offload_optimizer=nvme"], r"NVMe offload needs backend.nvme_path"),
     (["backend=fsdp2", "++model.gradient_checkpointing=true"], r"use backend.activation_checkpointing=full"),
     (["backend=fsdp2", "backend.cpu_offload=true"], r"use backend.cpu_offload=false"),
-    (["backend=fsdp2", "method=grpo"], r"use backend=deepspeed backend.stage=2"),
+    (["backend=fsdp2", "method=grpo", "method.engine=vllm"], r"use method.engine=hf"),
+    (["backend=fsdp2", "method=grpo", "method.beta=0.1", "peft=none"], r"use peft=lora .* or method.beta=0"),
     (["backend=deepspeed", "backend.stage=3", "method=dpo", "peft=none"], r"use method.reference=precomputed"),
 ])
 def test_impossible_combinations_say_what_to_use(tmp_path, overrides, message):

@@ -16,6 +16,8 @@ back only from this run's own output_dir.
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -183,6 +185,13 @@ class DeepSpeedBackend:
 
     def unwrapped(self) -> torch.nn.Module:
         return self.model
+
+    @contextlib.contextmanager
+    def generation(self):
+        """(module, synced) for HF generate (GRPO rollouts). Under ZeRO-3 every submodule fetches
+        its partitions in its own forward hook, so the inner model generates as it is; ranks
+        stop at different lengths, so generate keeps stepping until all are done (synced)."""
+        yield self.model.inner, self.cfg.stage == 3 and self.world > 1
 
     def local_bytes(self) -> dict[str, int]:
         """Bytes of parameters and optimizer state held by this rank (its partitions)."""

@@ -66,11 +66,15 @@ def preflight(cfg) -> None:
 
 def check_method(cfg, where: str) -> None:
     """Methods that need the full weights on one rank outside the backend's forward."""
-    name = cfg.method.name
-    if name == "grpo":
-        raise UserError(f"method=grpo generates with the full model on each rank, which {where} shards; "
-                        "use backend=deepspeed backend.stage=2 (or backend=single, DDP) for GRPO")
-    if name == "dpo":
+    if cfg.method.name == "grpo" and cfg.method.engine == "vllm":
+        raise UserError(f"method.engine=vllm loads full weights into vLLM on every rank, which {where} shards; "
+                        "use method.engine=hf (generates through the sharded model) or backend=deepspeed "
+                        "backend.stage=2")
+    if cfg.method.name == "grpo" and cfg.method.beta and cfg.peft.kind == "none":
+        raise UserError(f"method=grpo with method.beta>0 and peft=none keeps a copied reference model, which "
+                        f"{where} cannot shard; use peft=lora (its reference is the adapter-free base) "
+                        "or method.beta=0")
+    if cfg.method.name == "dpo":
         ref = cfg.method.reference
         if ref == "copy" or (ref == "auto" and cfg.peft.kind == "none"):
             raise UserError(f"method=dpo with a copied reference model cannot be sharded by {where}; "
@@ -123,6 +127,7 @@ class FSDP2Backend:
         self.cfg = cfg
         self.ctx = ctx
         self._ckpt_group = None  # async checkpoints: a process group of their own
+        self._forwarded = False  # has a forward gone through the root yet (FSDP picks its root then)
 
     # -- setup ---------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, ctx) -> None:
@@ -181,6 +186,26 @@ class FSDP2Backend:
     def unwrapped(self) -> torch.nn.Module:
         return self.model
 
+    @contextlib.contextmanager
+    def generation(self):
+        """(module, synced) for HF generate on the sharded model (GRPO rollouts).
+
+        generate calls the inner model, not the root's forward, so the root unit (embeddings,
+        final norm, head) is gathered here for the whole call; each block gathers in its own
+        forward hook. A first forward through the root settles which FSDP state is the root.
+        Ranks stop at different lengths, so generate keeps stepping until all are done
+        (synced); otherwise one rank would wait in an all-gather the others never join.
+        """
+        if not self._forwarded:
+            with torch.no_grad():
+                self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device))
+            self._forwarded = True
+        self.model.unshard()
+        try:
+            yield self.model.inner, self.world > 1
+        finally:
+            self.model.reshard()
+
     def local_bytes(self) -> dict[str, int]:
         """Bytes of parameters and optimizer state held by this rank (its shards)."""
         params = sum(p.to_local().numel() * p.element_size() for p in self.model.parameters())
@@ -191,6 +216,7 @@ class FSDP2Backend:
     # -- step ----------------------------------------------------------------------------
     def forward_backward(self, batch: StepBatch, loss_fn) -> dict[str, float]:
         self.model.train()
+        self._forwarded = True
 
         def sync(last: bool):  # reduce-scatter once per step, after the last micro-batch
             self.model.set_requires_gradient_sync(last)

@@ -24,6 +24,7 @@ generation go to <run_dir>/samples/grpo.jsonl.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -154,9 +155,8 @@ class GRPO:
     # -- rollouts ------------------------------------------------------------------------
     def _generate(self, backend, convs: list) -> list[list[int]]:
         c = self.cfg
-        model = backend.unwrapped().inner
         if self.engine is not None:
-            self.engine.sync_weights(model)
+            self.engine.sync_weights(backend.unwrapped().inner)
             out = self.engine.generate(convs, c.num_generations, c.max_new_tokens, c.temperature, c.top_p)
             if out and out[0] and isinstance(out[0][0], list):  # grouped per prompt -> flat
                 out = [ids for group in out for ids in group]
@@ -165,10 +165,13 @@ class GRPO:
         from workbench import precision
         from workbench.rollout.generate import generate
 
-        return generate(model, self.ctx.tokenizer, convs, c.max_new_tokens, self.ctx.contract.end_of_turn_id,
-                        do_sample=True, temperature=c.temperature, top_p=c.top_p,
-                        num_return_sequences=c.num_generations,
-                        autocast=precision.autocast(self.ctx.policy, self.ctx.device))
+        # sharding backends hand out the module to generate with and whether ranks must step together
+        gen = getattr(backend, "generation", None)
+        with (gen() if gen else contextlib.nullcontext((backend.unwrapped().inner, False))) as (model, synced):
+            return generate(model, self.ctx.tokenizer, convs, c.max_new_tokens, self.ctx.contract.end_of_turn_id,
+                            do_sample=True, temperature=c.temperature, top_p=c.top_p,
+                            num_return_sequences=c.num_generations,
+                            autocast=precision.autocast(self.ctx.policy, self.ctx.device), synced=synced)
 
     def _rollout(self, backend) -> StepBatch:
         c, t = self.cfg, self.ctx.cfg.train

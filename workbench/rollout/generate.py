@@ -14,8 +14,10 @@ from workbench.data.formats import prompt_ids
 @torch.no_grad()
 def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, eot_id: int,
              do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-             num_return_sequences: int = 1, autocast=None) -> list[list[int]]:
-    """Completion token ids (end-of-turn and padding stripped) for each conversation."""
+             num_return_sequences: int = 1, autocast=None, synced: bool = False) -> list[list[int]]:
+    """Completion token ids (end-of-turn and padding stripped) for each conversation.
+
+    synced: every rank keeps stepping until all ranks are done (parameters sharded over ranks)."""
     prompts = [prompt_ids(tokenizer, c) for c in conversations]
     width = max(len(p) for p in prompts)
     pad = tokenizer.pad_token_id
@@ -40,6 +42,7 @@ def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: 
                 do_sample=do_sample, temperature=temperature if do_sample else None,
                 top_p=top_p if do_sample else None, top_k=None,
                 num_return_sequences=num_return_sequences, eos_token_id=eot_id, pad_token_id=pad,
+                synced_gpus=synced,
             )
     finally:
         if cfg is not None:
