@@ -158,12 +158,17 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     if s.offload_params and stage >= 3:
         host += weights
         weights = 0.0
-    # FSDP2 / ZeRO-3 gather a unit's full parameters to compute with it: the root unit
-    # (embeddings, head) stays gathered from forward to backward, plus a block and its prefetch.
+    # FSDP2 / ZeRO-3 compute a unit with a full copy of its parameters beside the local shard:
+    # the root unit (embeddings, head), plus a block and its prefetch. FSDP2 all-gathers into
+    # a buffer and copies out; the buffer is released with the collective's work object, which
+    # on some ranks is only after the unit has run (measured on CPU/gloo: two copies of the
+    # root unit alive through the head's backward on one of two ranks), so the planner counts both.
     gather = 0.0
+    fsdp_regather = stage >= 3 and dp > 1 and s.backend == "fsdp2"
     if stage >= 3 and dp > 1:
         unit_bytes = (2 if half_params else TRAINABLE[s.precision]) if s.peft == "none" else FROZEN[s.precision]
-        gather = (counts.embed / s.tp + 2 * counts.per_block / mp) * unit_bytes * (1 - 1 / dp)
+        copies = 2 if fsdp_regather else 1
+        gather = (copies * counts.embed / s.tp + 2 * counts.per_block / mp) * unit_bytes
     acts = activation_bytes(arch, s, tokens)
     logit = logits_bytes(arch, s, selected)
     embed_grad = arch.vocab * arch.hidden * g_per / s.tp if s.peft == "none" else 0.0
@@ -195,6 +200,13 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     # embedding gradient) exist; the optimizer step then holds gradients, state and temporaries.
     head_grad = embed_grad
     backward = weights + gather + master + optim + max(acts + logit + head_grad, grads + embed_grad)
+    if fsdp_regather:
+        # FSDP2 reshards the root after forward and gathers it again for the head's backward,
+        # when of the logits only their gradient is left. With a trainable embedding the head's
+        # dense gradient, the embedding's and (tied) their sum then exist at once, unsharded
+        # until the reduce-scatter.
+        grad_moment = (3 if arch.tie_embeddings else 2) * embed_grad if s.peft == "none" else 0.0
+        backward = weights + gather + master + optim + max(acts + logit / 3, grad_moment)
     step = weights + master + optim + grads + opt_tmp
     peak = max(backward, step) + reference + generation
     transient = max(0.0, peak - (weights + master + optim + grads + acts + logit + reference + generation))
