@@ -68,8 +68,11 @@ def tiny(tmp_path_factory):
     return SimpleNamespace(cfg=cfg, tok=tok, contract=contract, path=path)
 
 
-def _pairs(tiny, n=3) -> list[Pair]:
-    rows = [json.loads(line) for line in PAIRS.read_text().splitlines()[:n]]
+def _pairs(tiny, n=3, two_digit_chosen=False) -> list[Pair]:
+    rows = [json.loads(line) for line in PAIRS.read_text().splitlines()]
+    if two_digit_chosen:  # equal chosen lengths: TRL's batch token-mean NLL = our mean of per-pair means
+        rows = [r for r in rows if len(r["chosen"]) == 2]
+    rows = rows[:n]
     out = []
     for i, row in enumerate(rows):
         p, c, r = preference_row(row, f"row {i}")
@@ -79,18 +82,21 @@ def _pairs(tiny, n=3) -> list[Pair]:
     return out
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "rpo"])
 def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu):
+    """rpo: sigmoid plus rpo_alpha x the chosen NLL, which TRL spells loss_type=[sigmoid, sft]."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
     from workbench.models.head import SelectiveLM
 
-    beta = 0.3
-    pairs = _pairs(tiny)
+    beta, alpha = 0.3, 0.7
+    pairs = _pairs(tiny, two_digit_chosen=loss_type == "rpo")
+    trl_losses = dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, alpha]) if loss_type == "rpo" else \
+        dict(loss_type=[loss_type])
     # TRL: its own trainer on the saved model, its collator on our token ids, its loss.
-    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, loss_type=[loss_type], report_to=[],
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, **trl_losses, report_to=[],
                      use_cpu=True, bf16=False, max_length=None, per_device_train_batch_size=len(pairs),
                      dataset_num_proc=None)
     row = {"prompt": [{"role": "user", "content": "1+1?"}], "chosen": [{"role": "assistant", "content": "2"}],
@@ -108,7 +114,8 @@ def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu):
     # Ours: the method's own loss with a frozen-copy reference, divided by the pair count as the backend does.
     model = AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32)
     cfg = copy.deepcopy(tiny.cfg.method)
-    cfg.beta, cfg.loss_type = beta, loss_type
+    cfg.beta, cfg.loss_type = beta, "sigmoid" if loss_type == "rpo" else loss_type
+    cfg.rpo_alpha = alpha if loss_type == "rpo" else 0.0
     ctx = SimpleNamespace(cfg=tiny.cfg)
     method = dpo.DPO(cfg, ctx)
     policy = SelectiveLM(model).train()

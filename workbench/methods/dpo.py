@@ -7,7 +7,8 @@
 
 Losses on the reference-relative log-ratio difference d = (pi_c - ref_c) - (pi_r - ref_r):
 `sigmoid` -(1-e) log s(b d) - e log s(-b d) (e = label_smoothing, conservative DPO), `ipo`
-(d per completion token - 1/(2b))^2 as in TRL, `hinge` relu(1 - b d). Log-probs are summed over
+(d per completion token - 1/(2b))^2 as in TRL, `hinge` relu(1 - b d); plus, with
+`rpo_alpha` > 0, that times the chosen completion's per-token NLL (RPO). Log-probs are summed over
 completion tokens only (SelectiveLM's `select`). The step's loss is the sum over pairs divided
 by the global number of pairs (StepBatch.denom).
 
@@ -17,7 +18,7 @@ peft), `copy` (a frozen copy of the initial model; the default without peft), `p
 $WORKBENCH_CACHE/ref_logps/<fingerprint>.safetensors, keyed by model and data).
 
 Logged metrics (means over this rank's batch): rewards/chosen, rewards/rejected (b times the
-log-ratios), rewards/margins, rewards/accuracies, logps/chosen, logps/rejected.
+log-ratios), rewards/margins, rewards/accuracies, logps/chosen, logps/rejected, nll/chosen.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class Config:
     loss_type: str = "sigmoid"  # sigmoid | ipo | hinge
     beta: float = 0.1
     label_smoothing: float = 0.0  # sigmoid only: probability that a pair's label is flipped
+    # weight of the chosen completion's NLL (per-token mean) added to each pair's loss: RPO
+    # (Pang et al. 2024, TRL's rpo_alpha). Keeps the chosen likelihood rising instead of DPO
+    # only widening the gap, which is what lets a small model learn which number is right.
+    rpo_alpha: float = 0.0
     reference: str = "auto"  # auto (adapter with peft, copy without) | adapter | copy | precomputed
     precompute_batch_size: int = 16
 
@@ -64,6 +69,8 @@ def check(cfg, peft_kind: str) -> str:
         raise UserError(f"method.beta must be > 0 (got {cfg.beta})")
     if not 0.0 <= cfg.label_smoothing < 0.5:
         raise UserError(f"method.label_smoothing must be in [0, 0.5) (got {cfg.label_smoothing})")
+    if cfg.rpo_alpha < 0:
+        raise UserError(f"method.rpo_alpha must be >= 0 (got {cfg.rpo_alpha})")
     if cfg.label_smoothing and cfg.loss_type != "sigmoid":
         raise UserError("method.label_smoothing applies to loss_type=sigmoid only")
     ref = cfg.reference
@@ -226,13 +233,17 @@ class DPO:
         pi_c, pi_r = sequence_logps(model, micro).chunk(2)
         n_c, n_r = micro["n_tokens"].chunk(2)
         per_pair = dpo_loss(pi_c, pi_r, ref_c.float(), ref_r.float(), self.cfg, n_c, n_r)
+        nll = -pi_c / n_c.clamp(min=1)
+        if self.cfg.rpo_alpha:
+            per_pair = per_pair + self.cfg.rpo_alpha * nll
         with torch.no_grad():
             rc, rr = self.cfg.beta * (pi_c - ref_c), self.cfg.beta * (pi_r - ref_r)
             k = self._pairs_in_step
             metrics = {"rewards/chosen": float(rc.sum()) / k, "rewards/rejected": float(rr.sum()) / k,
                        "rewards/margins": float((rc - rr).sum()) / k,
                        "rewards/accuracies": float((rc > rr).float().sum()) / k,
-                       "logps/chosen": float(pi_c.sum()) / k, "logps/rejected": float(pi_r.sum()) / k}
+                       "logps/chosen": float(pi_c.sum()) / k, "logps/rejected": float(pi_r.sum()) / k,
+                       "nll/chosen": float(nll.sum()) / k}
         return per_pair.sum(), metrics
 
     def state_dict(self) -> dict:
