@@ -19,10 +19,25 @@ from workbench.config import CONF_DIR, validate
 from workbench.errors import UserError
 
 
+def _skip_bitsandbytes(cfg: DictConfig) -> None:
+    """peft imports bitsandbytes whenever it is installed, and bitsandbytes imports
+    torch._inductor: about a second before the first step of a run that quantises nothing.
+    A single job that is not QLoRA hides it (a multirun may still reach QLoRA in this process)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if cfg.peft.kind == "qlora" or cfg.model.loader != "hf" or "peft" in sys.modules or "bitsandbytes" in sys.modules:
+        return
+    if HydraConfig.initialized() and HydraConfig.get().mode != RunMode.RUN:
+        return
+    sys.modules["bitsandbytes"] = None  # import raises ImportError; find_spec answers None
+
+
 def run_job(cfg: DictConfig) -> dict | None:
     from workbench import preflight
 
     cfg = validate(cfg)
+    _skip_bitsandbytes(cfg)
     if cfg.data.preview:  # tokenizer only: render samples with their loss mask and stop
         from workbench.data.preview import preview
 
