@@ -126,10 +126,12 @@ def check(cfg, env: rules.Env | None = None) -> dict:
     check_tasks(cfg.eval.tasks)
 
     counts = count(probe(cfg.model), cfg.model.arch, cfg.peft)  # meta device; checks adapter targets
-    plan = make_plan(cfg, counts)
+    # A run that fits here needs no other profile; the rest of the catalog is read for dry runs
+    # and for a refusal, which names where the run would fit.
+    plan = make_plan(cfg, counts, others=cfg.dry_run)
     enforce = OmegaConf.select(cfg, "plan.enforce", default=True)
     if enforce and not cfg.dry_run and not plan["here"]["fits"] and plan["here"]["usable_gb"] > 0:
-        raise UserError(refusal(plan))
+        raise UserError(refusal(make_plan(cfg, counts)))
 
     facts = {"n_params": counts.total, "n_trainable": plan["params"]["trainable"], "plan": plan,
              "warnings": warnings}

@@ -1,8 +1,8 @@
 """Metrics: metrics.jsonl in the run directory, a console line every `train.log_every` steps,
 and the throughput arithmetic (tokens/s, MFU).
 
-MFU on CPU is measured against the bf16 (or fp32) matmul peak measured in this process, so it
-says how much of what this machine can actually do the run uses. On a GPU the peak is the
+MFU on CPU is measured against the bf16 (or fp32) matmul peak measured on this machine (once,
+then cached), so it says how much of what this machine can actually do the run uses. On a GPU the peak is the
 same measurement unless a hardware profile gives a datasheet number.
 """
 
@@ -69,12 +69,47 @@ def flops_per_token(n_params: int, n_trainable: int, peft_kind: str) -> float:
 _PEAK: dict = {}
 
 
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return device
+
+
 def measured_peak_flops(device: str, pol) -> float:
-    """Dense matmul FLOP/s of this device in the policy's compute dtype (measured once)."""
+    """Dense matmul FLOP/s of this device in the policy's compute dtype: measured once per
+    machine (device model, dtype, threads) and kept in $WORKBENCH_CACHE/peak_flops.json, so
+    later runs do not spend the measurement before their first step."""
+    from workbench.models.load import cache_root
+
     dtype = pol.autocast_dtype or pol.trainable_dtype
-    key = (device, dtype)
+    key = f"{_device_name(device)}|{dtype}|{torch.get_num_threads() if device == 'cpu' else 0}"
     if key in _PEAK:
         return _PEAK[key]
+    path = Path(cache_root()) / "peak_flops.json"
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        known[key] = _measure(device, dtype)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{time.time_ns()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass
+    _PEAK[key] = float(known[key])
+    return _PEAK[key]
+
+
+def _measure(device: str, dtype) -> float:
     n = 1024
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -86,5 +121,4 @@ def measured_peak_flops(device: str, pol) -> float:
         reps += 1
     if device == "cuda":
         torch.cuda.synchronize()
-    _PEAK[key] = 2 * n**3 * reps / (time.perf_counter() - t)
-    return _PEAK[key]
+    return 2 * n**3 * reps / (time.perf_counter() - t)

@@ -10,7 +10,9 @@ Three trainers see the same 2-digit-addition chat examples, batch 16:
                    token of the conversation) apart from batch 16, LoRA and CPU
 They run in rounds, alternately, in this one process, and the steady-state seconds per step
 (first step of each round dropped) are compared as ratios. Also measured: seconds from
-process launch to the first optimizer step of `python -m workbench` with a warm cache.
+process launch to the first optimizer step of `python -m workbench` with a warm cache, and the
+workbench's achieved FLOP/s (tokens/s x training FLOPs per token) against the bf16 matmul
+FLOP/s measured on this machine in the same run.
 """
 
 from __future__ import annotations
@@ -39,14 +41,16 @@ def workbench_steps(steps: int, model: str, out: Path) -> list[float]:
 
     from workbench.config import validate
     from workbench.runner import Runner
+    from workbench.tracking import flops_per_token
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={model}", "eval=none", "train.export=false",
                                           f"train.max_steps={steps}", "train.resume=never", f"output_dir={out}"])
-    res = Runner(validate(cfg)).run()
+    runner = Runner(validate(cfg))
+    res = runner.run()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == steps and res["losses"]
-    return [r["step_seconds"] for r in rows]
+    return rows, flops_per_token(runner.n_params, runner.n_trainable, cfg.peft.kind)
 
 
 def trl_steps(steps: int, model_dir: str, same: bool, out: Path) -> list[float]:
@@ -108,13 +112,21 @@ def run(argv: list[str]) -> dict:
     entry = zoo_entry(args.model)
     model_dir = materialise(entry, resolve(entry)).path
     per: dict[str, list[float]] = {"workbench": [], "trl_same": [], "trl_defaults": []}
+    achieved = []  # workbench FLOP/s per steady-state step
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for r in range(args.rounds):
-            per["workbench"] += workbench_steps(args.steps, args.model, tmp / f"wb{r}")[1:]
+            rows, fpt = workbench_steps(args.steps, args.model, tmp / f"wb{r}")
+            per["workbench"] += [row["step_seconds"] for row in rows[1:]]
+            achieved += [row["tokens_per_s"] * fpt for row in rows[1:]]
             per["trl_same"] += trl_steps(args.steps, model_dir, True, tmp / f"ts{r}")[1:]
             per["trl_defaults"] += trl_steps(args.steps, model_dir, False, tmp / f"td{r}")[1:]
         launch = first_step_after_launch(args.model, tmp / "launch")
+    import torch
+
+    from workbench.tracking import _measure
+
+    peak = _measure("cpu", torch.bfloat16)  # this machine's bf16 matmul FLOP/s, measured now
     med = {k: statistics.median(v) for k, v in per.items()}
     return {
         "model": args.model, "steps_per_round": args.steps, "rounds": args.rounds, "model_dir": str(converted_dir(args.model)),
@@ -122,5 +134,7 @@ def run(argv: list[str]) -> dict:
         "ratio_throughput_vs_trl_same": med["trl_same"] / med["workbench"],
         "ratio_throughput_vs_trl_defaults": med["trl_defaults"] / med["workbench"],
         "first_optimizer_step_seconds_after_launch": launch,
+        "workbench_achieved_flops": statistics.median(achieved), "bf16_matmul_flops": peak,
+        "achieved_over_bf16_matmul": statistics.median(achieved) / peak,
         "threads": __import__("torch").get_num_threads(),
     }

@@ -4,14 +4,22 @@ With answer-only SFT, DPO and GRPO, most positions carry no loss; projecting eve
 through a 49k-vocabulary head wastes a fifth of the step on SmolLM2. `SelectiveLM` runs the
 decoder, then the head on the selected positions only. It is the module backends wrap (DDP,
 FSDP2, ZeRO), so their forward hooks see an ordinary `forward` call.
+
+On CPU, training batches of short sequences run SDPA's math kernel: PyTorch's CPU flash-attention
+backward is tuned for long sequences and at 50 tokens costs twice the math kernel's
+(scripts/bench.py attention measures the crossover; beyond SHORT tokens flash wins).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
 
 from workbench.peft.lora import base_model
+
+SHORT = 128  # tokens: at and below this the math kernel (forward + backward) beats flash on CPU
 
 
 class SelectiveLM(nn.Module):
@@ -28,6 +36,10 @@ class SelectiveLM(nn.Module):
             # Under a causal mask no real token attends to the padding after it, so the padding
             # mask changes nothing that is trained; without it SDPA takes its faster causal path.
             attention_mask = None
+        with _attention_kernel(input_ids, getattr(lm, "is_gradient_checkpointing", False)):
+            return self._forward(lm, input_ids, attention_mask, position_ids, select)
+
+    def _forward(self, lm, input_ids, attention_mask, position_ids, select):
         if select is None or not self._split:
             out = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              use_cache=False)
@@ -35,6 +47,17 @@ class SelectiveLM(nn.Module):
         hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
         return lm.lm_head(hidden[select])
+
+
+def _attention_kernel(input_ids, checkpointing: bool):
+    # Recomputation under activation checkpointing runs outside this context and must pick the
+    # same kernel as the forward did, so checkpointed models keep the default.
+    if (input_ids.device.type != "cpu" or input_ids.shape[-1] > SHORT or not torch.is_grad_enabled()
+            or checkpointing):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 def right_padded(attention_mask) -> bool:

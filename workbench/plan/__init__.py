@@ -55,8 +55,9 @@ def _row(cfg, counts, name, hw, mfu) -> dict:
     }
 
 
-def make_plan(cfg, counts=None, hardware: list[str] | None = None) -> dict:
-    """The plan as plain data (JSON-ready). `counts` may come from preflight's meta probe."""
+def make_plan(cfg, counts=None, hardware: list[str] | None = None, others: bool = True) -> dict:
+    """The plan as plain data (JSON-ready). `counts` may come from preflight's meta probe.
+    others=False leaves out the rest of the catalog (a run that fits where it is needs only `here`)."""
     counts = counts or count(probe(cfg.model), cfg.model.arch, cfg.peft)
     mfu = float(pick(cfg, "plan.mfu", 0.4))
     s = from_cfg(cfg)
@@ -64,7 +65,7 @@ def make_plan(cfg, counts=None, hardware: list[str] | None = None) -> dict:
     here = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu)
     wanted = hardware or list(pick(cfg, "plan.hardware", []) or [])
     rows = [_row(cfg, counts, name, hw, mfu) for name, hw in catalog.profiles().items()
-            if (not wanted or name in wanted) and name != cfg.hardware.name]
+            if (not wanted or name in wanted) and name != cfg.hardware.name] if others else []
     return {
         "model": cfg.model.name, "method": s.method, "peft": s.peft, "backend": s.backend,
         "precision": s.precision,
