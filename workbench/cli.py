@@ -22,7 +22,8 @@ from workbench.errors import UserError
 def _skip_bitsandbytes(cfg: DictConfig) -> None:
     """peft imports bitsandbytes whenever it is installed, and bitsandbytes imports
     torch._inductor: about a second before the first step of a run that quantises nothing.
-    A single job that is not QLoRA hides it (a multirun may still reach QLoRA in this process)."""
+    A single command-line job that is not QLoRA hides it (a multirun may still reach QLoRA in
+    this process; run_job called from Python leaves the process as it is)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -37,7 +38,6 @@ def run_job(cfg: DictConfig) -> dict | None:
     from workbench import preflight
 
     cfg = validate(cfg)
-    _skip_bitsandbytes(cfg)
     if cfg.data.preview:  # tokenizer only: render samples with their loss mask and stop
         from workbench.data.preview import preview
 
@@ -70,6 +70,7 @@ def run_job(cfg: DictConfig) -> dict | None:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig):
     try:
+        _skip_bitsandbytes(cfg)
         results = run_job(cfg)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
