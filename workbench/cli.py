@@ -29,7 +29,7 @@ def _skip_bitsandbytes(cfg: DictConfig) -> None:
 
     if cfg.peft.kind == "qlora" or cfg.model.loader != "hf" or "peft" in sys.modules or "bitsandbytes" in sys.modules:
         return
-    if HydraConfig.initialized() and HydraConfig.get().mode != RunMode.RUN:
+    if HydraConfig.get().mode != RunMode.RUN:
         return
     sys.modules["bitsandbytes"] = None  # import raises ImportError; find_spec answers None
 

@@ -2,8 +2,8 @@
 and the throughput arithmetic (tokens/s, MFU).
 
 MFU on CPU is measured against the bf16 (or fp32) matmul peak measured on this machine (once,
-then cached), so it says how much of what this machine can actually do the run uses. On a GPU the peak is the
-same measurement unless a hardware profile gives a datasheet number.
+then cached), so it says how much of what this machine can actually do the run uses. On a GPU
+the peak is the same measurement unless a hardware profile gives a datasheet number.
 """
 
 from __future__ import annotations

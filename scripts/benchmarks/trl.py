@@ -36,7 +36,8 @@ def _rows(n: int) -> list[dict]:
     return rows[:n]
 
 
-def workbench_steps(steps: int, model: str, out: Path) -> list[float]:
+def workbench_steps(steps: int, model: str, out: Path) -> tuple[list[dict], float]:
+    """Metrics rows of a workbench run and its training FLOPs per token."""
     from hydra import compose, initialize_config_dir
 
     from workbench.config import validate
@@ -136,5 +137,5 @@ def run(argv: list[str]) -> dict:
         "first_optimizer_step_seconds_after_launch": launch,
         "workbench_achieved_flops": statistics.median(achieved), "bf16_matmul_flops": peak,
         "achieved_over_bf16_matmul": statistics.median(achieved) / peak,
-        "threads": __import__("torch").get_num_threads(),
+        "threads": torch.get_num_threads(),
     }

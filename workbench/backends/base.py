@@ -6,7 +6,7 @@ The runner only talks to a backend through these calls, so a backend is free to 
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, ContextManager, Protocol
 
 import torch
 
@@ -29,6 +29,10 @@ class Backend(Protocol):
 
     def unwrapped(self) -> torch.nn.Module:
         """The plain module with current weights (for generation, eval and export)."""
+
+    def generation(self) -> ContextManager[tuple[torch.nn.Module, bool]]:
+        """(module for HF generate, synced): synced means every rank must keep stepping until
+        all have stopped, because each step gathers sharded parameters."""
 
     def state_dict(self) -> dict:
         """Everything to resume: trainable weights, optimizer, scheduler, scaler."""

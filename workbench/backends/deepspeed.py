@@ -17,7 +17,6 @@ back only from this run's own output_dir.
 from __future__ import annotations
 
 import contextlib
-
 import importlib.util
 import os
 from dataclasses import dataclass

@@ -22,6 +22,7 @@ step, at eval steps and, for GRPO's rollouts, after every step; on one process a
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import tempfile
@@ -219,6 +220,9 @@ class MegatronBackend:
         if dist.get_world_size() == 1:
             self._sync_hf()
         return self.train_module
+
+    def generation(self):
+        return contextlib.nullcontext((self.unwrapped().inner, False))  # the bridged HF copy
 
     def _sync_hf(self) -> None:
         """Bridge the current Megatron weights back into the HF model (collective over all ranks)."""

@@ -50,6 +50,9 @@ class SingleBackend:
     def unwrapped(self) -> torch.nn.Module:
         return self.model
 
+    def generation(self):
+        return contextlib.nullcontext((self.model.inner, False))  # full weights on every rank
+
     # -- step ----------------------------------------------------------------------------
     def forward_backward(self, batch: StepBatch, loss_fn) -> dict[str, float]:
         net = self.ddp or self.model

@@ -24,7 +24,6 @@ generation go to <run_dir>/samples/grpo.jsonl.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -165,9 +164,7 @@ class GRPO:
         from workbench import precision
         from workbench.rollout.generate import generate
 
-        # sharding backends hand out the module to generate with and whether ranks must step together
-        gen = getattr(backend, "generation", None)
-        with (gen() if gen else contextlib.nullcontext((backend.unwrapped().inner, False))) as (model, synced):
+        with backend.generation() as (model, synced):
             return generate(model, self.ctx.tokenizer, convs, c.max_new_tokens, self.ctx.contract.end_of_turn_id,
                             do_sample=True, temperature=c.temperature, top_p=c.top_p,
                             num_return_sequences=c.num_generations,

@@ -199,14 +199,15 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     # are alive, by its end the activations are freed and all gradients (plus the dense
     # embedding gradient) exist; the optimizer step then holds gradients, state and temporaries.
     head_grad = embed_grad
-    backward = weights + gather + master + optim + max(acts + logit + head_grad, grads + embed_grad)
     if fsdp_regather:
         # FSDP2 reshards the root after forward and gathers it again for the head's backward,
         # when of the logits only their gradient is left. With a trainable embedding the head's
         # dense gradient, the embedding's and (tied) their sum then exist at once, unsharded
         # until the reduce-scatter.
-        grad_moment = (3 if arch.tie_embeddings else 2) * embed_grad if s.peft == "none" else 0.0
-        backward = weights + gather + master + optim + max(acts + logit / 3, grad_moment)
+        moment = max(acts + logit / 3, (3 if arch.tie_embeddings else 2) * embed_grad)
+    else:
+        moment = max(acts + logit + head_grad, grads + embed_grad)
+    backward = weights + gather + master + optim + moment
     step = weights + master + optim + grads + opt_tmp
     peak = max(backward, step) + reference + generation
     transient = max(0.0, peak - (weights + master + optim + grads + acts + logit + reference + generation))
