@@ -5,9 +5,11 @@
     master       fp32 master weights where the backend keeps bf16 params (DeepSpeed, Megatron)
     grads        gradients of trainable parameters
     optimizer    AdamW moments (2 per trainable parameter)
-    activations  what autograd saves per token per block (counted from the HF Llama/Mixtral
-                 blocks under SDPA: both norms' inputs and outputs, q, k, v (grouped-query heads
-                 expanded), attention output and log-sum-exp, 3 MLP intermediates), x tokens
+    activations  what autograd saves per token per block (workbench.plan.activations, counted
+                 tensor by tensor from the HF Llama/Mixtral blocks for each precision, peft and
+                 attention kernel) x tokens
+    casts        autocast's half-precision copies of fp32 weights, kept for backward (bf16-mixed
+                 and fp16 on one device; sharded and DeepSpeed/Megatron runs hold half params)
     logits       log-softmax, its gradient and the logits' gradient at the selected positions
     transient    the dense embedding gradient made in backward; the two temporaries of
                  torch's AdamW step (all parameters with foreach on GPU, the largest tensor on CPU)
@@ -15,7 +17,7 @@
     generation   GRPO: KV cache and logits of the generation batch (HF generate)
 
 Peak = weights + master + optimizer + the larger of
-  backward:  max(activations + logits + head gradient, gradients + dense embedding gradient)
+  backward:  max(activations + casts + logits + head gradient, gradients + dense embedding gradient)
   step:      gradients + optimizer temporaries
 plus reference + generation ("transient" reports what the peak holds beyond the listed terms).
 Sharding divides each term by the backend: ZeRO-1 optimizer (+master), ZeRO-2 also grads, ZeRO-3 / FSDP2 also weights; offload moves
@@ -28,12 +30,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workbench.plan.activations import (COMPUTE, block_bytes, cast_bytes, dora_transient_bytes, residual_bytes,
+                                        weight_mode)
 from workbench.plan.counts import Counts
 from workbench.plan.setup import Setup
 
 TRAINABLE = {"fp32": 4, "bf16": 2, "bf16-mixed": 4, "fp16": 4, "fp8": 4}
 FROZEN = {"fp32": 4, "bf16": 2, "bf16-mixed": 2, "fp16": 2, "fp8": 2}
-COMPUTE = {"fp32": 4, "bf16": 2, "bf16-mixed": 2, "fp16": 2, "fp8": 2}
 # bitsandbytes NF4, blocksize 64: 4 bits per weight + one absmax per block; double
 # quantisation stores the absmax as 8-bit with an fp32 constant per 256 blocks.
 NF4_BLOCK = 64
@@ -52,6 +55,7 @@ class Estimate:
     grads: float
     optimizer: float
     activations: float
+    casts: float
     logits: float
     transient: float
     reference: float
@@ -62,44 +66,24 @@ class Estimate:
 
     def terms(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in ("weights", "master", "grads", "optimizer", "activations",
-                                              "logits", "transient", "reference", "generation")}
-
-
-def act_elements_per_token(arch, s: Setup) -> tuple[float, float]:
-    """(elements in the residual dtype, elements in the compute dtype) saved per token per block."""
-    h = arch.hidden
-    d = arch.head_dim or arch.hidden // arch.heads
-    q = arch.heads * d
-    mlp = 3 * arch.intermediate
-    if arch.experts:
-        mlp = arch.experts_per_token * 3 * arch.intermediate + arch.experts
-    residual = 4 * h  # two RMSNorms: input and normalised output each
-    compute = 4 * q + arch.heads + mlp
-    if COMPUTE[s.precision] != _residual_bytes(s):
-        compute += 2 * h  # autocast keeps half-precision copies of the attention and MLP inputs
-    if s.peft in ("lora", "qlora", "dora"):
-        compute += 7 * 16  # adapter A outputs (r each, ~7 targets); r is small next to h
-    return residual, compute
-
-
-def _residual_bytes(s: Setup) -> int:
-    if s.peft != "none" or s.backend in ("deepspeed", "megatron"):
-        return FROZEN[s.precision]
-    return TRAINABLE[s.precision]
+                                              "casts", "logits", "transient", "reference", "generation")}
 
 
 def tokens_per_micro(s: Setup) -> int:
     seqs = s.micro_batch * (2 if s.method == "dpo" else 1)  # DPO: chosen and rejected
-    length = s.seq_len + (s.completion_len if s.method == "grpo" else 0)
-    return seqs * length
+    return seqs * seq_len(s)
 
 
-def activation_bytes(arch, s: Setup, tokens: int | None = None) -> float:
+def seq_len(s: Setup) -> int:
+    return s.seq_len + (s.completion_len if s.method == "grpo" else 0)
+
+
+def activation_bytes(arch, s: Setup, tokens: int | None = None, seq: int | None = None) -> float:
+    """Saved activations of one micro-batch: `tokens` in all, padded to `seq` per sequence."""
     tokens = tokens_per_micro(s) if tokens is None else tokens
-    res, comp = act_elements_per_token(arch, s)
-    per_block = res * _residual_bytes(s) + comp * COMPUTE[s.precision]
+    per_block = block_bytes(arch, s, seq_len(s) if seq is None else seq)
     split = s.tp * s.cp  # sequence-parallel TP and context parallel split the tokens
-    kept = arch.hidden * _residual_bytes(s)  # a checkpointed block keeps only its input
+    kept = arch.hidden * residual_bytes(s)  # a checkpointed block keeps only its input
     if s.checkpointing == "full":
         total = tokens * (arch.layers * kept + per_block)  # one block recomputed at a time
     elif s.checkpointing == "selective":
@@ -107,8 +91,8 @@ def activation_bytes(arch, s: Setup, tokens: int | None = None) -> float:
         total = tokens * (ck * kept + (arch.layers - ck) * per_block + per_block)
     else:
         total = tokens * arch.layers * per_block
-    total += tokens * 3 * arch.hidden * _residual_bytes(s)  # embedding output, final norm
-    return total / split
+    total += tokens * 3 * arch.hidden * residual_bytes(s)  # embedding output, final norm
+    return total / split + dora_transient_bytes(arch, s)
 
 
 def logits_bytes(arch, s: Setup, selected: float | None = None) -> float:
@@ -118,8 +102,9 @@ def logits_bytes(arch, s: Setup, selected: float | None = None) -> float:
     return selected * arch.vocab * (12 + (c if c != 4 else 0)) / s.tp
 
 
-def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected: float | None = None) -> Estimate:
-    """Bytes per device for this setup; `tokens`/`selected` override the config's batch shape."""
+def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected: float | None = None,
+             seq: int | None = None) -> Estimate:
+    """Bytes per device for this setup; `tokens`/`selected`/`seq` override the config's batch shape."""
     mp = s.tp * s.pp
     dp = s.dp
     half_params = s.backend in ("deepspeed", "megatron") and s.precision != "fp32"
@@ -160,16 +145,18 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         weights = 0.0
     # FSDP2 / ZeRO-3 compute a unit with a full copy of its parameters beside the local shard:
     # the root unit (embeddings, head), plus a block and its prefetch. FSDP2 all-gathers into
-    # a buffer and copies out; the buffer is released with the collective's work object, which
-    # on some ranks is only after the unit has run (measured on CPU/gloo: two copies of the
-    # root unit alive through the head's backward on one of two ranks), so the planner counts both.
-    gather = 0.0
+    # a buffer and copies out, so while a unit is gathered a second full copy exists briefly.
+    gather = root = 0.0
     fsdp_regather = stage >= 3 and dp > 1 and s.backend == "fsdp2"
     if stage >= 3 and dp > 1:
-        unit_bytes = (2 if half_params else TRAINABLE[s.precision]) if s.peft == "none" else FROZEN[s.precision]
-        copies = 2 if fsdp_regather else 1
-        gather = (copies * counts.embed / s.tp + 2 * counts.per_block / mp) * unit_bytes
-    acts = activation_bytes(arch, s, tokens)
+        # gathered in the compute dtype where the backend keeps half-precision params (FSDP2's
+        # MixedPrecisionPolicy included)
+        unit_bytes = (COMPUTE[s.precision] if weight_mode(s) == "half" else TRAINABLE[s.precision]) \
+            if s.peft == "none" else FROZEN[s.precision]
+        root = counts.embed / s.tp * unit_bytes
+        gather = root + 2 * counts.per_block / mp * unit_bytes
+    acts = activation_bytes(arch, s, tokens, seq)
+    casts = cast_bytes(counts, arch, s)  # freed, like the activations, by the backward that uses them
     logit = logits_bytes(arch, s, selected)
     embed_grad = arch.vocab * arch.hidden * g_per / s.tp if s.peft == "none" else 0.0
     # torch's AdamW makes two parameter-sized temporaries: for the whole list at once with the
@@ -201,18 +188,20 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     head_grad = embed_grad
     if fsdp_regather:
         # FSDP2 reshards the root after forward and gathers it again for the head's backward,
-        # when of the logits only their gradient is left. With a trainable embedding the head's
-        # dense gradient, the embedding's and (tied) their sum then exist at once, unsharded
-        # until the reduce-scatter.
-        moment = max(acts + logit / 3, (3 if arch.tie_embeddings else 2) * embed_grad)
+        # when of the logits only their gradient is left: then the all-gather buffer and its
+        # copy-out are both alive. Once the gather is done, with a trainable embedding the head's
+        # dense gradient, the embedding's and (tied) their sum exist at once, unsharded until the
+        # reduce-scatter.
+        moment = max(acts + logit / 3 + root, (3 if arch.tie_embeddings else 2) * embed_grad)
     else:
-        moment = max(acts + logit + head_grad, grads + embed_grad)
+        moment = max(acts + casts + logit + head_grad, grads + embed_grad)
     backward = weights + gather + master + optim + moment
     step = weights + master + optim + grads + opt_tmp
     peak = max(backward, step) + reference + generation
-    transient = max(0.0, peak - (weights + master + optim + grads + acts + logit + reference + generation))
+    transient = max(0.0, peak - (weights + master + optim + grads + acts + casts + logit + reference + generation))
     weights += gather  # reported with the weights: gathered copies are weights on this device
     transient = max(0.0, transient - gather)
-    return Estimate(weights=weights, master=master, grads=grads, optimizer=optim, activations=acts, logits=logit,
+    return Estimate(weights=weights, master=master, grads=grads, optimizer=optim, activations=acts, casts=casts,
+                    logits=logit,
                     transient=transient, reference=reference, generation=generation, host=host, peak=peak,
                     vllm_fraction=vllm)

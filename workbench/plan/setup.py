@@ -25,6 +25,7 @@ def pick(cfg, keys, default):
 class Setup:
     method: str = "sft"
     peft: str = "none"  # none | lora | qlora | dora
+    lora_r: int = 16
     double_quant: bool = True
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
@@ -89,7 +90,7 @@ def from_cfg(cfg, devices: int | None = None) -> Setup:
     elif method == "grpo":
         ref = "adapter" if cfg.peft.kind != "none" else "copy"
     return Setup(
-        method=method, peft=cfg.peft.kind, double_quant=bool(cfg.peft.double_quant),
+        method=method, peft=cfg.peft.kind, lora_r=int(pick(cfg, "peft.r", 16)), double_quant=bool(cfg.peft.double_quant),
         precision=cfg.precision.name, optimizer=cfg.optim.name, backend=backend, stage=stage,
         offload_optimizer=_flag(pick(cfg, ["backend.offload_optimizer", "backend.cpu_offload"], False)),
         offload_params=_flag(pick(cfg, ["backend.offload_param", "backend.cpu_offload"], False)),
