@@ -20,7 +20,8 @@ saves (torch.autograd.graph.saved_tensors_hooks) for every precision x peft x ke
 
 from __future__ import annotations
 
-from workbench.models.head import SHORT  # the longest batch that runs the math kernel on CPU
+# SHORT: the longest batch that runs the math kernel on CPU
+from workbench.models.head import SHORT
 from workbench.plan.setup import Setup
 
 COMPUTE = {"fp32": 4, "bf16": 2, "bf16-mixed": 2, "fp16": 2, "fp8": 2}
