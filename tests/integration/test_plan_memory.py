@@ -11,7 +11,9 @@ positions and padded length, which picks the attention kernel on CPU), since ari
 are far shorter than data.seq_len.
 
     OMP_NUM_THREADS=1 pytest -q tests/integration/test_plan_memory.py            # tiny
-    OMP_NUM_THREADS=1 pytest -q -m slow tests/integration/test_plan_memory.py    # SmolLM2-135M, single and 2-rank fsdp2
+    OMP_NUM_THREADS=1 pytest -q -m slow tests/integration/test_plan_memory.py    # SmolLM2-135M
+
+Each runs single and 2-rank fsdp2, peft none and lora, fp32 and bf16-mixed.
 
 The 2-rank fsdp2 case runs this file as its own torchrun worker (`--worker OUT PEFT`); each rank
 reports its peak and the test holds the prediction against the larger one.
@@ -132,21 +134,27 @@ def _check(result, label):
     assert abs(err) <= TOLERANCE, f"{label}: {err:+.1%} off; terms {result['terms']}"
 
 
+PRECISIONS = ["fp32", "bf16-mixed"]  # bf16-mixed: autocast on one device, MixedPrecisionPolicy under fsdp2
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("peft", ["none", "lora"])
-def test_tiny_single(peft, tmp_path):
-    _check(measure([f"peft={peft}"], tmp_path), f"tiny single {peft}")
+def test_tiny_single(peft, precision, tmp_path):
+    _check(measure([f"peft={peft}", f"precision={precision}"], tmp_path), f"tiny single {peft} {precision}")
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("peft", ["none", "lora"])
-def test_smollm2_135m_single(peft, tmp_path):
-    _check(measure(["model=smollm2-135m", f"peft={peft}", "train.micro_batch_size=8"], tmp_path),
-           f"smollm2-135m single {peft}")
+def test_smollm2_135m_single(peft, precision, tmp_path):
+    _check(measure(["model=smollm2-135m", f"peft={peft}", f"precision={precision}", "train.micro_batch_size=8"],
+                   tmp_path), f"smollm2-135m single {peft} {precision}")
 
 
 @pytest.mark.parametrize("model, micro", [("tiny", 4), pytest.param("smollm2-135m", 8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("peft", ["none", "lora"])
-def test_fsdp2_two_ranks(model, micro, peft, tmp_path):
+def test_fsdp2_two_ranks(model, micro, peft, precision, tmp_path):
     import socket
 
     root = Path(__file__).resolve().parents[2]
@@ -156,13 +164,13 @@ def test_fsdp2_two_ranks(model, micro, peft, tmp_path):
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
            str(Path(__file__).resolve()), "--worker", str(tmp_path), f"model={model}", f"peft={peft}",
-           f"train.micro_batch_size={micro}"]
+           f"precision={precision}", f"train.micro_batch_size={micro}"]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     worst = max(ranks, key=lambda r: r["measured"])
     print("per-rank measured MiB:", [round(r["measured"] / 2**20, 1) for r in ranks])
-    _check(worst, f"{model} fsdp2x2 {peft}")
+    _check(worst, f"{model} fsdp2x2 {peft} {precision}")
 
 
 def _worker(out: str, overrides: list[str]) -> None:

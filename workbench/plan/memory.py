@@ -30,8 +30,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workbench.plan.activations import (COMPUTE, block_bytes, cast_bytes, dora_transient_bytes, residual_bytes,
-                                        weight_mode)
+from workbench.plan.activations import (
+    COMPUTE,
+    block_bytes,
+    cast_bytes,
+    dora_transient_bytes,
+    residual_bytes,
+    weight_mode,
+)
 from workbench.plan.counts import Counts
 from workbench.plan.setup import Setup
 
@@ -98,8 +104,9 @@ def activation_bytes(arch, s: Setup, tokens: int | None = None, seq: int | None 
 def logits_bytes(arch, s: Setup, selected: float | None = None) -> float:
     if selected is None:
         selected = tokens_per_micro(s) * s.select_fraction
-    c = COMPUTE[s.precision]
-    return selected * arch.vocab * (12 + (c if c != 4 else 0)) / s.tp
+    # The loss upcasts: at the log-softmax backward its fp32 output, the incoming gradient and the
+    # outgoing one are alive (3 x 4 bytes); the half-precision logits were freed after forward.
+    return selected * arch.vocab * 12 / s.tp
 
 
 def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected: float | None = None,
@@ -191,8 +198,14 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         # when of the logits only their gradient is left: then the all-gather buffer and its
         # copy-out are both alive. Once the gather is done, with a trainable embedding the head's
         # dense gradient, the embedding's and (tied) their sum exist at once, unsharded until the
-        # reduce-scatter.
-        moment = max(acts + logit / 3 + root, (3 if arch.tie_embeddings else 2) * embed_grad)
+        # reduce-scatter; those are in the compute dtype under a MixedPrecisionPolicy. The root's
+        # reduce-scatter comes last, when every sharded gradient exists and the root is resharded:
+        # it holds two full fp32 (reduce dtype) copies of the embedding gradient.
+        unsharded = arch.vocab * arch.hidden / s.tp
+        dense = unsharded * (COMPUTE[s.precision] if weight_mode(s) == "half" else g_per) if s.peft == "none" else 0.0
+        reduce = grads + 2 * unsharded * 4 - root if s.peft == "none" else 0.0
+        logit_grad = logit * COMPUTE[s.precision] / 12  # the logits' gradient, cast to the compute dtype
+        moment = max(acts + logit_grad + root, (3 if arch.tie_embeddings else 2) * dense, reduce)
     else:
         moment = max(acts + casts + logit + head_grad, grads + embed_grad)
     backward = weights + gather + master + optim + moment
