@@ -97,7 +97,7 @@ def measured_peak_flops(device: str, pol) -> float:
     except (OSError, ValueError):
         known = {}
     if key not in known:
-        known[key] = _measure(device, dtype)
+        known[key] = matmul_flops(device, dtype)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{time.time_ns()}.tmp")
@@ -109,7 +109,8 @@ def measured_peak_flops(device: str, pol) -> float:
     return _PEAK[key]
 
 
-def _measure(device: str, dtype) -> float:
+def matmul_flops(device: str, dtype) -> float:
+    """Dense 1024x1024 matmul FLOP/s measured now (no cache; scripts/bench.py reads it too)."""
     n = 1024
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)

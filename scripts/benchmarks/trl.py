@@ -125,9 +125,9 @@ def run(argv: list[str]) -> dict:
         launch = first_step_after_launch(args.model, tmp / "launch")
     import torch
 
-    from workbench.tracking import _measure
+    from workbench.tracking import matmul_flops
 
-    peak = _measure("cpu", torch.bfloat16)  # this machine's bf16 matmul FLOP/s, measured now
+    peak = matmul_flops("cpu", torch.bfloat16)  # this machine's bf16 matmul FLOP/s, measured now
     med = {k: statistics.median(v) for k, v in per.items()}
     return {
         "model": args.model, "steps_per_round": args.steps, "rounds": args.rounds, "model_dir": str(converted_dir(args.model)),

@@ -19,7 +19,7 @@ def test_peak_flops_measured_once_per_machine(tmp_path, monkeypatch):
         calls.append((device, dtype))
         return 1.5e12
 
-    monkeypatch.setattr(tracking, "_measure", fake_measure)
+    monkeypatch.setattr(tracking, "matmul_flops", fake_measure)
     pol = SimpleNamespace(autocast_dtype=torch.bfloat16, trainable_dtype=torch.float32)
     assert tracking.measured_peak_flops("cpu", pol) == 1.5e12
     cached = json.loads((tmp_path / "peak_flops.json").read_text())
@@ -33,4 +33,4 @@ def test_peak_flops_measured_once_per_machine(tmp_path, monkeypatch):
 
 
 def test_matmul_measurement_is_positive():
-    assert tracking._measure("cpu", torch.float32) > 1e8
+    assert tracking.matmul_flops("cpu", torch.float32) > 1e8

@@ -25,7 +25,6 @@ from workbench.models.head import SHORT
 from workbench.plan.setup import Setup
 
 COMPUTE = {"fp32": 4, "bf16": 2, "bf16-mixed": 2, "fp16": 2, "fp8": 2}
-AUTOCAST = ("bf16-mixed", "fp16", "fp8")
 LORA_TARGETS = 7  # all-linear on a Llama block: q, k, v, o, gate, up, down
 
 

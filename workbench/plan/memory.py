@@ -202,8 +202,8 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         # reduce-scatter comes last, when every sharded gradient exists and the root is resharded:
         # it holds two full fp32 (reduce dtype) copies of the embedding gradient.
         unsharded = arch.vocab * arch.hidden / s.tp
-        dense = unsharded * (COMPUTE[s.precision] if weight_mode(s) == "half" else g_per) if s.peft == "none" else 0.0
-        reduce = grads + 2 * unsharded * 4 - root if s.peft == "none" else 0.0
+        dense = unsharded * COMPUTE[s.precision] if embed_grad and weight_mode(s) == "half" else embed_grad
+        reduce = grads + 2 * unsharded * 4 - root if embed_grad else 0.0
         logit_grad = logit * COMPUTE[s.precision] / 12  # the logits' gradient, cast to the compute dtype
         moment = max(acts + logit_grad + root, (3 if arch.tie_embeddings else 2) * dense, reduce)
     else:
@@ -215,6 +215,5 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     weights += gather  # reported with the weights: gathered copies are weights on this device
     transient = max(0.0, transient - gather)
     return Estimate(weights=weights, master=master, grads=grads, optimizer=optim, activations=acts, casts=casts,
-                    logits=logit,
-                    transient=transient, reference=reference, generation=generation, host=host, peak=peak,
-                    vllm_fraction=vllm)
+                    logits=logit, transient=transient, reference=reference, generation=generation, host=host,
+                    peak=peak, vllm_fraction=vllm)
