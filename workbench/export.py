@@ -89,6 +89,13 @@ def _logits(model, ids):
 
 
 def export(trained, tokenizer, contract, cfg, out_dir: Path) -> dict:
+    from workbench.imports import hidden
+
+    with hidden("deepspeed"):  # save_pretrained would import it just to probe (workbench/imports.py)
+        return _export(trained, tokenizer, contract, cfg, out_dir)
+
+
+def _export(trained, tokenizer, contract, cfg, out_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)

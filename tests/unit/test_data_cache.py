@@ -21,7 +21,10 @@ def test_second_run_reads_the_cache_and_a_change_rebuilds(tmp_path, monkeypatch)
     first = pipeline.tokenise_source(src, tokenizer, contract, data_cfg(tmp_path))
     assert not first.cached
     entry = tmp_path / "cache" / first.fingerprint
-    assert sorted(p.name for p in entry.iterdir()) == ["ids.npy", "mask.npy", "meta.json", "offsets.npy"]
+    # the four files and the cache's seal (workbench/cache.py), nothing half-written beside it
+    assert sorted(p.name for p in entry.iterdir()) == [".complete.json", "ids.npy", "mask.npy", "meta.json",
+                                                       "offsets.npy"]
+    assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name, entry.name + ".lock"]
     np.load(entry / "ids.npy", allow_pickle=False)  # plain arrays: loadable with pickle disabled
 
     calls = []
@@ -35,6 +38,12 @@ def test_second_run_reads_the_cache_and_a_change_rebuilds(tmp_path, monkeypatch)
     again = pipeline.tokenise_source(src, tokenizer, contract, data_cfg(tmp_path))
     assert again.cached and again.fingerprint == first.fingerprint and not calls
     assert list(again.examples) == list(first.examples)
+    # a truncated array breaks the seal: the entry is rebuilt, not trusted
+    with open(entry / "ids.npy", "r+b") as fh:
+        fh.truncate(64)
+    rebuilt = pipeline.tokenise_source(src, tokenizer, contract, data_cfg(tmp_path))
+    assert not rebuilt.cached and list(rebuilt.examples) == list(first.examples)
+    calls.clear()
     # the fingerprint covers the bytes of the file and the sequence length
     with open(src.path, "a") as fh:
         fh.write('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}\n')

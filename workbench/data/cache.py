@@ -9,8 +9,8 @@ A source's tokens live in one directory per fingerprint:
 
 The arrays are opened memory-mapped (`np.load(mmap_mode="r", allow_pickle=False)`), so a
 large source costs page cache, not process memory, and a re-run or resume does not
-re-tokenise. Writes go to a temporary directory renamed into place, so a killed run never
-leaves a half-written cache that a later run would trust.
+re-tokenise. Entries are written through workbench/cache.py (one writer, sealed, renamed into
+place), so a killed run never leaves a half-written entry that a later run would trust.
 
     TokenArrays.build(chunks)   # from (ids, labels) pairs
     save(dir, arrays, meta) / load(dir) -> (TokenArrays, meta) | None
@@ -19,13 +19,11 @@ leaves a half-written cache that a later run would trust.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from workbench import cache as workbench_cache
 from workbench.data.formats import IGNORE
 
 
@@ -90,34 +88,30 @@ class ArrayBuilder:
         return TokenArrays(np.concatenate(self._ids), np.concatenate(self._mask).astype(np.uint8), offsets)
 
 
+FILES = ("ids.npy", "mask.npy", "offsets.npy", "meta.json")
+
+
 def default_dir() -> Path:
-    root = Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "workbench"))
-    return root / "tokenised"
+    return workbench_cache.root() / "tokenised"
 
 
 def save(directory: Path, arrays: TokenArrays, meta: dict) -> None:
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
+    """Publish the entry once (workbench/cache.py: one writer, sealed, renamed into place)."""
+
+    def make(tmp: Path) -> None:
         np.save(tmp / "ids.npy", np.ascontiguousarray(arrays.ids, dtype=np.int32))
         np.save(tmp / "mask.npy", np.ascontiguousarray(arrays.mask, dtype=np.uint8))
         np.save(tmp / "offsets.npy", np.ascontiguousarray(arrays.offsets, dtype=np.int64))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:
-            os.replace(tmp, directory)
-        except OSError:
-            if not directory.exists():
-                raise
-            shutil.rmtree(tmp)  # another process (e.g. another rank) finished first; its copy is identical
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    workbench_cache.build(Path(directory), make, "tokenised source", FILES)
 
 
 def load(directory: Path) -> tuple[TokenArrays, dict] | None:
-    """The cached arrays and meta, or None when absent or unreadable (then it is rebuilt)."""
+    """The cached arrays and meta, or None when absent or not sealed complete (then it is rebuilt)."""
     directory = Path(directory)
+    if workbench_cache.problem(directory, FILES) is not None:
+        return None
     try:
         meta = json.loads((directory / "meta.json").read_text())
         arrs = [np.load(directory / f"{k}.npy", mmap_mode="r", allow_pickle=False) for k in ("ids", "mask", "offsets")]

@@ -28,7 +28,6 @@ import copy
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -161,12 +160,11 @@ class DPO:
     def _precompute(self, module) -> list[torch.Tensor]:
         from safetensors.torch import load_file, save_file
 
-        from workbench import precision
-        from workbench.models.load import cache_root
+        from workbench import cache, precision
 
-        path = Path(cache_root()) / "ref_logps" / f"{self._fingerprint()}.safetensors"
-        if path.exists():
-            cached = load_file(str(path))
+        entry = cache.root() / "ref_logps" / self._fingerprint()
+        if cache.problem(entry, ("logps.safetensors",)) is None:
+            cached = load_file(str(entry / "logps.safetensors"))
             return [cached[f"source{i}"] for i in range(len(self.sources))]
         was = module.training
         module.eval()
@@ -183,10 +181,10 @@ class DPO:
                     vals.append(torch.stack(lp.chunk(2), dim=1))
                 out.append(torch.cat(vals))
         module.train(was)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        save_file({f"source{i}": t.contiguous() for i, t in enumerate(out)}, str(tmp))
-        tmp.rename(path)
+        # Every rank computes the same values; the cache's lock makes one of them the writer.
+        tensors = {f"source{i}": t.contiguous() for i, t in enumerate(out)}
+        cache.build(entry, lambda tmp: save_file(tensors, str(tmp / "logps.safetensors")),
+                    "reference log-probs", ("logps.safetensors",))
         return out
 
     # -- batches -------------------------------------------------------------------------

@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import socket
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from workbench import cache
 from workbench.errors import UserError
 
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("WORKBENCH_CACHE", Path.home() / ".cache" / "workbench"))
+# What a converted model directory must hold besides its seal (workbench/cache.py).
+CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def _gguf_in_package(package: str) -> Path | None:
 
 
 def converted_dir(name: str) -> Path:
-    return cache_root() / "models" / name
+    return cache.root() / "models" / name
 
 
 def resolve(model_cfg) -> Resolved:
@@ -96,7 +96,7 @@ def resolve(model_cfg) -> Resolved:
             return Resolved("hf_cache", hit)
         tried.append(f"HF cache for {model_cfg.hub_id}")
     conv = converted_dir(model_cfg.name)
-    if (conv / "config.json").exists():
+    if cache.problem(conv, CONVERTED_FILES) is None:
         return Resolved("converted", str(conv))
     if model_cfg.gguf_package:
         gguf = _gguf_in_package(model_cfg.gguf_package)
@@ -112,26 +112,23 @@ def resolve(model_cfg) -> Resolved:
 
 
 def _convert_gguf(res: Resolved, name: str) -> Resolved:
-    """Dequantise a packaged GGUF once into an ordinary safetensors directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Dequantise a packaged GGUF once into a sealed cache entry. One process converts (the
+    cache's file lock), in a child process of its own (workbench/models/convert.py says why)."""
 
-    out = converted_dir(name)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tok = AutoTokenizer.from_pretrained(res.path, gguf_file=res.gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(res.path, gguf_file=res.gguf_file, dtype=torch.float32)
-    # transformers keeps a GGUF quantizer marker on the model although the weights are plain
-    # dequantised Linear weights; save_pretrained refuses while it is there.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.exists():
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.rename(out)
+    def make(tmp: Path) -> None:
+        print(f"model: converting the packaged {res.gguf_file} into {converted_dir(name)} once "
+              "(about 35 s)", file=sys.stderr, flush=True)
+        # The child must not see this job's rendezvous variables: it is one plain process.
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+        src = str(Path(__file__).resolve().parents[2])  # importable even when not pip-installed
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (src, env.get("PYTHONPATH")) if x)
+        proc = subprocess.run([sys.executable, "-m", "workbench.models.convert", res.path, res.gguf_file, str(tmp)],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"converting {res.gguf_file} failed:\n{proc.stderr[-3000:]}")
+
+    out = cache.build(converted_dir(name), make, f"converted model {name}", CONVERTED_FILES)
     return Resolved("converted", str(out))
 
 

@@ -2,6 +2,14 @@
 
 Used by evaluation hooks and GRPO rollouts. The model is switched to eval mode with the KV
 cache on for the call and restored afterwards.
+
+Sampling draws each token by the Gumbel-max rule (argmax of the warped logits plus Gumbel
+noise), which picks token i with exactly probability softmax(logits)_i, like HF's own
+multinomial draw. It is used because it is stable under rounding: the multinomial draw inverts
+a cumulative sum over the whole vocabulary, so a last-bit difference in the logits (another
+CPU's matmul kernels, another thread count) moves every boundary of that sum and flips about
+one draw in a thousand on a flat distribution; an argmax flips only when the top two perturbed
+scores are within rounding of each other. Rollouts, and so GRPO runs, then repeat on any machine.
 """
 
 from __future__ import annotations
@@ -9,6 +17,22 @@ from __future__ import annotations
 import torch
 
 from workbench.data.formats import prompt_ids
+
+
+def gumbel_max():
+    """A logits processor that makes the draw deterministic given the noise: all mass on
+    argmax(scores + Gumbel noise). It runs after HF's temperature and top-p warpers."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class GumbelMax(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            u = torch.rand(scores.shape, device=scores.device, dtype=torch.float32)
+            u = u.clamp_(torch.finfo(torch.float32).tiny, 1.0 - torch.finfo(torch.float32).eps)
+            pick = (scores.float() - torch.log(-torch.log(u))).argmax(-1, keepdim=True)
+            out = torch.full_like(scores, float("-inf"))
+            return out.scatter_(-1, pick, 0.0)
+
+    return LogitsProcessorList([GumbelMax()])
 
 
 @torch.no_grad()
@@ -42,7 +66,7 @@ def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: 
                 do_sample=do_sample, temperature=temperature if do_sample else None,
                 top_p=top_p if do_sample else None, top_k=None,
                 num_return_sequences=num_return_sequences, eos_token_id=eot_id, pad_token_id=pad,
-                synced_gpus=synced,
+                synced_gpus=synced, logits_processor=gumbel_max() if do_sample else None,
             )
     finally:
         if cfg is not None:

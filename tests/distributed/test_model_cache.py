@@ -1,0 +1,95 @@
+"""The converted-model cache on a cold machine: two ranks of one job, torch.distributed
+initialised in both, convert the packaged SmolLM2 GGUF at the same time over a tokenizer-only
+folder (what an earlier version left behind when rank 1 won the rename). One complete entry
+must come out, said to be rebuilt exactly once, and a later run must load it.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/distributed/test_model_cache.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tokenizer_only_folder(entry: Path) -> None:
+    """The broken entry of the original race: tokenizer files, no config or weights."""
+    from workbench.models.load import zoo_entry
+
+    pkg = zoo_entry("smollm2-135m").gguf_package
+    import importlib.util
+
+    if importlib.util.find_spec(pkg) is None:
+        pytest.skip(f"{pkg} not installed")
+    entry.mkdir(parents=True)
+    (entry / "tokenizer_config.json").write_text("{}")
+    (entry / "tokenizer.json").write_text("{}")
+
+
+@pytest.mark.distributed
+def test_two_ranks_convert_once_over_a_broken_entry(tmp_path):
+    cache = tmp_path / "cache"
+    entry = cache / "models" / "smollm2-135m"
+    _tokenizer_only_folder(entry)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WORKBENCH_CACHE": str(cache)}
+    cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stderr.count("rebuilding it") == 1, proc.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["kind"] for r in results] == ["converted", "converted"]
+    seal = json.loads((entry / ".complete.json").read_text())["files"]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(seal)
+    assert not [p for p in entry.parent.iterdir() if p.name.startswith(".smollm2")]  # no temp dirs left
+    # a later process finds the entry complete and loads real weights from it
+    from workbench import cache as wb_cache
+
+    assert wb_cache.problem(entry) is None
+    from safetensors import safe_open
+
+    with safe_open(str(entry / "model.safetensors"), "pt") as f:
+        assert "model.embed_tokens.weight" in f.keys()
+
+
+def test_tokenizer_only_entry_is_not_trusted(tmp_path, monkeypatch):
+    """resolve() must not hand out a folder without a complete seal (no conversion here)."""
+    from workbench.models import load
+
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    _tokenizer_only_folder(load.converted_dir("smollm2-135m"))
+    res = load.resolve(load.zoo_entry("smollm2-135m"))
+    assert res.kind == "gguf"  # convert again, rather than load a folder with no weights
+
+
+# -- worker ---------------------------------------------------------------------------------------
+if __name__ == "__main__":
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT))
+    dist.init_process_group("gloo")
+    from workbench.models.load import materialise, resolve, zoo_entry
+
+    out = Path(sys.argv[1])
+    dist.barrier()  # both ranks start converting together
+    cfg = zoo_entry("smollm2-135m")
+    res = materialise(cfg, resolve(cfg))
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"kind": res.kind, "path": res.path}))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,37 @@
+"""Dequantise a packaged GGUF into an ordinary HF directory (safetensors + tokenizer), in a
+process of its own.
+
+    python -m workbench.models.convert <gguf_dir> <gguf_file> <out_dir>
+
+workbench/models/load.py runs this as a child process, under the cache's file lock, whenever the
+converted entry is missing or broken. A child process because transformers' `save_pretrained`
+writes weights only on rank 0 once torch.distributed is initialised: converted inside rank 1 of
+a job, the folder would hold a tokenizer and no weights. A fresh process has no process group,
+and it keeps accelerate's DeepSpeed probe (inside save_pretrained) out of the training process.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def convert(gguf_dir: str, gguf_file: str, out_dir: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    # transformers keeps a GGUF quantizer marker on the model although the weights are plain
+    # dequantised Linear weights; save_pretrained refuses while it is there.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    if not any(Path(out_dir).glob("*.safetensors")):
+        raise SystemExit(f"convert: no weights were written to {out_dir}")
+
+
+if __name__ == "__main__":
+    convert(*sys.argv[1:4])
