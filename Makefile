@@ -30,5 +30,8 @@ test-slow: venv
 bench: venv
 	$(PY) scripts/bench.py $(ARGS)
 
+lint: venv
+	$(VENV)/bin/ruff check .
+
 clean:
 	rm -rf runs multirun outputs

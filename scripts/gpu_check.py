@@ -124,6 +124,9 @@ class Check:
         # fine-tune would otherwise write ~15 GB of optimizer state per run.
         runner = Runner(cfg)
         runner.build()
+        from workbench.flops import FlopCount
+
+        count = FlopCount.from_model(runner.model, cfg)
         rows = []
         for _ in range(steps):
             t = time.perf_counter()
@@ -134,19 +137,20 @@ class Check:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t
             runner.state.step += 1
-            rows.append({"loss": m["loss"], "tokens_per_s": batch.tokens / dt, "step_s": dt})
+            rows.append({"loss": m["loss"], "tokens_per_s": batch.tokens / dt, "step_s": dt,
+                         "flops_per_s": count.step(batch.micro) / dt})  # FLOPs as computed
         timed = rows[1:] or rows  # the first step pays for allocation and autotuning
         tps = statistics.median(r["tokens_per_s"] for r in timed)
         out = {"steps": steps, "micro_batch_size": mbs, "tokens_per_s": tps,
                "step_s": statistics.median(r["step_s"] for r in timed),
                "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
                "n_params": runner.n_params, "n_trainable": runner.n_trainable}
-        from workbench.tracking import flops_per_token, measured_peak_flops
+        from workbench.tracking import measured_peak_flops
 
-        fpt = flops_per_token(runner.n_params, runner.n_trainable, cfg.peft.kind)
-        out["mfu_vs_measured_peak"] = tps * fpt / measured_peak_flops(cfg.hardware.device, runner.pol)
+        achieved = statistics.median(r["flops_per_s"] for r in timed)
+        out["mfu_vs_measured_peak"] = achieved / measured_peak_flops(cfg.hardware.device, runner.pol)
         if cfg.hardware.bf16_tflops:
-            out["mfu_vs_datasheet"] = tps * fpt / (cfg.hardware.bf16_tflops * 1e12)
+            out["mfu_vs_datasheet"] = achieved / (cfg.hardware.bf16_tflops * 1e12)
         if cuda:
             out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         del runner, batch, m
@@ -246,9 +250,8 @@ def rollout(c: Check) -> dict:
         model, tok, convs, new, contract.end_of_turn_id, do_sample=True, temperature=1.0,
         num_return_sequences=gens, autocast=autocast(policy("bf16-mixed", dev), dev)))
     try:
-        from workbench.rollout.vllm_engine import VLLMEngine, check
-
         from workbench.errors import UserError
+        from workbench.rollout.vllm_engine import VLLMEngine, check
 
         try:
             check(cfg)

@@ -5,15 +5,24 @@
     python -m workbench -m optim.lr=1e-4,3e-4   # multirun sweep
     python -m workbench dry_run=true            # preflight only: no weights loaded
 
-A mistake in config, data or environment prints one `error:` line and exits with status 2.
+Exit status: 0 done; 2 a mistake in config, data or environment (one `error:` line, before any
+weights load), a checkpoint that could not be written (disk full) or more NaN/Inf steps than
+`train.max_bad_steps`; 75 preempted by SIGTERM/SIGINT after writing a checkpoint (relaunch with
+the same output_dir to continue); 143/130 a second SIGTERM/SIGINT, at once (workbench/faults.py).
+Secret-looking values given on the command line are redacted from Hydra's own copies in
+`<run>/.hydra/` too.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 from workbench.config import CONF_DIR, validate
 from workbench.errors import UserError
@@ -34,10 +43,92 @@ def _skip_bitsandbytes(cfg: DictConfig) -> None:
     sys.modules["bitsandbytes"] = None  # import raises ImportError; find_spec answers None
 
 
+# Token shapes that are secrets whatever key holds them (HF, OpenAI-style, GitHub, Slack).
+TOKEN_SHAPE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
+                         r"|xox[abpr]-[A-Za-z0-9-]{10,})")
+
+
+def secret_values(cfg: DictConfig) -> set[str]:
+    """The values of secret-looking keys (manifest.SECRET_KEY) anywhere in the composed config."""
+    from workbench.manifest import SECRET_KEY
+
+    found: set[str] = set()
+
+    def walk(node):
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            if isinstance(value, (dict, list)):
+                walk(value)
+            elif isinstance(key, str) and SECRET_KEY.search(key) and value not in (None, "") \
+                    and not str(value).startswith("${"):  # an interpolation names the secret, it is not one
+                found.add(str(value))
+
+    walk(OmegaConf.to_container(cfg, resolve=False))
+    return found
+
+
+def scrub_files(paths, secrets: set[str]) -> None:
+    """Replace each secret (and anything token-shaped) in these text files with <redacted>."""
+    from workbench.manifest import REDACTED
+
+    for path in paths:
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        clean = TOKEN_SHAPE.sub(REDACTED, text)
+        for secret in sorted(secrets, key=len, reverse=True):  # longest first: no partial leftovers
+            clean = clean.replace(secret, REDACTED)
+        if clean != text:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(clean)
+            os.replace(tmp, path)
+
+
+def _redact_hydra_files(cfg: DictConfig) -> None:
+    """Hydra writes the composed config and the raw command line into `<run>/.hydra/` (and a
+    multirun's `multirun.yaml`) before the job starts; a token given on the command line would
+    sit there verbatim although config.yaml and manifest.json redact it."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    files = []
+    if hc.output_subdir:
+        folder = Path(hc.runtime.output_dir) / hc.output_subdir
+        files += [folder / "config.yaml", folder / "hydra.yaml", folder / "overrides.yaml"]
+    if hc.mode == RunMode.MULTIRUN:
+        files.append(Path(hc.sweep.dir) / "multirun.yaml")
+    scrub_files(files, secret_values(cfg))
+
+
+class RedactSecrets(Callback):
+    """Hydra callback (conf/train.yaml lists it before `sweep_summary`: Hydra calls job-end and
+    multirun-end callbacks in reverse order, so these run after the summary has written). Scrubs
+    what Hydra and the sweep summary write beside a job: `.hydra/`, `sweep_job.json`, and the
+    sweep dir's `multirun.yaml` and `sweep_summary.{md,csv}`, which copy the command line."""
+
+    def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        _redact_hydra_files(config)
+
+    def on_job_end(self, config: DictConfig, job_return=None, **kwargs) -> None:
+        job_dir = Path(str(config.hydra.runtime.output_dir))
+        scrub_files([job_dir / "sweep_job.json"], secret_values(config))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        sweep = Path(str(config.hydra.sweep.dir))
+        scrub_files([sweep / n for n in ("multirun.yaml", "sweep_summary.md", "sweep_summary.csv")],
+                    secret_values(config))
+
+
 def run_job(cfg: DictConfig) -> dict | None:
     from workbench import preflight
 
     cfg = validate(cfg)
+    from workbench.faults import check_config
+
+    check_config(cfg)  # fault/checkpoint settings, train.resume, a writable output_dir
     if cfg.data.preview:  # tokenizer only: render samples with their loss mask and stop
         from workbench.data.preview import preview
 
@@ -69,6 +160,7 @@ def run_job(cfg: DictConfig) -> dict | None:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig):
+    _redact_hydra_files(cfg)
     try:
         _skip_bitsandbytes(cfg)
         results = run_job(cfg)
@@ -84,7 +176,31 @@ def _hydra_main(cfg: DictConfig):
     return None
 
 
+def _precheck(argv: list[str]) -> None:
+    """Hydra's own composition errors (a group choice that does not exist, a value of the wrong
+    type) as one `error:` line and status 2, like every other mistake, instead of Hydra's
+    multi-line report and status 1. Composing once more costs ~0.1 s; only plain overrides are
+    checked (Hydra's flags, multirun sweeps and --config-path runs are left to Hydra)."""
+    if any(a.startswith("-") for a in argv):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            compose(config_name="train", overrides=list(argv))
+    except (HydraException, OmegaConfBaseException) as exc:
+        msg = " ".join(str(exc).split()).split(" Config search path:")[0].replace(" _schema", "")
+        cause = exc.__cause__
+        if cause is not None and str(cause).strip():  # e.g. why a value does not fit its field
+            msg += ": " + str(cause).strip().splitlines()[0]
+        print(f"error: {msg}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main() -> None:
+    _precheck(sys.argv[1:])
     _hydra_main()
 
 

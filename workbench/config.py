@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from workbench.errors import UserError
 from workbench.launch.sweep import register_resolvers
+from workbench.trackers import TrackerConfig
 
 # conf/train.yaml's output_dir goes through ${workbench.job_dir:...}: each multirun job trains in
 # its own sweep subdir.
@@ -63,6 +64,9 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     arch: ArchConfig = field(default_factory=ArchConfig)
+    # Set by validation, not by hand: the config.json that `arch` was read from when the model is
+    # given by path or by a hub id of its own (workbench/models/auto.py); null for catalog entries.
+    arch_from: str | None = None
 
 
 @dataclass
@@ -94,6 +98,12 @@ class DataConfig:
     pack_len: int = 0  # tokens per packed row (0 = seq_len); must be >= seq_len
     cache: bool = True  # reuse tokenised sources by fingerprint (workbench/data/cache.py)
     cache_dir: str | None = None  # default: $WORKBENCH_CACHE/tokenised
+    # One file (or a list of files) instead of a recipe; validation turns it into an inline
+    # recipe held in `recipe` (workbench/data/recipes.py).
+    path: Any = None
+    format: str = "auto"  # the format of data.path's files (auto-detected per row by default)
+    # Held-out rows: a fraction (0.05), a row count (200) or a file; never trained on.
+    eval_split: Any = None
 
 
 @dataclass
@@ -129,6 +139,22 @@ class TrainConfig:
     export: bool = True
     export_merged: bool = True
     compile: bool = False
+    # NaN/Inf loss or gradients: skip up to this many steps, then stop (workbench/faults.py); 0 = stop
+    max_bad_steps: int = 0
+    # Keep the best evaluated checkpoint in checkpoints/best/ (workbench/evals/best.py): a metric
+    # such as loss/loss; mode auto = min for losses/perplexity, else max; export_best exports it.
+    keep_best: str | None = None
+    keep_best_mode: str = "auto"  # auto | min | max
+    export_best: bool = False
+
+
+@dataclass
+class LmEvalConfig:
+    """eval.tasks=[lm_eval:<task or task.yaml>] (workbench/evals/lm_eval_task.py)."""
+
+    limit: int | None = None  # at most this many documents per task (None: all)
+    batch_size: int = 8
+    num_fewshot: int | None = None  # None: the task's own default
 
 
 @dataclass
@@ -136,10 +162,15 @@ class EvalConfig:
     every_n_steps: int = 0  # 0 = only before and after training
     at_start: bool = True
     at_end: bool = True
+    # built-ins (loss, preference, reward, generate, arith_*) or `package.module:function`
+    # (workbench/evals/hooks.py)
     tasks: list[str] = field(default_factory=lambda: ["arith_add2"])
-    num_samples: int = 100
+    num_samples: int = 100  # at most this many held-out rows / questions per task
     batch_size: int = 50
     max_new_tokens: int = 8
+    prompts: Any = None  # `generate`: a list of prompts, or a .txt (one per line) / .jsonl file
+    generate_max_new_tokens: int = 64
+    lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)
 
 
 @dataclass
@@ -179,8 +210,21 @@ class PlanConfig:
 
 
 @dataclass
+class ExportConfig:
+    """What the export writes besides the adapter and merged folders (workbench/export.py)."""
+
+    gguf: list[str] = field(default_factory=list)  # f32 | f16 | bf16 | q8_0 (workbench/to_gguf.py)
+    parity_prompts: int = 20  # held-out prompts the parity gate compares on (workbench/parity.py)
+    allow_mismatch: bool = False  # a failed parity gate is reported, not fatal
+    card: bool = True  # README.md model card in export/merged
+    push_to_hub: str | None = None  # org/name: upload export/merged (+ GGUF files); token from $HF_TOKEN
+    private: bool = True  # a repo push_to_hub creates is private
+
+
+@dataclass
 class DebugConfig:
     crash_at_step: int = -1  # fault injection for restart tests
+    nan_at_step: int = -1  # fault injection: this step's loss is NaN (workbench/faults.py)
     crash_rank: int = 0
     overfit_batches: int = 0
 
@@ -201,11 +245,13 @@ class Schema:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     output_dir: str = "runs/default"
     dry_run: bool = False
     launcher: Any = None
     reward: Any = None  # GRPO reward functions (conf/reward/)
     kernels: str = "none"  # none | liger
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)  # conf/tracker/, workbench/trackers.py
 
 
 # group name -> package whose modules each define `Config` for one choice in that group
@@ -232,6 +278,29 @@ def _merge(schema_cls, node: DictConfig | None, where: str):
     return merged
 
 
+def _own_model_and_data(merged: DictConfig, method_node: dict) -> None:
+    """Fill in what a model by path / hub id and data by path imply, before the config freezes:
+    the architecture from the model's config.json (workbench/models/auto.py), the default
+    evaluation on the data's held-out rows, and the inline recipe for data.path / data.eval_split
+    (workbench/data/recipes.py)."""
+    from workbench.data.recipes import inline_recipe
+    from workbench.models.auto import adopt
+
+    adopt(merged.model)
+    name, own = method_node.get("name"), method_node.get("recipe")
+    if merged.data.path is not None and list(merged.eval.tasks) == EvalConfig().tasks:
+        # Your own data: the default evaluation is on its held-out rows, not the arithmetic task.
+        merged.eval.tasks = [{"dpo": "preference", "grpo": "reward"}.get(name, "loss")]
+    # A split of a named recipe splits the one the method reads (DPO and GRPO keep their own
+    # default recipe unless data.recipe is changed).
+    if own is None and name in importlib.import_module(PLUGGABLE["method"]).CHOICES:
+        own = getattr(plugin_module("method", name).Config(), "recipe", None)
+    base = own if own and merged.data.recipe == "arith_sft" and name != "sft" else None
+    inline = inline_recipe(merged.data, merged.eval.tasks, base)
+    if inline is not None:
+        merged.data.recipe = inline
+
+
 def validate(cfg: DictConfig) -> DictConfig:
     """Return the config merged onto the schemas; raise UserError naming the first bad field."""
     raw = OmegaConf.to_container(cfg, resolve=True)
@@ -240,6 +309,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     plugin_nodes = {g: raw.pop(g, None) for g in PLUGGABLE}
     raw.pop("hydra", None)
     merged = _merge(Schema, OmegaConf.create(raw), "")
+    _own_model_and_data(merged, plugin_nodes.get("method") or {})
     for group, node in plugin_nodes.items():
         if not node or "name" not in node:
             raise UserError(f"config group '{group}' has no 'name'; choose one, e.g. {group}=...")
@@ -266,6 +336,7 @@ def _check_values(cfg: DictConfig) -> None:
         ("peft.kind", cfg.peft.kind in ("none", "lora", "qlora", "dora"), "must be one of none, lora, qlora, dora"),
         ("precision.name", cfg.precision.name in ("fp32", "bf16", "bf16-mixed", "fp16", "fp8"),
          "must be one of fp32, bf16, bf16-mixed, fp16, fp8"),
+        ("optim.name", cfg.optim.name in ("adamw", "sgd"), "must be one of adamw, sgd"),
         ("optim.scheduler", cfg.optim.scheduler in ("constant", "linear", "cosine"),
          "must be one of constant, linear, cosine"),
         ("data.on_bad_row", cfg.data.on_bad_row in ("error", "skip"), "must be error or skip"),

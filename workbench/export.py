@@ -1,5 +1,8 @@
 """Final export: what a user loads with `from_pretrained` or serves with vLLM.
 
+    python -m workbench.export runs/<run>              # export its newest valid checkpoint again
+    python -m workbench.export runs/<run> step=200 export.gguf=[f16]   # a given step, more formats
+
     <output_dir>/export/adapter/   PEFT adapter (safetensors) + tokenizer + generation_config
     <output_dir>/export/merged/    full model with adapters merged (safetensors) + tokenizer +
                                    chat template + generation_config whose eos_token_id is the
@@ -42,9 +45,13 @@ def merged_model(trained, cfg, dtype: torch.dtype):
         return model
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    # Reload the base at full precision (QLoRA trained against NF4; merging into the 4-bit
-    # weights would compound the quantisation error), attach the adapters, merge.
+    # Reload the base at full precision, attach the adapters, merge in fp32. QLoRA adapters were
+    # trained against the NF4 weights, so the base they are merged into is those weights
+    # dequantised (what every training forward saw), not the original ones and never the 4-bit
+    # storage itself (re-quantising after the merge would compound the error, peft#2321).
     fresh = load_model(cfg.model, dtype=torch.float32)
+    if cfg.peft.kind == "qlora":
+        _dequantised_base_into(trained, fresh)
     from peft import get_peft_model
 
     peft_model = get_peft_model(fresh, copy.deepcopy(trained.peft_config["default"]))
@@ -52,6 +59,21 @@ def merged_model(trained, cfg, dtype: torch.dtype):
     merged = peft_model.merge_and_unload()
     cast_weights(merged, dtype)
     return merged
+
+
+def _dequantised_base_into(trained, fresh) -> None:
+    import bitsandbytes as bnb
+
+    n = 0
+    for name, mod in base_model(trained).named_modules():
+        if isinstance(mod, bnb.nn.Linear4bit):
+            w = bnb.functional.dequantize_4bit(mod.weight.data, mod.weight.quant_state).float()
+            target = fresh.get_submodule(name.removesuffix(".base_layer"))
+            with torch.no_grad():
+                target.weight.copy_(w.reshape(target.weight.shape))
+            n += 1
+    if n == 0:
+        raise RuntimeError("peft=qlora export: no 4-bit layers found in the trained model")
 
 
 def rebuild_plain(cfg, pol, full_state: dict, only: set[str] | None = None):
@@ -82,24 +104,33 @@ def rebuild_plain(cfg, pol, full_state: dict, only: set[str] | None = None):
     return model
 
 
-@torch.no_grad()
-def _logits(model, ids):
-    model.eval()
-    return model(input_ids=ids, use_cache=False).logits.float()
-
-
-def export(trained, tokenizer, contract, cfg, out_dir: Path) -> dict:
+def export(trained, tokenizer, contract, cfg, out_dir: Path, results: dict | None = None) -> dict:
     from workbench.imports import hidden
 
     with hidden("deepspeed"):  # save_pretrained would import it just to probe (workbench/imports.py)
-        return _export(trained, tokenizer, contract, cfg, out_dir)
+        return _export(trained, tokenizer, contract, cfg, out_dir, results or {})
 
 
-def _export(trained, tokenizer, contract, cfg, out_dir: Path) -> dict:
-    from transformers import AutoModelForCausalLM
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+
+
+def _parity_prompts(cfg) -> list:
+    """Held-out prompts for the parity gate: the run's eval prompts (the shipped held-out
+    arithmetic questions by default); never training rows."""
+    from workbench.evals.hooks import eval_rows
+
+    return [r["prompt"] for r in eval_rows("arith_add2", cfg.export.parity_prompts)]
+
+
+def _export(trained, tokenizer, contract, cfg, out_dir: Path, results: dict) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from workbench import precision
+    from workbench.parity import compare, rounding
 
     out_dir = Path(out_dir)
-    result: dict = {}
+    result: dict = {"parity": {}, "failed": []}
     dtype = torch.float32 if cfg.precision.name == "fp32" else torch.bfloat16
     if cfg.peft.kind != "none":
         trained.save_pretrained(out_dir / "adapter", safe_serialization=True)
@@ -110,19 +141,182 @@ def _export(trained, tokenizer, contract, cfg, out_dir: Path) -> dict:
     merged = merged_model(trained, cfg, dtype)
     merged.config.use_cache = True
     merged.generation_config = _generation_config(tokenizer, contract)
-    merged.save_pretrained(out_dir / "merged", safe_serialization=True)
-    _save_tokenizer(tokenizer, contract, out_dir / "merged")
-    result["merged"] = str(out_dir / "merged")
+    merged_dir = out_dir / "merged"
+    merged.save_pretrained(merged_dir, safe_serialization=True)
+    _save_tokenizer(tokenizer, contract, merged_dir)
+    result["merged"] = str(merged_dir)
+    del merged
 
-    # Round trip: what is on disk must reproduce what was in memory.
-    probe = torch.tensor([tokenizer("What is 12 + 34? Answer with the number only.")["input_ids"]])
-    reloaded = AutoModelForCausalLM.from_pretrained(out_dir / "merged", dtype=dtype)
-    disk_vs_memory = (_logits(reloaded, probe) - _logits(merged, probe)).abs().max().item()
-    trained_logits = _logits(trained, probe)
-    merged_vs_trained = (_logits(reloaded, probe) - trained_logits).abs().max().item()
-    result["roundtrip_max_abs_diff"] = disk_vs_memory
-    result["merged_vs_trained_max_abs_diff"] = merged_vs_trained
-    result["merged_vs_trained_argmax_agree"] = float(
-        (_logits(reloaded, probe).argmax(-1) == trained_logits.argmax(-1)).float().mean())
+    # The parity gate: what is on disk, read back by transformers, against the trained model.
+    convs = _parity_prompts(cfg)
+    eot = contract.end_of_turn_id
+    pol = precision.policy(cfg.precision.name, "cpu")
+    # merged weights are W + BA summed from fp32 adapters (peft), or the trainable weights as trained
+    source = "fp32" if cfg.peft.kind != "none" else _dtype_name(pol.trainable_dtype)
+    reloaded = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=dtype)
+    declared = GenerationConfig.from_pretrained(merged_dir).eos_token_id
+    gate = compare(trained, reloaded, tokenizer, convs, eot, rounding(source, _dtype_name(dtype)),
+                   declared_eos=declared, autocast=precision.autocast(pol, "cpu"))
+    result["parity"]["merged"] = gate
+    # the figures earlier reports carried, kept for continuity
+    result["merged_vs_trained_max_abs_diff"] = gate["logit_max_abs_diff"]
+    result["merged_vs_trained_argmax_agree"] = gate["argmax_agreement"]
+
+    for kind in cfg.export.gguf:
+        result["parity"][f"gguf-{kind}"] = _gguf(merged_dir, out_dir, kind, reloaded, tokenizer, contract, convs, cfg,
+                                                 _dtype_name(dtype))
+        result.setdefault("gguf", []).append(str(out_dir / "gguf" / f"model-{kind}.gguf"))
+    if cfg.export.card:
+        (merged_dir / "README.md").write_text(model_card(cfg, results, result))
+    result["failed"] = [k for k, r in result["parity"].items() if not r["passed"]]
+    if cfg.export.push_to_hub and not result["failed"]:  # a failed gate is never published
+        from workbench import hub
+
+        result["hub"] = hub.push(merged_dir, cfg.export.push_to_hub, [Path(p) for p in result.get("gguf", [])],
+                                 private=cfg.export.private)
     trained.train()
     return result
+
+
+def _gguf(merged_dir, out_dir, kind, merged, tokenizer, contract, convs, cfg, merged_dtype) -> dict:
+    """Write one GGUF file and gate it against the merged model it was converted from."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    from workbench.parity import compare, rounding
+    from workbench.to_gguf import write
+
+    path = write(merged_dir, out_dir / "gguf" / f"model-{kind}.gguf", kind, eos_id=contract.end_of_turn_id,
+                 pre=_base_pre_tokenizer(cfg))
+    field = GGUFReader(str(path)).fields["tokenizer.ggml.eos_token_id"]
+    declared = int(field.contents())
+    back = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    ref = copy.deepcopy(merged)
+    cast_weights(ref, torch.float32)
+    gate = compare(ref, back, tokenizer, convs, contract.end_of_turn_id, rounding(merged_dtype, kind),
+                   declared_eos=declared)
+    gate["path"], gate["bytes"] = str(path), path.stat().st_size
+    return gate
+
+
+def _base_pre_tokenizer(cfg) -> str | None:
+    """The base model's llama.cpp pre-tokenizer name when it came from a packaged GGUF."""
+    if not cfg.model.gguf_package:
+        return None
+    from gguf import GGUFReader
+
+    from workbench.models.load import _gguf_in_package
+
+    path = _gguf_in_package(cfg.model.gguf_package)
+    if path is None:
+        return None
+    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.pre")
+    return str(field.contents()) if field is not None else None
+
+
+def model_card(cfg, results: dict, export: dict) -> str:
+    """README.md for the merged folder: what it is, how it was made, how it scored."""
+    import json as _json
+
+    base = cfg.model.hub_id or cfg.model.path or cfg.model.name
+    evals = {k: v for k, v in (results.get("eval_end") or {}).items() if isinstance(v, float)}
+    before = results.get("eval_start") or {}
+    lines = ["---", f"base_model: {base}", "library_name: transformers", "tags: [workbench, "
+             f"{cfg.method.name}{', ' + cfg.peft.kind if cfg.peft.kind != 'none' else ''}]", "---", "",
+             f"# {Path(cfg.output_dir).name}", "",
+             f"Fine-tuned from `{base}` with `method={cfg.method.name}` and `peft={cfg.peft.kind}` "
+             f"(`precision={cfg.precision.name}`, {cfg.train.max_steps} steps of {cfg.train.micro_batch_size} x "
+             f"{cfg.train.grad_accum} per rank). The adapters are merged; generation_config.json stops on the "
+             "end-of-turn token the model was trained to emit.", "",
+             "## Evaluation", ""]
+    if evals:
+        lines += ["| metric | before | after |", "|---|---|---|"]
+        lines += [f"| {k} | {before.get(k, float('nan')):.4f} | {v:.4f} |" for k, v in sorted(evals.items())]
+    else:
+        lines.append("No evaluation was run.")
+    lines += ["", "## Export checks", "", "| file | rounding | KL (mean) | greedy equal | stop token | passed |",
+              "|---|---|---|---|---|---|"]
+    for name, r in export.get("parity", {}).items():
+        lines.append(f"| {name} | {r['rounding']} | {r['kl_mean']:.2e} | {r['greedy_equal']}/{r['prompts']} | "
+                     f"{r['declared_eos']} | {r['passed']} |")
+    lines += ["", "## How it was made", "", "The run directory holds `config.yaml` (the composed config, secrets "
+              "removed) and `manifest.json` (package versions, git commit, data fingerprints). Overrides:", "",
+              "```", "python -m workbench " + " ".join(_overrides()), "```", "",
+              f"License: as the base model's ({_license(cfg)}).", ""]
+    return "\n".join(lines) + ("\n<!-- " + _json.dumps({"workbench": True}) + " -->\n")
+
+
+def _overrides() -> list[str]:
+    """The command line's overrides, with secret-looking values removed."""
+    from workbench.manifest import REDACTED, SECRET_KEY
+
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        items = list(HydraConfig.get().overrides.task)
+    except Exception:  # noqa: BLE001 - not under a Hydra run (tests, python API)
+        return []
+    out = []
+    for o in items:
+        key = o.split("=", 1)[0].lstrip("+~").split(".")[-1]
+        out.append(f"{o.split('=', 1)[0]}={REDACTED}" if SECRET_KEY.search(key) or "token" in o.lower() else o)
+    return out
+
+
+def _license(cfg) -> str:
+    if cfg.model.gguf_package:
+        from gguf import GGUFReader
+
+        from workbench.models.load import _gguf_in_package
+
+        path = _gguf_in_package(cfg.model.gguf_package)
+        field = GGUFReader(str(path)).fields.get("general.license") if path else None
+        if field is not None:
+            return str(field.contents())
+    return "see the base model's card"
+
+
+def main(argv: list[str]) -> int:
+    """Export a saved checkpoint without training: the run's own config (its config.yaml) with
+    the checkpoint as the resume point and max_steps at its step, through the normal entry
+    point, so sharded FSDP2 / DeepSpeed / Megatron checkpoints are gathered by the backend that
+    wrote them (torchrun is started with the run's hardware.procs). Output:
+    <run_dir>/exports/step-N/export/."""
+    import subprocess
+    import sys
+
+    from workbench import checkpoint
+    from workbench.errors import UserError
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(main.__doc__)
+        return 2
+    run_dir, extra, step = Path(argv[0]).resolve(), [], None
+    for a in argv[1:]:
+        if a.startswith("step="):
+            step = int(a.split("=", 1)[1])
+        else:
+            extra.append(a)
+    try:
+        if not (run_dir / "config.yaml").exists():
+            raise UserError(f"{run_dir}: no config.yaml (not a workbench run directory)")
+        path = (checkpoint.ckpt_root(run_dir) / f"step-{step:08d}") if step is not None else checkpoint.latest(run_dir)
+        if path is None or not path.is_dir():
+            raise UserError(f"{run_dir}: no checkpoint {f'step-{step:08d}' if step is not None else 'to export'}")
+        why = checkpoint.verify(path)
+        if why is not None:
+            raise UserError(f"{path}: not a usable checkpoint ({why})")
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    n = int(path.name.split("-")[1])
+    cmd = [sys.executable, "-m", "workbench", "--config-path", str(run_dir), "--config-name", "config",
+           f"train.resume={path}", f"train.max_steps={n}", "train.export=true", "eval.at_start=false",
+           "eval.at_end=false", "eval.every_n_steps=0", f"output_dir={run_dir / 'exports' / path.name}", *extra]
+    return subprocess.call(cmd)
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,4 +1,5 @@
-"""Optional engines stay out of a process that did not choose them.
+"""Imports on the user's behalf: optional engines kept out of a process that did not choose
+them, and a user's own `package.module:function` (rewards, evaluation hooks) found by name.
 
 Some libraries import an engine only because it is installed: transformers' `save_pretrained`
 calls accelerate's `extract_model_from_parallel`, which imports DeepSpeed (and DeepSpeed prints
@@ -8,6 +9,7 @@ of a block, unless the engine is already imported because the run chose it.
 
     with hidden("deepspeed"):
         model.save_pretrained(path)
+    fn = user_function("mypkg.rewards:brevity", "reward")   # UserError naming `reward` if absent
 """
 
 from __future__ import annotations
@@ -29,3 +31,20 @@ def hidden(*names: str):
         for n in hide:
             if n in sys.modules and sys.modules[n] is None:
                 del sys.modules[n]
+
+
+def user_function(spec: str, field: str):
+    """The callable `package.module:function` names; a UserError naming `field` otherwise."""
+    import importlib
+
+    from workbench.errors import UserError
+
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise UserError(f"{field}: cannot import module {mod_name!r} for {spec!r}: {exc}") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise UserError(f"{field}: module {mod_name!r} has no function {fn_name!r}")
+    return fn

@@ -88,6 +88,7 @@ def data_sample(cfg) -> dict:
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt or [])
         if not msgs:
             raise UserError(f"{where}: no prompt in the first row (keys: {sorted(row)})")
+        formats.check_messages(msgs, "prompt", where)  # before the template: file:line, not a Jinja error
         ids = formats.prompt_ids(tokenizer, msgs)
         return {"where": where, "tokens": len(ids), "trained": 0, "kind": "prompt"}
     else:
@@ -123,7 +124,10 @@ def check(cfg, env: rules.Env | None = None) -> dict:
         if here or "is not installed" not in str(exc):
             raise
         warnings.append(str(exc))
-    check_tasks(cfg.eval.tasks)
+    check_tasks(cfg.eval.tasks, cfg)  # names, user hooks importable, held-out data for loss/preference/reward
+    from workbench.evals import best
+
+    best.check(cfg)  # train.keep_best names an evaluated metric; evaluations fall on checkpoints
 
     counts = count(probe(cfg.model), cfg.model.arch, cfg.peft)  # meta device; checks adapter targets
     # A run that fits here needs no other profile; the rest of the catalog is read for dry runs

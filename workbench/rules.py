@@ -17,8 +17,8 @@ with OmegaConf.select and defaults, so rules apply to any backend or method conf
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from workbench.errors import UserError
 from workbench.plan.setup import pick
@@ -33,6 +33,7 @@ class Env:
     cuda: bool = False
     gpus: int = 0
     packages: frozenset = frozenset()
+    hub_token: bool = False  # $HF_TOKEN is set (its value is never read here)
 
     def has(self, package: str) -> bool:
         return package in self.packages
@@ -52,7 +53,10 @@ def current_env() -> Env:
     names = ("bitsandbytes", "deepspeed", "megatron", "unsloth", "vllm", "liger_kernel", "torchao",
              "transformer_engine", "flash_attn")
     found = frozenset(n for n in names if _installed(n))
-    return Env(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0, packages=found)
+    import os
+
+    token = bool(os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN"))
+    return Env(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0, packages=found, hub_token=token)
 
 
 @dataclass(frozen=True)
@@ -255,12 +259,29 @@ RULES: list[Rule] = [
     Rule("liger-on-cpu", {"hardware": "cpu", "kernels": "liger"},
          lambda c, e: c.kernels == "liger" and _dev(c) != "cuda",
          "kernels=liger are Triton GPU kernels; on CPU use kernels=none"),
+    Rule("gguf-types", {"export": "gguf=<type>"},
+         lambda c, e: c.train.export and any(str(t).lower() not in _gguf().TYPES for t in c.export.gguf),
+         lambda c, e: f"export.gguf={list(c.export.gguf)}: choose from {list(_gguf().TYPES)}; K-quants "
+                      "(q4_k_m, ...) need llama.cpp's llama-quantize on the f16 file"),
+    Rule("gguf-family", {"export": "gguf", "model": "a family without a GGUF mapping"},
+         lambda c, e: c.train.export and bool(c.export.gguf) and c.model.arch.family not in _gguf().ARCHES,
+         lambda c, e: f"export.gguf: model family {c.model.arch.family!r} has no GGUF mapping here (supported: "
+                      f"{sorted(_gguf().ARCHES)}); drop export.gguf and convert the merged folder with llama.cpp"),
+    Rule("push-needs-token", {"export": "push_to_hub"},
+         lambda c, e: c.train.export and bool(c.export.push_to_hub) and not e.hub_token,
+         "export.push_to_hub needs a write token in $HF_TOKEN (checked now, not after training)"),
     # last, so that megatron's parallel-size rules report first when several apply
     Rule("lora-megatron", {"peft": "lora", "backend": "megatron"},
          lambda c, e: c.peft.kind == "lora" and _backend(c) == "megatron",
          "peft=lora is not built for backend=megatron yet (adapters on Megatron layers); use peft=none there, "
          "or peft=lora with backend=fsdp2"),
 ]
+
+
+def _gguf():
+    from workbench import to_gguf
+
+    return to_gguf
 
 
 def violations(cfg, env: Env | None = None) -> list[tuple[Rule, str]]:
@@ -273,7 +294,8 @@ def violations(cfg, env: Env | None = None) -> list[tuple[Rule, str]]:
 
 
 # rules that stand between a CPU machine and a plan: dry_run=true may still plan past them
-PLANNABLE = {"cuda-not-visible", "multinode-needs-rendezvous", "planning-only-accelerator", "procs-exceed-gpus", "fp8-needs-torchao",
+PLANNABLE = {"push-needs-token", "cuda-not-visible", "multinode-needs-rendezvous", "planning-only-accelerator",
+             "procs-exceed-gpus", "fp8-needs-torchao",
              "unsloth-needs-cuda", "vllm-needs-cuda", "flash-attn-on-cpu", "liger-on-cpu",
              "deepspeed-needs-package", "megatron-needs-package", "qlora-needs-bitsandbytes"}
 

@@ -23,15 +23,16 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from workbench import checkpoint, kernels, manifest, precision, report
+from workbench import checkpoint, faults, kernels, manifest, precision, report
 from workbench.config import plugin_module
 from workbench.data.formats import setup_tokenizer
 from workbench.evals import hooks
+from workbench.flops import FlopCount
 from workbench.models.head import SelectiveLM
 from workbench.models.load import load_model, load_tokenizer, resolve
 from workbench.peft import lora
 from workbench.state import TrainState, rng_state, seed_everything, set_rng_state
-from workbench.tracking import Tracker, flops_per_token, measured_peak_flops
+from workbench.tracking import Tracker, peak_flops, throughput
 
 
 @dataclass
@@ -128,10 +129,8 @@ class Runner:
         self.n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def _resume(self) -> str | None:
-        mode = self.cfg.train.resume
-        if mode == "never":
-            return None
-        path = checkpoint.latest(self.run_dir) if mode == "auto" else Path(mode)
+        # resume_point verifies each checkpoint's files and falls back past a damaged one
+        path = checkpoint.resume_point(self.run_dir, self.cfg.train.resume)
         if path is None:
             return None
         state, meta = checkpoint.load(path, self.rank, sharded=getattr(self.backend, "sharded", False),
@@ -142,11 +141,12 @@ class Runner:
         set_rng_state(meta["rng"])
         return str(path)
 
-    def _save(self) -> None:
+    def _save(self) -> Path:
         meta = {"train_state": self.state.to_dict(), "method": self.method.state_dict(), "rng": rng_state()}
         barrier = dist.barrier if dist.is_initialized() else (lambda: None)
-        checkpoint.save(self.run_dir, self.state.step, self.backend.state_dict(), meta, self.rank, self.world,
-                        keep=self.cfg.train.keep_checkpoints, barrier=barrier)
+        with self.tracker.progress.status(f"checkpoint step {self.state.step}"):
+            return checkpoint.save(self.run_dir, self.state.step, self.backend.state_dict(), meta, self.rank,
+                                   self.world, keep=self.cfg.train.keep_checkpoints, barrier=barrier)
 
     def _plain_model(self):
         """The trained model as a plain module; under sharding backends a collective that
@@ -162,18 +162,57 @@ class Runner:
         if not self.is_main:
             return {}
         t = time.perf_counter()
-        res = hooks.run(model, self.tokenizer, self.contract, self.cfg.eval,
-                        autocast=precision.autocast(self.pol, self.device))
+        try:
+            with self.tracker.progress.status(f"eval [{tag}]"):  # spinner / bar text / plain lines
+                res = hooks.run(model, self.tokenizer, self.contract, self.cfg.eval,
+                                autocast=precision.autocast(self.pol, self.device), cfg=self.cfg,
+                                step=self.state.step, tag=tag, run_dir=self.run_dir,
+                                cache=vars(self).setdefault("_eval_cache", {}))
+        except hooks.EvalHookError as exc:
+            raise hooks.EvalHookError(f"{exc}; {self._keep_checkpoint(tag)}") from exc
         res["eval_seconds"] = time.perf_counter() - t
-        self.tracker.console(f"eval [{tag}] " + ", ".join(f"{k}={v:.3f}" for k, v in res.items()
-                                                          if isinstance(v, float) and "accuracy" in k))
+        self.tracker.log_eval(res, self.state.step)
+        hooks.log_metrics(self.run_dir, res, self.state.step, tag)  # eval rows in metrics.jsonl carry `eval`
+        if self.cfg.train.keep_best and tag != "start":  # copy this step's checkpoint to checkpoints/best/
+            from workbench.evals.best import Keeper
+
+            if not hasattr(self, "_best"):
+                self._best = Keeper(self.run_dir, self.cfg.train.keep_best, self.cfg.train.keep_best_mode)
+            if self._best.update(res, self.state.step):
+                self.tracker.console(f"best {self._best.key[5:]}={self._best.best['value']:.4g} at step "
+                                     f"{self.state.step}: kept in {self._best.path}")
+        self.tracker.console(f"eval ({tag}) " + ", ".join(f"{k[5:]}={v:.4g}" for k, v in res.items()
+                                                          if k.startswith("eval/") and isinstance(v, float)
+                                                          and not k.endswith("/seconds")))
         return res
+
+    def _load_best(self) -> str:
+        """train.export_best: put the best evaluated checkpoint's weights back before the export."""
+        path = checkpoint.ckpt_root(self.run_dir) / "best"
+        if not path.is_dir():
+            self.tracker.console("train.export_best: no best checkpoint was kept; exporting the last weights")
+            return "last"
+        state, _meta = checkpoint.load(path, self.rank, sharded=getattr(self.backend, "sharded", False),
+                                       external=hasattr(self.backend, "load_from"))
+        self.backend.load_state_dict(state)
+        return str(path)
+
+    def _keep_checkpoint(self, tag: str) -> str:
+        """After an eval hook failed: make sure the trained weights so far are on disk, and say where."""
+        if tag == "start":
+            return "nothing was trained yet"
+        if tag == "step" and self.world == 1:
+            latest = checkpoint.latest(self.run_dir)
+            if latest is None or not str(latest).endswith(f"{self.state.step:08d}"):
+                self._save()  # a checkpoint of the step the hook failed at (single process only: no peers)
+            checkpoint.flush()
+        return f"the run's checkpoint is kept: {checkpoint.latest(self.run_dir)}"
 
     # -- loop ----------------------------------------------------------------------------
     def run(self) -> dict:
         t_launch = time.perf_counter()
         cfg = self.cfg
-        self.tracker = Tracker(self.run_dir, enabled=self.is_main)
+        self.tracker = Tracker(self.run_dir, enabled=self.is_main, cfg=cfg)  # + trackers, progress
         self.tracker.set_price(cfg.hardware.price_per_hour, self.world)
         if not hasattr(self, "backend"):
             self.build()
@@ -183,17 +222,20 @@ class Runner:
         results: dict = {"resumed_from": resumed, "n_params": self.n_params, "n_trainable": self.n_trainable}
         if cfg.eval.at_start and self.state.step == 0:
             results["eval_start"] = self._evaluate("start")
-        peak = measured_peak_flops(self.device, self.pol)
-        fpt = flops_per_token(self.n_params, self.n_trainable, cfg.peft.kind)
+        peak, results["peak_source"] = peak_flops(cfg.hardware, cfg.precision.name, self.device, self.pol)
+        results["peak_flops"] = peak
+        flop_count = FlopCount.from_model(self.model, cfg)  # FLOPs as computed (workbench/flops.py)
         losses, first_step_at = [], None
+        # SIGTERM/SIGINT: finish the step, checkpoint, exit 75; NaN/Inf: skip or stop (workbench/faults.py)
+        guard = faults.Guard(cfg, self.backend, self.device, say=self.tracker.console)
+        guard.install()
         while self.state.step < cfg.train.max_steps:
             first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
             if self.state.step == cfg.debug.crash_at_step and self.rank == cfg.debug.crash_rank and first_attempt:
                 os._exit(17)  # fault injection: die like a killed rank would
             t0 = time.perf_counter()
             batch = self.method.next_batch(self.state, self.backend)
-            m = self.backend.forward_backward(batch, self.method.loss)
-            m.update(self.backend.optimizer_step())
+            m = guard.step(batch, self.method.loss, self.state.step, lambda: checkpoint.latest_valid(self.run_dir))
             dt = time.perf_counter() - t0
             first_step_at = first_step_at or (time.perf_counter() - t_launch)
             self.state.step += 1
@@ -204,28 +246,45 @@ class Runner:
             losses.append(loss)
             tps = batch.tokens * dp / dt
             row = {"step": self.state.step, "loss": loss, **m, **batch.info, "tokens": batch.tokens * dp,
-                   "tokens_per_s": tps, "step_seconds": dt, "time": time.time(), "mfu": tps * fpt / peak if peak else None}
+                   "tokens_per_s": tps, "step_seconds": dt, "time": time.time(),
+                   **throughput(flop_count, batch.micro, dt, peak, dp)}
             self.tracker.log(row, show=self.state.step % cfg.train.log_every == 0 or self.state.step == 1)
             every = cfg.train.checkpoint_every
-            if every and self.state.step % every == 0 and self.state.step < cfg.train.max_steps:
+            saved = every and self.state.step % every == 0 and self.state.step < cfg.train.max_steps
+            if saved:
                 self._save()
+            if guard.stop_requested():  # collective: every rank checkpoints at the same step
+                path = self._save() if not saved else checkpoint.ckpt_root(self.run_dir) / f"step-{self.state.step:08d}"
+                checkpoint.flush()
+                guard.exit_preempted(self.state.step, path)
             if cfg.eval.every_n_steps and self.state.step % cfg.eval.every_n_steps == 0:
                 results.setdefault("eval_during", []).append({"step": self.state.step, **self._evaluate("step")})
         if self.state.step and (cfg.train.checkpoint_every or cfg.train.max_steps):
             self._save()
         checkpoint.flush()  # async saves commit before the run reports done
+        guard.uninstall()  # from here on (eval, export) a signal stops the run as usual
+        results.update(bad_steps=guard.bad_steps)
         results.update(losses=losses, first_step_seconds=first_step_at, wall_seconds=time.perf_counter() - t_launch)
         if cfg.eval.at_end:
             results["eval_end"] = self._evaluate("end")
+        if cfg.train.export and cfg.train.export_best:
+            results["exported_from"] = self._load_best()
         trained = self._plain_model() if cfg.train.export else None  # collective under sharding
         if self.is_main and cfg.train.export:
             from workbench.export import export
 
-            results["export"] = export(trained, self.tokenizer, self.contract, cfg, self.run_dir / "export")
+            results["export"] = export(trained, self.tokenizer, self.contract, cfg, self.run_dir / "export", results)
         if self.is_main:
             report.write(self.run_dir, cfg, results, self.tracker.rows)
+            self.tracker.finish(self.run_dir / "plots")  # plots to the trackers; close them
         if dist.is_initialized():
             dist.barrier()
+        failed = (results.get("export") or {}).get("failed")
+        if failed and not cfg.export.allow_mismatch:  # after the report, which shows the numbers
+            from workbench.errors import UserError
+
+            raise UserError(f"export: the parity gate failed for {', '.join(failed)} (see {self.run_dir}/report.md "
+                            "and results.json); the files are kept; export.allow_mismatch=true accepts them")
         return results
 
     def _write_manifest(self, resumed) -> None:

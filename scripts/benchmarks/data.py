@@ -35,11 +35,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tokenizer():
+    import yaml
+
     from workbench.config import ModelConfig
     from workbench.data.formats import setup_tokenizer
     from workbench.models.load import load_tokenizer
-
-    import yaml
 
     spec = yaml.safe_load((ROOT / "conf" / "model" / "tiny.yaml").read_text())
     spec.pop("arch", None)

@@ -11,8 +11,10 @@ Three trainers see the same 2-digit-addition chat examples, batch 16:
 They run in rounds, alternately, in this one process, and the steady-state seconds per step
 (first step of each round dropped) are compared as ratios. Also measured: seconds from
 process launch to the first optimizer step of `python -m workbench` with a warm cache, and the
-workbench's achieved FLOP/s (tokens/s x training FLOPs per token) against the bf16 matmul
-FLOP/s measured on this machine in the same run.
+workbench's achieved FLOP/s (each step's training FLOPs counted as computed, workbench/flops.py,
+over its time: the `flops` of metrics.jsonl) against the peak the run's MFU uses (the bf16 matmul
+peak of this machine: best of several trials, workbench/tracking.py) and against a bf16 matmul
+measured again at the end of this run.
 """
 
 from __future__ import annotations
@@ -36,13 +38,12 @@ def _rows(n: int) -> list[dict]:
     return rows[:n]
 
 
-def workbench_steps(steps: int, model: str, out: Path) -> tuple[list[dict], float]:
-    """Metrics rows of a workbench run and its training FLOPs per token."""
+def workbench_steps(steps: int, model: str, out: Path) -> list[dict]:
+    """Metrics rows of a workbench run (each with its step's `flops` and `mfu`)."""
     from hydra import compose, initialize_config_dir
 
     from workbench.config import validate
     from workbench.runner import Runner
-    from workbench.tracking import flops_per_token
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={model}", "eval=none", "train.export=false",
@@ -50,8 +51,9 @@ def workbench_steps(steps: int, model: str, out: Path) -> tuple[list[dict], floa
     runner = Runner(validate(cfg))
     res = runner.run()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "eval" not in r]  # training steps only
     assert len(rows) == steps and res["losses"]
-    return rows, flops_per_token(runner.n_params, runner.n_trainable, cfg.peft.kind)
+    return rows
 
 
 def trl_steps(steps: int, model_dir: str, same: bool, out: Path) -> list[float]:
@@ -113,21 +115,24 @@ def run(argv: list[str]) -> dict:
     entry = zoo_entry(args.model)
     model_dir = materialise(entry, resolve(entry)).path
     per: dict[str, list[float]] = {"workbench": [], "trl_same": [], "trl_defaults": []}
-    achieved = []  # workbench FLOP/s per steady-state step
+    achieved, mfu = [], []  # workbench FLOP/s and MFU per steady-state step
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for r in range(args.rounds):
-            rows, fpt = workbench_steps(args.steps, args.model, tmp / f"wb{r}")
+            rows = workbench_steps(args.steps, args.model, tmp / f"wb{r}")
             per["workbench"] += [row["step_seconds"] for row in rows[1:]]
-            achieved += [row["tokens_per_s"] * fpt for row in rows[1:]]
+            achieved += [row["flops"] / row["step_seconds"] for row in rows[1:]]
+            mfu += [row["mfu"] for row in rows[1:]]
             per["trl_same"] += trl_steps(args.steps, model_dir, True, tmp / f"ts{r}")[1:]
             per["trl_defaults"] += trl_steps(args.steps, model_dir, False, tmp / f"td{r}")[1:]
         launch = first_step_after_launch(args.model, tmp / "launch")
     import torch
 
-    from workbench.tracking import matmul_flops
+    from workbench.tracking import matmul_flops, measured_peak_flops
 
-    peak = matmul_flops("cpu", torch.bfloat16)  # this machine's bf16 matmul FLOP/s, measured now
+    pol = type("Policy", (), {"autocast_dtype": torch.bfloat16, "trainable_dtype": torch.float32})
+    peak = measured_peak_flops("cpu", pol)  # the peak the runs' MFU was taken against (bf16-mixed)
+    now = matmul_flops("cpu", torch.bfloat16)  # and one measured now, after the runs
     med = {k: statistics.median(v) for k, v in per.items()}
     return {
         "model": args.model, "steps_per_round": args.steps, "rounds": args.rounds, "model_dir": str(converted_dir(args.model)),
@@ -135,7 +140,8 @@ def run(argv: list[str]) -> dict:
         "ratio_throughput_vs_trl_same": med["trl_same"] / med["workbench"],
         "ratio_throughput_vs_trl_defaults": med["trl_defaults"] / med["workbench"],
         "first_optimizer_step_seconds_after_launch": launch,
-        "workbench_achieved_flops": statistics.median(achieved), "bf16_matmul_flops": peak,
-        "achieved_over_bf16_matmul": statistics.median(achieved) / peak,
+        "workbench_achieved_flops": statistics.median(achieved), "bf16_matmul_peak_flops": peak,
+        "bf16_matmul_flops_measured_now": now, "workbench_mfu_logged": statistics.median(mfu),
+        "achieved_over_bf16_matmul": statistics.median(achieved) / max(peak, now),
         "threads": torch.get_num_threads(),
     }

@@ -75,14 +75,29 @@ def test_worker_command_forwards_overrides_and_pins_output_dir(tmp_path, monkeyp
 
     cfg = compose(["backend=fsdp2", "hardware.procs=2"], tmp_path)
 
+    from types import SimpleNamespace
+
+    from workbench.config import CONF_DIR
+
     class Fake:  # what HydraConfig.get() exposes
         class overrides:
             task = ["backend=fsdp2", "hardware.procs=2", "output_dir=relative/x", "++hardware.timeout_minutes=2"]
+
+        class runtime:  # the primary config is conf/train.yaml: nothing more to pass on
+            config_sources = [SimpleNamespace(provider="main", schema="file", path=str(CONF_DIR))]
+
+        class job:
+            config_name = "train"
 
     monkeypatch.setattr("hydra.core.hydra_config.HydraConfig.get", staticmethod(lambda: Fake))
     args = torchrun.worker_args(cfg)
     assert args == ["-m", "workbench", "backend=fsdp2", "hardware.procs=2", "++hardware.timeout_minutes=2",
                     f"output_dir={tmp_path.resolve()}"]
+    # a run from a saved config (remote far side, python -m workbench.export) keeps it in the workers
+    Fake.runtime.config_sources = [SimpleNamespace(provider="main", schema="file", path=str(tmp_path))]
+    Fake.job.config_name = "config"
+    args = torchrun.worker_args(cfg)
+    assert args[:6] == ["-m", "workbench", "--config-path", str(tmp_path.resolve()), "--config-name", "config"]
     lc = torchrun.launch_config(compose(["hardware.procs=2", "++hardware.max_restarts=3"], tmp_path))
     assert (lc.nproc_per_node, lc.max_restarts, lc.min_nodes, lc.rdzv_backend) == (2, 3, 1, "c10d")
     with pytest.raises(UserError, match="needs hardware.rdzv_endpoint"):

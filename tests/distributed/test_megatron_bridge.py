@@ -33,7 +33,8 @@ def free_port() -> int:
 
 def launch(args: list[str], out: Path, timeout: int = 240) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}",
            str(HERE), "--out", str(out), *args]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -74,12 +75,12 @@ def worker(out: str, layouts: list[str]) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from transformers import AutoModelForCausalLM
 
     from workbench.megatron import bridge
     from workbench.megatron.cpu_shim import attention_mask, cpu_device
     from workbench.megatron.model import Parallel, build_gpt
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

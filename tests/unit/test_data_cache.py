@@ -71,3 +71,18 @@ def test_preview_renders_masked_samples_without_loading_weights(tmp_path, monkey
     # only the answer and end-of-turn are trained: they alone sit between the markers
     assert first.count("⟦") == 1 and first.rstrip().endswith("<|im_end|>⟧")
     assert "What is" in first.split("⟦")[0]
+
+
+def test_a_long_tokenisation_reports_progress(tmp_path, monkeypatch, capsys):
+    """Plain progress lines while a source tokenises (a fake clock makes it 'long')."""
+    tokenizer, contract = _tok()
+    shutil.copy(ASSETS / "messages.jsonl", tmp_path / "m.jsonl")
+    src = source("m.jsonl")
+    src.path = tmp_path / "m.jsonl"
+    ticks = iter(range(0, 10_000, 30))  # every reading of the clock is 30 s later
+    real = pipeline._Ticker
+    monkeypatch.setattr(pipeline, "_Ticker", lambda label: real(label, clock=lambda: float(next(ticks))))
+    monkeypatch.setattr(pipeline, "CHUNK_ROWS", 1)
+    out = pipeline.tokenise_source(src, tokenizer, contract, data_cfg(tmp_path))
+    err = capsys.readouterr().err
+    assert "tokenising" in err and f"tokenised {out.rows_read:,} rows" in err

@@ -105,7 +105,7 @@ def test_sft_trains_packed_and_logs_mix_and_fill(tmp_path):
 
     res = train(["data.recipe=formats_demo", "data.packing=true", "data.pack_len=512", "train.max_steps=2",
                  "train.micro_batch_size=2", f"data.cache_dir={tmp_path / 'cache'}"], tmp_path / "run")
-    assert len(res["losses"]) == 2 and all(l == l and l > 0 for l in res["losses"])
+    assert len(res["losses"]) == 2 and all(x == x and x > 0 for x in res["losses"])
     import json
 
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.tolerances import LOSS_RTOL, grad_atol
 from tests.conftest import ROOT, compose, train
+from tests.tolerances import LOSS_RTOL, grad_atol
 from workbench.data.formats import prompt_ids
 from workbench.data.preference import Pair, preference_row, tokenise_completion, tokenise_preferences
 from workbench.data.recipes import Source

@@ -92,7 +92,7 @@ def test_flash_attn_missing_package(monkeypatch):
 def test_vllm_missing_package(monkeypatch, tmp_path):
     _fake_cuda(monkeypatch)
     monkeypatch.setitem(sys.modules, "vllm", None)
-    cfg = compose(["hardware.device=cuda"], tmp_path)
+    cfg = compose(["hardware.device=cuda", "method=grpo"], tmp_path)
     with pytest.raises(UserError, match=r"'vllm' is not installed.*\[vllm\]"):
         vllm_engine.check(cfg)
     with pytest.raises(UserError, match="vllm"):
@@ -140,7 +140,7 @@ def test_unsloth_pin_bounds():
 def _lora_model(tmp_path, kind="lora"):
     from workbench.peft import lora
 
-    cfg = compose([f"peft={kind}"], tmp_path)
+    cfg = compose([f"peft={kind}", "method=grpo"], tmp_path)  # the vLLM engine is GRPO's
     model = lora.apply(load_model(cfg.model), cfg.peft)
     torch.manual_seed(1)
     with torch.no_grad():  # fresh LoRA B is zero; make the adapters matter

@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from tests.tolerances import LOSS_RTOL, grad_atol
 from tests.conftest import compose, train
+from tests.tolerances import LOSS_RTOL, grad_atol
 from tests.unit.test_dpo import tiny, trl_on_cpu  # noqa: F401 - shared fixtures
 from workbench.data.collate import pad_batch
 from workbench.data.formats import IGNORE, prompt_ids

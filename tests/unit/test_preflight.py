@@ -100,6 +100,10 @@ CASES = [
     ("flash-attn-on-cpu", {"model.attn_implementation": "flash_attention_2"}, CPU,
      "model.attn_implementation=sdpa"),
     ("liger-on-cpu", {"kernels": "liger"}, CPU, "kernels=none"),
+    ("gguf-types", {"train.export": True, "export.gguf": ["q4_k_m"]}, CPU, "llama-quantize"),
+    ("gguf-family", {"train.export": True, "export.gguf": ["f16"], "model.arch.family": "mixtral"}, CPU,
+     "convert the merged folder"),
+    ("push-needs-token", {"train.export": True, "export.push_to_hub": "me/x"}, CPU, "$HF_TOKEN"),
 ]
 
 

@@ -6,11 +6,13 @@ The runner only talks to a backend through these calls, so a backend is free to 
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager, Protocol
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from typing import Protocol
 
 import torch
 
-from workbench.methods.base import StepBatch
+from workbench.batch import StepBatch
 
 LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]]
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from workbench.errors import UserError, missing_package
 from workbench.backends.step import all_sum
-from workbench.methods.base import StepBatch
+from workbench.batch import StepBatch
+from workbench.errors import UserError, missing_package
 from workbench.optim import build_optimizer, build_scheduler
 
 TAG = "zero"  # DeepSpeed's checkpoint tag inside each workbench step directory

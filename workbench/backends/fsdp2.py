@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from workbench import precision as prec
-from workbench.errors import UserError
 from workbench.backends.step import accumulate, clip_and_step
-from workbench.methods.base import StepBatch
+from workbench.batch import StepBatch
+from workbench.errors import UserError
 from workbench.optim import build_optimizer, build_scheduler
 from workbench.peft.lora import base_model
 

@@ -27,15 +27,14 @@ import datetime
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from workbench import precision as prec
+from workbench.batch import StepBatch
 from workbench.errors import UserError
-from workbench.methods.base import StepBatch
 from workbench.optim import build_optimizer, build_scheduler
 
 
@@ -49,7 +48,7 @@ class Config:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     recompute: str = "none"  # none | selective | full
-    fp8: Optional[str] = None  # e4m3 | hybrid: Transformer Engine on a GPU
+    fp8: str | None = None  # e4m3 | hybrid: Transformer Engine on a GPU
 
 
 def parallel(cfg):

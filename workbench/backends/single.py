@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.backends.step import accumulate, clip_and_step
-from workbench.methods.base import StepBatch
+from workbench.batch import StepBatch
 from workbench.optim import build_optimizer, build_scheduler
 
 

@@ -11,13 +11,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from workbench import precision as prec
-from workbench.methods.base import StepBatch
+from workbench.batch import StepBatch
 
 
 def all_sum(value: float) -> float:

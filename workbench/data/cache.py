@@ -34,7 +34,7 @@ class TokenArrays:
         self.ids, self.mask, self.offsets = ids, mask, offsets
 
     @classmethod
-    def empty(cls) -> "TokenArrays":
+    def empty(cls) -> TokenArrays:
         return cls(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(1, np.int64))
 
     def __len__(self) -> int:

@@ -265,7 +265,20 @@ def _check_messages(msgs, key: str, where: str) -> list[dict]:
             raise UserError(f"{where}: {key}[{j}] needs 'content' (or 'tool_calls' for an assistant turn)")
         if m["role"] not in ("system", "user", "assistant", "tool", "developer", "function", "ipython"):
             raise UserError(f"{where}: {key}[{j}] has unknown role {m['role']!r}; expected system/user/assistant/tool")
+        content = m.get("content")
+        # Checked here, not left to the chat template: Jinja would fail on `'...' + 42` with a raw
+        # TypeError and no file:line. Lists are content parts ([{"type": "text", ...}]).
+        ok = isinstance(content, str) or (content is None and m.get("tool_calls")) or \
+            (isinstance(content, list) and all(isinstance(part, dict) for part in content))
+        if not ok:
+            raise UserError(f"{where}: {key}[{j}].content must be a string (got {type(content).__name__}: "
+                            f"{content!r:.40})")
     return msgs
+
+
+def check_messages(msgs, key: str, where: str) -> list[dict]:
+    """A list of {role, content} messages, checked (roles, content types); UserError at `where`."""
+    return _check_messages(msgs, key, where)
 
 
 def to_messages(row: dict, fmt: str, where: str) -> list[dict] | str:

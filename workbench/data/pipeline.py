@@ -24,7 +24,7 @@ from workbench.data.cache import ArrayBuilder, TokenArrays
 from workbench.data.recipes import Recipe, Source
 from workbench.errors import UserError
 
-PIPELINE_VERSION = 2  # bump when tokenisation output changes for the same inputs
+PIPELINE_VERSION = 3  # bump when tokenisation output changes for the same inputs
 CHUNK_ROWS = 512
 KEEP_BAD = 20  # bad-row messages kept for the report (the count is always exact)
 
@@ -71,6 +71,9 @@ def fingerprint(source: Source, tokenizer, contract, data_cfg, loss_on: str, tok
         f"tok={tok_digest or tokenizer_digest(tokenizer)}", f"seq_len={data_cfg.seq_len}", f"loss_on={loss_on}",
         f"bad={data_cfg.on_bad_row}", f"v={PIPELINE_VERSION}",
     ]
+    if source.held_out is not None:  # the train and eval sides of a split are different data
+        held = hashlib.sha256(",".join(map(str, sorted(source.held_out))).encode()).hexdigest()[:16]
+        parts.append(f"split={source.role}:{held}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -118,6 +121,27 @@ def _render_chunk(chunk, tokenizer, contract, loss_on, run: _Run, end_id: int):
     return [(w, results[w]) for w, _ in chunk if w in results]
 
 
+class _Ticker:
+    """Progress of a long tokenisation on stderr: a line every 10 s, and one at the end when it
+    took more than 2 s (small sources, the usual case, print nothing). Plain lines, so they read
+    the same in a terminal and in CI or Slurm logs; the cached re-read skips all of this."""
+
+    def __init__(self, label: str, every: float = 10.0, clock=None):
+        import time
+
+        self.label, self.every, self.clock = label, every, clock or time.perf_counter
+        self.t0 = self.last = self.clock()
+
+    def __call__(self, rows: int, examples: int, done: bool = False) -> None:
+        now = self.clock()
+        if (done and now - self.t0 > 2.0) or (not done and now - self.last >= self.every):
+            self.last = now
+            rate = rows / max(now - self.t0, 1e-9)
+            state = "tokenised" if done else "tokenising"
+            print(f"data: {self.label}: {state} {rows:,} rows -> {examples:,} examples "
+                  f"({rate:,.0f} rows/s, {now - self.t0:.0f} s)", file=sys.stderr, flush=True)
+
+
 def tokenise_source(source: Source, tokenizer, contract, data_cfg, loss_on="assistant",
                     tok_digest: str | None = None) -> Tokenised:
     fp = fingerprint(source, tokenizer, contract, data_cfg, loss_on, tok_digest)
@@ -155,6 +179,7 @@ def tokenise_source(source: Source, tokenizer, contract, data_cfg, loss_on="assi
             builder.add(ids, labels)
         chunk.clear()
 
+    tell = _Ticker(source.label)
     for where, row in readers.iter_rows(source):
         out.rows_read += 1
         try:
@@ -165,9 +190,11 @@ def tokenise_source(source: Source, tokenizer, contract, data_cfg, loss_on="assi
             run.bad(exc)
         if len(chunk) >= CHUNK_ROWS:
             flush()
+            tell(out.rows_read, len(builder))
         if cap and len(builder) >= cap:
             break
     flush()
+    tell(out.rows_read, len(builder), done=True)
     out.examples = builder.build()
     if not len(out.examples):
         why = f"; {out.skipped} bad rows skipped, e.g. {out.bad[0]}" if out.bad else ""

@@ -12,12 +12,16 @@ Accepted prompt rows (GRPO): {"prompt": "text" | [messages], ...}; every other c
 Completions are tokenised exactly like SFT targets (formats.tokenize_chat): the generation
 prompt, then the assistant text and the template's end-of-turn token, so what DPO scores is
 what inference produces. A row in any other shape stops the run with `file:line` and the
-list of accepted schemas.
+list of accepted schemas. A pair whose chosen and rejected completions are the same tokens
+carries no preference (loss log 2, zero gradient): it is counted, skipped and reported in one
+line; a file with nothing else is refused.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 from dataclasses import dataclass, field
 
 from workbench.data import formats
@@ -38,7 +42,7 @@ def _messages(value, where: str, what: str, role: str) -> list[dict]:
         return [{"role": role, "content": value}]
     if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m
                                                   for m in value):
-        return value
+        return formats.check_messages(value, what, where)  # content types, roles: file:line, not Jinja
     raise UserError(f"{where}: '{what}' must be a string or a non-empty list of {{role, content}} messages")
 
 
@@ -93,6 +97,7 @@ class PreferenceSource:
     pairs: list[Pair]
     skipped: int = 0
     truncated: int = 0
+    identical: int = 0  # pairs with chosen == rejected (after truncation): no preference, skipped
     fingerprint: str = ""
     bad: list[str] = field(default_factory=list)
 
@@ -132,11 +137,20 @@ def tokenise_preferences(source: Source, tokenizer, contract, data_cfg) -> Prefe
         if any(all(x == formats.IGNORE for x in lab[1:]) for _, lab in seqs):
             out.skipped += 1  # the prompt alone fills seq_len: nothing to compare
             continue
+        if seqs[0] == seqs[1]:
+            out.identical += 1
+            continue
         out.pairs.append(Pair(seqs[0], seqs[1], len(p_ids)))
         if source.max_samples and len(out.pairs) >= source.max_samples:
             break
+    if not out.pairs and out.identical:
+        raise UserError(f"{source.label}: every pair ({out.identical}) has identical chosen and rejected "
+                        "completions; DPO needs pairs that differ")
     if not out.pairs:
         raise UserError(f"{source.label}: no usable preference rows; accepted: {PREFERENCE_SCHEMAS}")
+    if out.identical and int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: {source.label}: skipped {out.identical} pair(s) whose chosen and rejected are "
+              f"identical (no preference signal); {len(out.pairs)} pairs remain", file=sys.stderr)
     out.fingerprint = _fingerprint(source, tokenizer, contract, data_cfg.seq_len)
     return out
 

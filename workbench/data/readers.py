@@ -11,6 +11,14 @@ datasets through their memory-mapped arrow tables) so a large source is never he
 whole. A source's column mapping (`columns: {ours: theirs}`) is applied to every row here, so
 callers only ever see our field names. Every problem names `file:line` (parquet and dataset
 rows: the 1-based row number) and says what was expected.
+
+Two common public shapes are recognised when a source's format is `auto` (`normalise`):
+Anthropic-HH preference rows, where `chosen` and `rejected` are whole "\n\nHuman: ...\n\n
+Assistant: ..." transcripts and the prompt is their shared beginning, become message lists
+(plus `messages` = the chosen conversation, so SFT trains on it); GSM8K-style `question`/`answer`
+rows gain `prompt`/`completion` (the answer, `#### n` line included, is the completion).
+A source with a held-out split (recipes.py) yields only its training rows, or only its
+held-out rows, by row ordinal.
 """
 
 from __future__ import annotations
@@ -18,8 +26,9 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from workbench.errors import UserError, missing_package
 
@@ -61,22 +70,61 @@ def iter_rows(source, columns: dict | None = None, split: str | None = None) -> 
     An empty source is a UserError: a silent zero-row source would otherwise only show up as
     a mixture with a missing component.
     """
+    held, role, auto = None, None, True
     if isinstance(source, (str, Path)):
         path, hub = Path(source), None
     else:
         path, hub = source.path, getattr(source, "hub", None)
         columns = source.columns if columns is None else columns
         split = getattr(source, "split", None) if split is None else split
+        held, role = getattr(source, "held_out", None), getattr(source, "role", None)
+        auto = getattr(source, "format", "auto") == "auto"
     kind = source_kind(path, hub)
     reader = {"jsonl": _jsonl, "json": _json, "parquet": _parquet, "csv": _csv,
               "hf_dir": _hf_dir, "hub": _hub}[kind]
     label = hub if kind == "hub" else path
     n = 0
-    for where, row in reader(label, split):
+    for ordinal, (where, row) in enumerate(reader(label, split)):
+        if held is not None and (ordinal in held) != (role == "eval"):
+            continue  # the other side of the held-out split
         n += 1
-        yield where, map_columns(row, columns or {}, where)
+        row = map_columns(row, columns or {}, where)
+        yield where, normalise(row, where) if auto else row
     if n == 0:
-        raise UserError(f"{label}: empty source (no rows{f' in split {split!r}' if split else ''})")
+        side = f" ({role} side of data.eval_split)" if role else ""
+        raise UserError(f"{label}: empty source (no rows{f' in split {split!r}' if split else ''}{side})")
+
+
+HH_TURN = re.compile(r"\n\n(Human|Assistant):[ \t]?")
+
+
+def hh_messages(text: str) -> list[dict] | None:
+    """An Anthropic-HH transcript ("\n\nHuman: ...\n\nAssistant: ...") as messages; None if it is not one."""
+    if not isinstance(text, str) or not text.startswith(("\n\nHuman:", "Human:")):
+        return None
+    parts = HH_TURN.split(text if text.startswith("\n\n") else "\n\n" + text)
+    if parts[0].strip() or len(parts) < 5:  # text before the first turn, or no assistant turn
+        return None
+    roles = {"Human": "user", "Assistant": "assistant"}
+    return [{"role": roles[parts[i]], "content": parts[i + 1].strip()} for i in range(1, len(parts), 2)]
+
+
+def normalise(row: dict, where: str) -> dict:
+    """Recognise the HH and question/answer shapes (see the module docstring); other rows as they are."""
+    if "prompt" not in row and "messages" not in row and isinstance(row.get("chosen"), str) \
+            and isinstance(row.get("rejected"), str):
+        chosen, rejected = hh_messages(row["chosen"]), hh_messages(row["rejected"])
+        if chosen is not None and rejected is not None:
+            for name, msgs in (("chosen", chosen), ("rejected", rejected)):
+                if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"]:
+                    raise UserError(f"{where}: the '{name}' transcript does not end with a non-empty "
+                                    "\\n\\nAssistant: turn")
+            return {**row, "chosen": chosen, "rejected": rejected, "messages": chosen}
+    if "question" in row and "answer" in row and not ({"prompt", "messages", "completion"} & set(row)):
+        q, a = row["question"], row["answer"]
+        if isinstance(q, str) and isinstance(a, str):
+            return {**row, "prompt": q, "completion": a}
+    return row
 
 
 def _decode(raw: bytes, path, lineno: int) -> str:

@@ -12,7 +12,16 @@
         min_tokens: 8       # drop examples shorter / longer than this (before truncation)
         max_tokens: 2048
 
+    eval_split: 0.05        # optional: held-out rows (a fraction, a row count, or a file)
+
 Every key is checked: a typo names the field and the recipe file.
+
+One file needs no recipe: `data.path=FILE` (or a list of files) with `data.eval_split=0.05 | 200 |
+eval.jsonl`. `workbench.config.validate` turns those into an inline recipe (`data.recipe` holds it
+as JSON, so the run's config.yaml records exactly what was read), and `load_recipe` reads it like
+a file. The held-out rows are chosen deterministically (a fixed-seed permutation of row numbers,
+the same for the same file and size) and are removed from the training view of every source;
+`Recipe.eval_sources` reads exactly them (workbench/evals/ uses it).
 
 Rows are read with their file and line so every bad row can be reported as `file:line:`.
 """
@@ -20,9 +29,11 @@ Rows are read with their file and line so every bad row can be reported as `file
 from __future__ import annotations
 
 import json
+import os
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import yaml
 
@@ -43,6 +54,10 @@ class Source:
     hub: str | None = None
     min_tokens: int = 0
     max_tokens: int | None = None
+    # Held-out split: the 0-based ordinals of this source's rows that are held out, and which
+    # view this Source is ("train": every other row; "eval": only those). None: every row.
+    held_out: frozenset | None = None
+    role: str | None = None
 
     @property
     def label(self) -> str:
@@ -57,7 +72,69 @@ SOURCE_KEYS = {"name", "path", "hub", "format", "weight", "max_samples", "column
 class Recipe:
     name: str
     file: Path
-    sources: list[Source]
+    sources: list[Source]  # the training view (held-out rows removed)
+    eval_sources: list[Source] = field(default_factory=list)  # the held-out view (empty: no split)
+    eval_split: object = None
+
+
+SPLIT_SEED = 20240601  # fixed: the held-out rows depend only on the file's rows and the split size
+
+
+DEFAULT_SPLIT = 0.05  # held out when data.path is given, an eval task needs held-out rows and no split is set
+HELD_OUT_TASKS = ("loss", "preference", "reward")
+
+
+def inline_recipe(data_cfg, eval_tasks=(), base_recipe: str | None = None) -> str | None:
+    """The recipe data.path / data.eval_split stand for, as JSON for data.recipe; None when unused."""
+    paths = data_cfg.path
+    split = data_cfg.eval_split
+    if paths is not None and split is None and any(t in HELD_OUT_TASKS for t in eval_tasks or ()):
+        split = DEFAULT_SPLIT
+        if os.environ.get("RANK", "0") == "0":
+            print(f"data: holding out {DEFAULT_SPLIT:.0%} of data.path's rows for eval.tasks={list(eval_tasks)} "
+                  "(set data.eval_split to choose: a fraction, a row count or a file)", file=sys.stderr)
+    if paths is None and (split is None or str(data_cfg.recipe).lstrip().startswith("{")):
+        return None  # nothing to do, or validated before (a launched job re-validates its config)
+    spec: dict = {"name": "data.path"}
+    from workbench.data.formats import FORMATS
+
+    if data_cfg.format != "auto" and data_cfg.format not in FORMATS:
+        raise UserError(f"data.format={data_cfg.format!r} is not one of auto, {', '.join(FORMATS)}")
+    if paths is not None:
+        paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+        if not paths:
+            raise UserError("data.path is an empty list; give a data file or a list of files")
+        sources = []
+        for i, p in enumerate(paths):
+            f = Path(str(p)).expanduser().resolve()
+            if not f.exists():
+                raise UserError(f"data.path: data file not found: {f}")
+            sources.append({"name": f.stem if len(paths) == 1 else f"{i}_{f.stem}", "path": str(f),
+                            "format": data_cfg.format})
+        spec["sources"] = sources
+    else:
+        spec["extends"] = base_recipe or data_cfg.recipe  # a named recipe with a held-out split added
+    if split is not None:
+        spec["eval_split"] = _split_value(split)
+    return json.dumps(spec)
+
+
+def _split_value(split):
+    """data.eval_split checked: a fraction in (0, 1), a row count >= 1, or an existing file."""
+    if isinstance(split, bool):
+        raise UserError(f"data.eval_split={split!r}: give a fraction (0.05), a row count (200) or a file")
+    if isinstance(split, float):
+        if not 0 < split < 1:
+            raise UserError(f"data.eval_split={split}: a fraction must be between 0 and 1 (a count is an integer)")
+        return split
+    if isinstance(split, int):
+        if split < 1:
+            raise UserError(f"data.eval_split={split}: a row count must be >= 1")
+        return split
+    f = Path(str(split)).expanduser().resolve()
+    if not f.exists():
+        raise UserError(f"data.eval_split={split!r}: not a fraction, a row count or an existing file ({f})")
+    return str(f)
 
 
 def recipe_path(name: str) -> Path:
@@ -72,20 +149,81 @@ def recipe_path(name: str) -> Path:
 
 
 def load_recipe(name: str) -> Recipe:
-    path = recipe_path(name)
-    try:
-        spec = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: not valid YAML: {exc}") from None
+    """A recipe by name, by .yaml path, or inline JSON (what data.path becomes); split applied."""
+    if name.lstrip().startswith("{"):
+        spec = json.loads(name)
+        if "extends" in spec:
+            base = load_recipe(spec["extends"])
+            return _with_split(Recipe(base.name, base.file, base.sources), spec.get("eval_split"), Path.cwd())
+        path = Path.cwd() / "data.path"  # paths in an inline recipe are absolute already
+    else:
+        path = recipe_path(name)
+        try:
+            spec = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise UserError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(spec, dict) or not spec.get("sources"):
         raise UserError(f"{path}: a recipe needs a non-empty 'sources' list")
+    unknown = set(spec) - {"name", "sources", "eval_split", "description"}
+    if unknown:
+        raise UserError(f"{path}: unknown key(s) {sorted(unknown)}; allowed: name, sources, eval_split, description")
     sources = []
     for i, s in enumerate(spec["sources"]):
         sources.append(_source(s, i, path))
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         raise UserError(f"{path}: source names must be unique, got {names}")
-    return Recipe(spec.get("name", path.stem), path, sources)
+    return _with_split(Recipe(spec.get("name", path.stem), path, sources), spec.get("eval_split"), path.parent)
+
+
+_COUNTS: dict = {}
+
+
+def _row_count(source: Source) -> int:
+    """Rows in a source, one pass, remembered per process for the same file (size and mtime):
+    preflight, the method and the eval tasks all load the recipe."""
+    from workbench.data.readers import iter_rows
+
+    st = source.path.stat() if source.path is not None and source.path.is_file() else None
+    key = (str(source.path), source.hub, source.split, tuple(sorted(source.columns.items())),
+           (st.st_size, st.st_mtime_ns) if st else None)
+    if key not in _COUNTS or st is None:
+        _COUNTS[key] = sum(1 for _ in iter_rows(source))
+    return _COUNTS[key]
+
+
+def _with_split(recipe: Recipe, split, base: Path) -> Recipe:
+    """Apply a held-out split: train sources lose the held-out rows, eval sources read only them."""
+    if split is None:
+        return recipe
+    import dataclasses
+    import random
+
+    if isinstance(split, str) and not isinstance(split, bool):
+        f = (base / split).resolve()
+        if not f.exists():
+            raise UserError(f"{recipe.file}: eval_split file not found: {f}")
+        ev = Source(name="eval", path=f, format=recipe.sources[0].format if len(recipe.sources) == 1 else "auto")
+        return Recipe(recipe.name, recipe.file, recipe.sources, [ev], str(f))
+    value = _split_value(split)
+    counts = [_row_count(s) for s in recipe.sources]
+    total = sum(counts)
+    k = max(1, round(value * total)) if isinstance(value, float) else value
+    if k >= total:
+        raise UserError(f"data.eval_split={split}: holds out {k} of {total} rows, leaving nothing to train on")
+    # One permutation of all rows (sources in order): the first k are held out. Nested: a larger
+    # split holds out a superset, and the same file and size always give the same rows.
+    order = list(range(total))
+    random.Random(SPLIT_SEED).shuffle(order)
+    held = sorted(order[:k])
+    train, evals, start = [], [], 0
+    for s, n in zip(recipe.sources, counts):
+        mine = frozenset(i - start for i in held if start <= i < start + n)
+        start += n
+        train.append(dataclasses.replace(s, held_out=mine, role="train"))
+        if mine:
+            evals.append(dataclasses.replace(s, held_out=mine, role="eval", max_samples=None))
+    return Recipe(recipe.name, recipe.file, train, evals, value)
 
 
 def _source(s, i: int, path: Path) -> Source:

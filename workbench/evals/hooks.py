@@ -1,23 +1,101 @@
 """Evaluation hooks: what `eval.tasks` can name, run before/after (and every N steps of) training.
 
-- `arith_add2`, `arith_add3`, `arith_mul1`: held-out exact-match accuracy on the embedded
-  arithmetic task, greedy, answer-only prompt (data_recipes/data/arith_<task>_eval.jsonl).
-- `arith_pref`: held-out preference accuracy, the share of pairs whose chosen completion has a
-  higher log-prob than the rejected one (data_recipes/data/arith_pref_eval.jsonl; DPO).
-Each returns a dict of metrics plus a few sample completions for the report.
+    python -m workbench eval.tasks=[arith_add2]                                  # the embedded task
+    python -m workbench data.path=chat.jsonl data.eval_split=0.05 eval.tasks=[loss,generate] \
+        eval.prompts='[Explain LoRA in one sentence]' eval.every_n_steps=50
+    python -m workbench eval.tasks=[loss,mypkg.evals:exact_match]                # your own hook
+
+A registry, like the reward functions (workbench/rollout/rewards.py). A task is one of
+- a built-in on the run's own data (workbench/evals/builtin.py): `loss` (SFT), `preference`
+  (DPO), `reward` (GRPO), each on the held-out split `data.eval_split`, and `generate`
+  (completions of `eval.prompts` for the report);
+- the embedded arithmetic tasks: `arith_add2`, `arith_add3`, `arith_mul1` (held-out exact-match
+  accuracy, greedy, answer-only prompt; data_recipes/data/arith_<task>_eval.jsonl) and
+  `arith_pref` (share of held-out pairs whose chosen completion has the higher log-prob);
+- `lm_eval:<task>` or `lm_eval:<task.yaml>`: an lm-evaluation-harness task, in-process on the
+  model in memory (workbench/evals/lm_eval_task.py; the optional extra `.[eval]`);
+- `package.module:function`, your own: called as `function(ctx)` with an `EvalContext`
+  (ctx.model, ctx.tokenizer, ctx.generate(prompts) -> texts, ctx.step, ctx.tag, ctx.cfg) and
+  returning {metric: number}. Its metrics are logged as `eval/<task>/<metric>` to metrics.jsonl,
+  results.json and the report. A hook that raises stops the run with one line naming the hook
+  and the step; the runner keeps the step's checkpoint first.
+
+Every name is checked by preflight (`check_tasks`) before any weights load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from workbench.data import arith
 from workbench.data.recipes import RECIPES_DIR
 from workbench.errors import UserError
 from workbench.rollout.generate import generate
 
-TASKS = ("arith_add2", "arith_add3", "arith_mul1", "arith_pref")
+ARITH = ("arith_add2", "arith_add3", "arith_mul1", "arith_pref")
+TASKS = ARITH + ("loss", "preference", "reward", "generate")
+
+
+class EvalHookError(UserError):
+    """A task raised while evaluating; names the task and the step."""
+
+
+@dataclass
+class EvalContext:
+    """What a task sees. `cache` lives for the whole run (held-out rows are tokenised once)."""
+
+    model: Any
+    tokenizer: Any
+    contract: Any
+    eval_cfg: Any
+    cfg: Any = None  # the whole validated run config (None when called outside a run)
+    autocast: Any = None
+    step: int = 0
+    tag: str = "end"  # start | step | end
+    run_dir: Path | None = None
+    cache: dict = field(default_factory=dict)
+
+    def autocast_ctx(self):
+        return self.autocast or contextlib.nullcontext()
+
+    def cached(self, key: str, make: Callable):
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
+
+    def generate_ids(self, conversations: list[list[dict]], max_new_tokens: int) -> list[list[int]]:
+        return generate(self.model, self.tokenizer, conversations, max_new_tokens, self.contract.end_of_turn_id,
+                        autocast=self.autocast)
+
+    def generate(self, prompts: list, max_new_tokens: int | None = None) -> list[str]:
+        """Greedy completions (text) of prompts given as strings or message lists."""
+        convs = [[{"role": "user", "content": p}] if isinstance(p, str) else list(p) for p in prompts]
+        ids = self.generate_ids(convs, max_new_tokens or self.eval_cfg.max_new_tokens)
+        return [self.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
+
+
+def lookup(task: str) -> Callable:
+    """The function behind a task name; UserError naming the choices when there is none."""
+    from workbench.evals import builtin, lm_eval_task
+
+    if task in builtin.TASKS:
+        return builtin.TASKS[task]
+    if lm_eval_task.is_lm_eval(task):
+        return lambda ctx: lm_eval_task.run(ctx, task)
+    if task in ARITH:
+        return lambda ctx: _arith(ctx, task)
+    if ":" not in task:
+        raise UserError(f"eval.tasks: unknown task {task!r}; built-ins are {list(TASKS)}, or name your own "
+                        "hook as 'package.module:function'")
+    from workbench.imports import user_function
+
+    return user_function(task, "eval.tasks")
 
 
 def eval_rows(task: str, n: int) -> list[dict]:
@@ -26,10 +104,17 @@ def eval_rows(task: str, n: int) -> list[dict]:
     return rows[:n]
 
 
-def check_tasks(tasks) -> None:
+def check_tasks(tasks, cfg=None) -> None:
+    """Preflight: every task exists (user hooks import) and, given the run config, fits the run."""
+    from workbench.evals import builtin, lm_eval_task
+
     for t in tasks:
-        if t not in TASKS:
-            raise UserError(f"eval.tasks: unknown task {t!r}; choose from {list(TASKS)}")
+        if lm_eval_task.is_lm_eval(t):
+            lm_eval_task.check(t)  # installed, task file readable
+            continue
+        lookup(t)
+        if cfg is not None and t in builtin.TASKS:
+            builtin.check(t, cfg)
 
 
 def exact_match(model, tokenizer, contract, task: str, cfg_eval, autocast=None) -> dict:
@@ -50,17 +135,60 @@ def exact_match(model, tokenizer, contract, task: str, cfg_eval, autocast=None) 
             "samples": {task: samples}}
 
 
-def run(model, tokenizer, contract, cfg_eval, autocast=None) -> dict:
-    out: dict = {"samples": {}}
-    for task in cfg_eval.tasks:
-        if task == "arith_pref":
-            from workbench.methods.dpo import preference_accuracy
+def _arith(ctx: EvalContext, task: str) -> dict:
+    if task == "arith_pref":
+        from workbench.methods.dpo import preference_accuracy
 
-            rows = eval_rows(task, cfg_eval.num_samples)
-            out[f"eval/{task}/accuracy"] = preference_accuracy(model, tokenizer, contract, rows, autocast=autocast)
-            out[f"eval/{task}/n"] = len(rows)
-            continue
-        res = exact_match(model, tokenizer, contract, task, cfg_eval, autocast)
-        out["samples"].update(res.pop("samples"))
-        out.update(res)
+        rows = eval_rows(task, ctx.eval_cfg.num_samples)
+        return {"accuracy": preference_accuracy(ctx.model, ctx.tokenizer, ctx.contract, rows, autocast=ctx.autocast),
+                "n": len(rows)}
+    res = exact_match(ctx.model, ctx.tokenizer, ctx.contract, task, ctx.eval_cfg, ctx.autocast)
+    out = {k.rsplit("/", 1)[-1]: v for k, v in res.items() if k != "samples"}
+    out["_samples"] = res["samples"][task]
     return out
+
+
+def run(model, tokenizer, contract, cfg_eval, autocast=None, *, cfg=None, step: int = 0, tag: str = "end",
+        run_dir=None, cache: dict | None = None) -> dict:
+    """Every task in eval.tasks: {"eval/<task>/<metric>": value, "samples": {...}, "generations": [...]}."""
+    out: dict = {"samples": {}}
+    ctx = EvalContext(model, tokenizer, contract, cfg_eval, cfg, autocast, step, tag, run_dir,
+                      cache if cache is not None else {})
+    for task in cfg_eval.tasks:
+        fn = lookup(task)
+        t0 = time.perf_counter()
+        try:
+            res = fn(ctx)
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a user's hook fails in its own ways; name it and the step
+            raise EvalHookError(f"eval hook {task!r} raised at step {step} ({tag} of training): "
+                                f"{type(exc).__name__}: {exc}") from exc
+        if not isinstance(res, dict):
+            raise EvalHookError(f"eval hook {task!r} returned {type(res).__name__} at step {step}; "
+                                "expected a dict of {metric: number}")
+        name = "lm_eval" if task.startswith("lm_eval:") else task.rsplit(":", 1)[-1] if ":" in task else task
+        for key, value in res.items():
+            if key == "_samples":
+                out["samples"][name] = value
+            elif key == "_generations":
+                out["generations"] = value
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[f"eval/{name}/{key}"] = float(value) if isinstance(value, float) else value
+            else:
+                raise EvalHookError(f"eval hook {task!r} returned a non-number for {key!r} at step {step}: "
+                                    f"{value!r:.80}")
+        out[f"eval/{name}/seconds"] = time.perf_counter() - t0
+    return out
+
+
+def metrics_row(res: dict, step: int, tag: str) -> dict:
+    """The numeric eval metrics as one metrics.jsonl row (`eval` says which evaluation)."""
+    return {"step": step, "eval": tag, **{k: v for k, v in res.items()
+                                          if k.startswith("eval/") and isinstance(v, (int, float))},
+            "time": time.time()}
+
+
+def log_metrics(run_dir, res: dict, step: int, tag: str) -> None:
+    with (Path(run_dir) / "metrics.jsonl").open("a") as fh:
+        fh.write(json.dumps(metrics_row(res, step, tag)) + "\n")

@@ -126,6 +126,6 @@ def launch(cfg) -> dict:
                                f"{exc}") from exc
         raise
     results = remote.read_results(out)
-    results["ray"] = {"metrics": dict(result.metrics or {}), 
+    results["ray"] = {"metrics": dict(result.metrics or {}),
                       "storage_path": str(Path(lc.storage_path).resolve() if lc.storage_path else out / "ray")}
     return results

@@ -70,7 +70,8 @@ def _load_job(jdir: Path) -> dict | None:
         for line in (out / "metrics.jsonl").read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
-                curve.append((row["step"], row["loss"]))
+                if "loss" in row:  # eval rows (workbench/evals/hooks.py) carry eval metrics, no loss
+                    curve.append((row["step"], row["loss"]))
     try:
         num = int(jdir.name)
     except ValueError:

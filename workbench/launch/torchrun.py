@@ -42,15 +42,26 @@ def check_devices(cfg) -> None:
 
 
 def worker_args(cfg) -> list[str]:
-    """`-m workbench` plus this job's overrides, with output_dir pinned to the resolved path."""
+    """`-m workbench` plus this job's overrides, with output_dir pinned to the resolved path;
+    a primary config other than conf/train.yaml (`--config-path/--config-name`, as the far side
+    of a remote launch and `python -m workbench.export` use) is passed on too."""
+    primary: list[str] = []
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        overrides = list(HydraConfig.get().overrides.task)
+        hc = HydraConfig.get()
+        overrides = list(hc.overrides.task)
+        main = [s for s in hc.runtime.config_sources if s.provider == "main"]
+        if main and main[0].schema == "file":
+            path = Path(main[0].path).resolve()
+            from workbench.config import CONF_DIR
+
+            if path != CONF_DIR.resolve() or hc.job.config_name != "train":
+                primary = ["--config-path", str(path), "--config-name", hc.job.config_name]
     except ValueError:  # not under @hydra.main (e.g. called from Python): nothing to forward
         overrides = []
     keep = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "output_dir"]
-    return ["-m", "workbench", *keep, f"output_dir={Path(cfg.output_dir).resolve()}"]
+    return ["-m", "workbench", *primary, *keep, f"output_dir={Path(cfg.output_dir).resolve()}"]
 
 
 def launch_config(cfg):

@@ -239,7 +239,7 @@ def _assemble_experts(experts: dict, out: dict) -> None:
         for what in ("gate", "up", "down"):
             parts = experts[f"{h}#expert.{what}"]
             by_expert: dict[tuple, list] = {}
-            for (ep_rank, k, er), (dim, t) in sorted(parts.items()):
+            for (ep_rank, k, _er), (dim, t) in sorted(parts.items()):
                 by_expert.setdefault((ep_rank, k), []).append((dim, t))
             stacked[what] = torch.stack([torch.cat([t for _, t in ts], dim=ts[0][0]) for _, ts in
                                          sorted(by_expert.items())])

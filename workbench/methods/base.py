@@ -6,26 +6,11 @@ A method never calls the model outside `loss()`, and `loss()` is only called by 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-
-@dataclass
-class StepBatch:
-    """One optimizer step's worth of data for this rank.
-
-    `micro` are the micro-batches (gradient accumulation happens over them). `denom` is what
-    this rank's summed loss is divided by (target tokens for SFT, pairs for DPO); backends
-    add it up over ranks so the loss is normalised by the *global* batch, never per
-    micro-batch (the gradient-accumulation normalisation bug).
-    """
-
-    micro: list[dict[str, Any]]
-    denom: float
-    tokens: int  # input tokens, for throughput
-    info: dict[str, float] = field(default_factory=dict)
+from workbench.batch import StepBatch
 
 
 class Method(Protocol):

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workbench.batch import StepBatch
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture
 from workbench.data.preference import tokenise_preferences
 from workbench.data.recipes import load_recipe
 from workbench.errors import UserError
-from workbench.methods.base import StepBatch
 
 LOSSES = ("sigmoid", "ipo", "hinge")
 REFERENCES = ("auto", "adapter", "copy", "precomputed")
@@ -254,8 +254,8 @@ class DPO:
 @torch.no_grad()
 def preference_accuracy(model, tokenizer, contract, rows: list[dict], batch_size: int = 16, autocast=None) -> float:
     """Share of held-out pairs where the model's log-prob of `chosen` beats `rejected` (model: HF/PEFT)."""
-    from workbench.data.preference import Pair, preference_row, tokenise_completion
     from workbench.data.formats import prompt_ids
+    from workbench.data.preference import Pair, preference_row, tokenise_completion
     from workbench.models.head import SelectiveLM
 
     pairs = []

@@ -26,17 +26,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from dataclasses import dataclass
 
 import torch
 
+from workbench.batch import StepBatch
 from workbench.data.collate import pad_batch
 from workbench.data.formats import IGNORE, prompt_ids
 from workbench.data.mixing import Mixture
 from workbench.data.preference import read_prompts
 from workbench.data.recipes import load_recipe
 from workbench.errors import UserError, missing_package
-from workbench.methods.base import StepBatch
 from workbench.rollout import advantages, rewards
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
@@ -60,6 +61,21 @@ class Config:
     num_iterations: int = 1  # optimisation steps per generation batch
     engine: str = "hf"  # hf | vllm
     log_completions: int = 3
+    # prompts per optimizer step over all ranks; None: micro_batch_size x grad_accum x ranks /
+    # num_generations. When set, the step's micro-batch count follows from it (batch_shape()).
+    prompts_per_step: int | None = None
+    # DAPO's dynamic sampling: drop groups whose rewards do not vary (zero advantage, no
+    # signal) and refill from further prompts, at most max_resample_rounds times per step.
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 4
+    stall_warn_steps: int = 3  # warn when most groups carried no signal this many steps in a row
+    # the colocated vLLM engine (method.engine=vllm; workbench/rollout/vllm_engine.py)
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_sleep_level: int = 1
+    vllm_verify_every: int = 1
+    vllm_max_model_len: int | None = None  # None: 2 x data.seq_len
+    vllm_enforce_eager: bool = False
+    vllm_probe_tolerance: float = 0.25
 
 
 def check(cfg, root) -> list:
@@ -79,18 +95,70 @@ def check(cfg, root) -> list:
         raise UserError("method.num_iterations and method.max_new_tokens must be >= 1, method.temperature > 0")
     if cfg.beta < 0:
         raise UserError(f"method.beta must be >= 0 (got {cfg.beta})")
-    per_rank = root.train.micro_batch_size * root.train.grad_accum
-    if per_rank % cfg.num_generations:
-        raise UserError(f"train.micro_batch_size x train.grad_accum = {per_rank} completions per rank must be a "
-                        f"multiple of method.num_generations={cfg.num_generations} (whole groups per rank)")
+    if cfg.max_resample_rounds < 0:
+        raise UserError(f"method.max_resample_rounds must be >= 0 (got {cfg.max_resample_rounds})")
+    shape = batch_shape(cfg, root.train, int(root.hardware.procs) * int(root.hardware.nodes))
+    if root.backend.name == "deepspeed" and shape.grad_accum != root.train.grad_accum:
+        # DeepSpeed counts accumulation boundaries from its own config (train.grad_accum)
+        raise UserError(f"method.prompts_per_step={cfg.prompts_per_step} makes {shape.grad_accum} micro-batches per "
+                        f"step; with backend=deepspeed set train.grad_accum={shape.grad_accum} to match")
     return rewards.resolve(root.reward)
 
 
-def token_logps(model, micro: dict, temperature: float) -> torch.Tensor:
-    """Log-probs of the selected target tokens (flat, row-major), logits / temperature."""
+@dataclass(frozen=True)
+class BatchShape:
+    """The global-batch arithmetic of a GRPO step, decided once from the config."""
+
+    prompts: int  # per optimizer step, all ranks
+    generations: int
+    world: int
+    micro_batch_size: int
+    grad_accum: int  # micro-batches per rank per step
+
+    @property
+    def completions_per_rank(self) -> int:
+        return self.prompts * self.generations // self.world
+
+    def describe(self) -> str:
+        return (f"grpo batch: {self.prompts} prompts x {self.generations} generations = "
+                f"{self.prompts * self.generations} completions per optimizer step; per rank "
+                f"({self.world}): {self.completions_per_rank} = {self.grad_accum} micro-batches of "
+                f"{self.micro_batch_size}")
+
+
+def batch_shape(cfg, train, world: int) -> BatchShape:
+    """Prompts per step either from method.prompts_per_step or from the micro-batch settings;
+    a UserError names the fields when they do not divide into whole groups per rank."""
+    G, mb = cfg.num_generations, train.micro_batch_size
+    if cfg.prompts_per_step is None:
+        per_rank = mb * train.grad_accum
+        if per_rank % G:
+            raise UserError(f"train.micro_batch_size x train.grad_accum = {per_rank} completions per rank must be "
+                            f"a multiple of method.num_generations={G} (whole groups per rank), or set "
+                            "method.prompts_per_step")
+        return BatchShape(per_rank * world // G, G, world, mb, train.grad_accum)
+    prompts = cfg.prompts_per_step
+    if prompts < 1 or prompts % world:
+        raise UserError(f"method.prompts_per_step={prompts} must be a positive multiple of the {world} "
+                        "data-parallel rank(s) (whole groups per rank)")
+    per_rank = prompts * G // world
+    if per_rank % mb:
+        raise UserError(f"method.prompts_per_step x method.num_generations / ranks = {per_rank} completions per "
+                        f"rank must be a multiple of train.micro_batch_size={mb}")
+    return BatchShape(prompts, G, world, mb, per_rank // mb)
+
+
+def token_logps(model, micro: dict, temperature: float, entropy: bool = False):
+    """Log-probs of the selected target tokens (flat, row-major), logits / temperature; with
+    entropy=True also the policy's per-token entropy (no gradient), for the signal log."""
     logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], select=micro["select"])
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
+    picked = logp.gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return picked
+    with torch.no_grad():
+        ent = -(logp.exp() * logp).sum(-1)
+    return picked, ent
 
 
 def policy_loss(logp, old_logp, adv_tok, cfg, ref_logp=None):
@@ -123,6 +191,8 @@ class GRPO:
         self._cached: StepBatch | None = None
         self._uses = 0
         self._step_tokens = 1.0
+        self.shape = batch_shape(cfg, ctx.cfg.train, ctx.world_size)
+        self._stalled = 0  # consecutive steps where most groups carried no signal
 
     # -- data ----------------------------------------------------------------------------
     def prepare(self, ctx) -> None:
@@ -131,6 +201,9 @@ class GRPO:
         self.sources = [read_prompts(s, ctx.tokenizer, ctx.contract, data) for s in recipe.sources]
         self.mixture = Mixture([len(s.rows) for s in self.sources], [s.source.weight for s in self.sources],
                                seed=data.shuffle_seed)
+        if ctx.rank == 0:
+            print(self.shape.describe() + (" (dynamic sampling: groups without reward spread are refilled)"
+                                           if self.cfg.dynamic_sampling else ""), file=sys.stderr)
 
     def data_report(self) -> dict:
         return {s.source.name: {"prompts": len(s.rows), "fingerprint": s.fingerprint} for s in self.sources}
@@ -170,24 +243,62 @@ class GRPO:
                             num_return_sequences=c.num_generations,
                             autocast=precision.autocast(self.ctx.policy, self.ctx.device), synced=synced)
 
-    def _rollout(self, backend) -> StepBatch:
-        c, t = self.cfg, self.ctx.cfg.train
-        world, rank, G = self.ctx.world_size, self.ctx.rank, c.num_generations
-        per_rank = t.micro_batch_size * t.grad_accum  # completions
-        drawn = [self.mixture.next() for _ in range(per_rank * world // G)]  # the global prompts ...
-        rows = [self.sources[s].rows[r] for s, r in drawn[rank * per_rank // G:(rank + 1) * per_rank // G]]
+    def _draw(self, prompts: int) -> list[dict]:
+        """This rank's share of the next `prompts` global prompts. Every rank draws all of them,
+        so the data position stays the same on every rank and resumes exactly."""
+        world, rank = self.ctx.world_size, self.ctx.rank
+        drawn = [self.mixture.next() for _ in range(prompts)]
+        k = prompts // world
+        return [self.sources[s].rows[r] for s, r in drawn[rank * k:(rank + 1) * k]]
+
+    def _groups(self, backend, rows: list[dict]) -> list[dict]:
+        """Generate num_generations completions for each prompt row and score them: one record
+        per group."""
+        c, G = self.cfg, self.cfg.num_generations
         convs = [r["prompt"] for r in rows]
         comp = self._generate(backend, convs)
         if len(comp) != len(rows) * G:
             raise RuntimeError(f"rollout engine returned {len(comp)} completions for {len(rows)} x {G}")
-        tok = self.ctx.tokenizer
-        texts = [tok.decode(ids, skip_special_tokens=True) for ids in comp]
+        texts = [self.ctx.tokenizer.decode(ids, skip_special_tokens=True) for ids in comp]
         prompts = [r["prompt"] for r in rows for _ in range(G)]
         extra_cols = sorted({k for r in rows for k in r if k not in ("prompt", "_where")})
         columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in extra_cols}
         per_fn = rewards.score(self.reward_fns, prompts, texts, comp, columns, max_new_tokens=c.max_new_tokens)
-        weights = torch.tensor([f.weight for f in self.reward_fns])
-        total = (per_fn * weights).sum(dim=1)
+        total = (per_fn * torch.tensor([f.weight for f in self.reward_fns])).sum(dim=1)
+        return [{"conv": convs[i], "comp": comp[i * G:(i + 1) * G], "texts": texts[i * G:(i + 1) * G],
+                 "per_fn": per_fn[i * G:(i + 1) * G], "total": total[i * G:(i + 1) * G],
+                 "signal": bool(total[i * G:(i + 1) * G].std() >= 1e-6)} for i in range(len(rows))]
+
+    def _collect(self, backend) -> tuple[list[dict], dict]:
+        """The step's groups for this rank, and the signal accounting. With dynamic sampling,
+        groups whose rewards do not vary are dropped and refilled from further prompts; every
+        rank runs the same number of refill rounds (generation may be a collective)."""
+        c, want = self.cfg, self.shape.completions_per_rank // self.cfg.num_generations
+        generated = self._groups(backend, self._draw(self.shape.prompts))
+        if not c.dynamic_sampling:
+            return generated, {"generated": generated, "rounds": 0, "dropped": 0}
+        kept, rounds = [g for g in generated if g["signal"]], 0
+        while rounds < c.max_resample_rounds:
+            need = _all_max(max(0, want - len(kept)))
+            if need == 0:
+                break
+            more = self._groups(backend, self._draw(need * self.ctx.world_size))
+            generated += more
+            kept += [g for g in more if g["signal"]]
+            rounds += 1
+        # cap reached: fill with no-signal groups (advantage 0, so they add no gradient)
+        fill = [g for g in generated if not g["signal"]][:max(0, want - len(kept))]
+        dropped = sum(1 for g in generated if not g["signal"]) - len(fill)
+        return (kept + fill)[:want], {"generated": generated, "rounds": rounds, "dropped": dropped}
+
+    def _rollout(self, backend) -> StepBatch:
+        c, t = self.cfg, self.ctx.cfg.train
+        G, tok = c.num_generations, self.ctx.tokenizer
+        groups, acct = self._collect(backend)
+        total = torch.cat([g["total"] for g in groups])
+        per_fn = torch.cat([g["per_fn"] for g in groups])
+        comp = [ids for g in groups for ids in g["comp"]]
+        convs = [g["conv"] for g in groups]
         adv = advantages.group_advantages(total, G, c.scale_rewards)
 
         # sequences: prompt + completion (+ end-of-turn when the completion stopped by itself)
@@ -197,6 +308,7 @@ class GRPO:
             p = prompt_ids(tok, convs[i // G])
             target = ids + ([eot] if len(ids) < c.max_new_tokens else [])
             seqs.append((p + target, [IGNORE] * len(p) + target))
+        per_rank = self.shape.completions_per_rank
         micro = []
         for i in range(0, per_rank, t.micro_batch_size):
             m = pad_batch(seqs[i:i + t.micro_batch_size], tok.pad_token_id)
@@ -208,21 +320,40 @@ class GRPO:
             with torch.no_grad():
                 for m in micro:
                     m["old_logps"] = token_logps(module, m, c.temperature).detach()
-        lengths = torch.tensor([float(len(ids)) for ids in comp])
-        info = {"reward": float(total.mean()), "reward_std": float(total.std()),
-                "completion_length": float(lengths.mean()),
-                "completion_length_max": float(lengths.max()),
-                "stopped_fraction": float((lengths < c.max_new_tokens).float().mean()),
-                "zero_std_groups": advantages.zero_std_fraction(total, G)}
-        for j, f in enumerate(self.reward_fns):
-            info[f"rewards/{f.name}/mean"] = float(per_fn[:, j].mean())
-            info[f"rewards/{f.name}/std"] = float(per_fn[:, j].std())
-        self._write_samples(texts, prompts, total)
+        info = self._signal_info(acct, total, per_fn, comp)
+        self._write_samples([x for g in groups for x in g["texts"]], [g["conv"] for g in groups for _ in range(G)],
+                            total)
         n_tok = float(sum(int(m["n_tokens"].sum()) for m in micro))
         denom = {"grpo": float(per_rank), "dapo": n_tok, "dr_grpo": float(per_rank * c.max_new_tokens)}[c.loss_type]
         tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))
         self._step_tokens = n_tok
         return StepBatch(micro=micro, denom=denom, tokens=tokens, info=info)
+
+    def _signal_info(self, acct: dict, total, per_fn, comp) -> dict:
+        """What a person needs to see a stalled run at once: the share of generated groups with
+        no reward spread (they carry no gradient), the reward level of everything generated,
+        completion lengths, and what dynamic sampling did."""
+        c, gen = self.cfg, acct["generated"]
+        all_total = torch.cat([g["total"] for g in gen])
+        lengths = torch.tensor([float(len(ids)) for ids in comp])
+        zero = sum(1 for g in gen if not g["signal"]) / len(gen)
+        info = {"reward": float(all_total.mean()), "reward_std": float(all_total.std()),
+                "completion_length": float(lengths.mean()), "completion_length_max": float(lengths.max()),
+                "stopped_fraction": float((lengths < c.max_new_tokens).float().mean()),
+                "zero_std_groups": zero, "signal_groups_trained": float(sum(1 for x in total.view(-1, c.num_generations)
+                                                                            if x.std() >= 1e-6))}
+        if c.dynamic_sampling:
+            info.update({"resample_rounds": float(acct["rounds"]), "groups_generated": float(len(gen)),
+                         "groups_dropped": float(acct["dropped"])})
+        for j, f in enumerate(self.reward_fns):
+            info[f"rewards/{f.name}/mean"] = float(per_fn[:, j].mean())
+            info[f"rewards/{f.name}/std"] = float(per_fn[:, j].std())
+        self._stalled = self._stalled + 1 if zero > 0.5 else 0
+        if self._stalled and self._stalled % c.stall_warn_steps == 0 and self.ctx.rank == 0:
+            print(f"warning: grpo: {zero:.0%} of groups had no reward spread for {self._stalled} steps in a row "
+                  "(no gradient from them); try method.dynamic_sampling=true, a partial-credit reward, more "
+                  "prompts per step (method.prompts_per_step) or a higher method.temperature", file=sys.stderr)
+        return info
 
     def _write_samples(self, texts, prompts, total) -> None:
         if self.ctx.rank or not self.cfg.log_completions:
@@ -251,7 +382,7 @@ class GRPO:
     def loss(self, model, micro: dict):
         c = self.cfg
         ref = self._ref_logps(model, micro) if c.beta else None
-        logp = token_logps(model, micro, c.temperature)
+        logp, entropy = token_logps(model, micro, c.temperature, entropy=True)
         old = micro["old_logps"] if "old_logps" in micro else logp.detach()
         rows = micro["select"].nonzero()[:, 0]
         adv_tok = micro["advantages"][rows]
@@ -260,7 +391,7 @@ class GRPO:
             per_tok = per_tok / micro["n_tokens"][rows].clamp(min=1)
         k = self._step_tokens
         metrics = {"clip/low": float(low.float().sum()) / k, "clip/high": float(high.float().sum()) / k,
-                   "clip/region": float((low | high).float().sum()) / k}
+                   "clip/region": float((low | high).float().sum()) / k, "entropy": float(entropy.sum()) / k}
         if kl is not None:
             metrics["kl"] = float(kl.detach().sum()) / k
         return per_tok.sum(), metrics
@@ -270,6 +401,17 @@ class GRPO:
 
     def load_state_dict(self, state: dict) -> None:
         self.mixture.load_state_dict(state["mixture"])
+
+
+def _all_max(value: int) -> int:
+    """The largest value over ranks (every rank must run the same number of refill rounds)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def build(cfg, ctx) -> GRPO:

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
+from workbench.batch import StepBatch
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture
 from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
-from workbench.methods.base import StepBatch
 
 
 @dataclass

@@ -27,7 +27,12 @@ class SelectiveLM(nn.Module):
         super().__init__()
         self.inner = model
         lm = base_model(model)
-        self._split = hasattr(lm, "model") and hasattr(lm, "lm_head")
+        config = getattr(lm, "config", None)
+        # Families whose CausalLM forward rescales the head's output in ways not listed here
+        # (e.g. Cohere's logit_scale) take the whole forward instead of the split one.
+        self._split = hasattr(lm, "model") and hasattr(lm, "lm_head") and getattr(config, "logit_scale", None) is None
+        # Gemma 2/3 soft-cap their logits in the CausalLM forward: cap * tanh(logits / cap).
+        self._softcap = getattr(config, "final_logit_softcapping", None) if config is not None else None
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, select=None):
         """Logits at positions where `select` is True (N x vocab), or all logits (B x T x V)."""
@@ -46,7 +51,10 @@ class SelectiveLM(nn.Module):
             return out.logits if select is None else out.logits[select]
         hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
-        return lm.lm_head(hidden[select])
+        logits = lm.lm_head(hidden[select])
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        return logits
 
 
 def _attention_kernel(input_ids, checkpointing: bool):

@@ -7,6 +7,10 @@ when it answers. If none works the run stops in seconds with one line saying wha
 nothing is half-downloaded. `model=tiny` builds a random model from `model.arch` with a fixed
 seed and borrows another model's tokenizer.
 
+A model given by `model.path` or a hub id of its own needs no catalog entry: validation reads
+its config.json into `model.arch` (workbench/models/auto.py), and `build_meta` builds its own
+class on the meta device, so any causal LM transformers builds is planned with exact counts.
+
 The cache lives in $WORKBENCH_CACHE (default ~/.cache/workbench).
 """
 
@@ -123,10 +127,14 @@ def _convert_gguf(res: Resolved, name: str) -> Resolved:
                if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
         src = str(Path(__file__).resolve().parents[2])  # importable even when not pip-installed
         env["PYTHONPATH"] = os.pathsep.join(x for x in (src, env.get("PYTHONPATH")) if x)
+        import time
+
+        t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "workbench.models.convert", res.path, res.gguf_file, str(tmp)],
                               env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"converting {res.gguf_file} failed:\n{proc.stderr[-3000:]}")
+        print(f"model: converted in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
     out = cache.build(converted_dir(name), make, f"converted model {name}", CONVERTED_FILES)
     return Resolved("converted", str(out))
@@ -163,7 +171,14 @@ def _read_tokenizer(model_cfg):
         res = materialise(donor, resolve(donor))
     else:
         res = materialise(model_cfg, resolve(model_cfg))
-    return AutoTokenizer.from_pretrained(res.path, trust_remote_code=model_cfg.trust_remote_code)
+    hint = "save the model's tokenizer beside its weights (tokenizer.save_pretrained(dir))"
+    try:
+        tok = AutoTokenizer.from_pretrained(res.path, trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:  # no tokenizer files, or a tokenizer class that needs remote code
+        raise UserError(f"{res.path}: no usable tokenizer ({str(exc).splitlines()[0][:160]}); {hint}") from None
+    if len(tok) < 2:  # transformers 5 builds an empty tokenizer for a directory without tokenizer files
+        raise UserError(f"{res.path}: no usable tokenizer (no vocabulary files there); {hint}")
+    return tok
 
 
 def hf_config(arch, vocab: int | None = None):
@@ -181,17 +196,31 @@ def hf_config(arch, vocab: int | None = None):
         common["head_dim"] = arch.head_dim
     families = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
                 "mixtral": tf.MixtralConfig}
-    if arch.family not in families:
-        raise UserError(f"model.arch.family={arch.family!r} is not one of {sorted(families)}")
     if arch.family == "mixtral":
         common.update(num_local_experts=arch.experts, num_experts_per_tok=arch.experts_per_token)
-    return families[arch.family](**common)
+    if arch.family in families:
+        return families[arch.family](**common)
+    # Any other model type transformers knows (mistral, gemma, phi3, ...): its own config class
+    # from the same numbers, so checks such as the Megatron bridge's see the real family.
+    from transformers import CONFIG_MAPPING
+
+    if arch.family not in CONFIG_MAPPING:
+        raise UserError(f"model.arch.family={arch.family!r} is not a model type transformers "
+                        f"{tf.__version__} knows (e.g. {', '.join(sorted(families))})")
+    return tf.AutoConfig.for_model(arch.family, **common)
 
 
 def build_meta(model_cfg):
-    """The model on the meta device: exact shapes and parameter counts, no memory, no weights."""
+    """The model on the meta device: exact shapes and parameter counts, no memory, no weights.
+
+    A model given by path or hub id is built from its own config.json (workbench/models/auto.py);
+    a catalog entry from its architecture numbers."""
     from transformers import AutoModelForCausalLM
 
+    if getattr(model_cfg, "arch_from", None):
+        from workbench.models.auto import meta_model
+
+        return meta_model(model_cfg)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(hf_config(model_cfg.arch))
 

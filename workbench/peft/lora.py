@@ -85,7 +85,7 @@ def apply(model: nn.Module, peft_cfg, compute_dtype: torch.dtype = torch.float32
     )
     model = get_peft_model(model, config)
     # Adapters train in fp32 whatever the base dtype (their updates are tiny relative to W).
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
     return model

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-
 from workbench.plan import catalog
 from workbench.plan.counts import count, probe
 from workbench.plan.fit import GiB, verdict
@@ -119,10 +118,14 @@ def to_json(plan: dict) -> str:
     return json.dumps(plan, indent=1, default=float)
 
 
-def render(plan: dict) -> None:
-    from workbench.plan.render import show
+# Imported here, before `render` below is defined: importing the submodule `render` binds it as
+# this package's attribute, and done lazily inside the function it replaced the function after
+# the first call (a second dry run in one process then called a module).
+from workbench.plan.render import show as _show  # noqa: E402
 
-    show(plan)
+
+def render(plan: dict) -> None:
+    _show(plan)
 
 
 __all__ = ["make_plan", "refusal", "render", "to_json"]

@@ -31,9 +31,17 @@ class Counts:
 
 
 def probe(model_cfg) -> nn.Module:
-    """The model with one decoder block, built on the meta device."""
+    """The model with one decoder block, built on the meta device.
+
+    A model given by path or hub id (`model.arch_from` set) is built whole from its own config:
+    its blocks need not be identical (Gemma's sliding/full layers, MoE every k-th layer), and
+    a whole meta build is cheap (about half a second for 8B)."""
     from transformers import AutoModelForCausalLM
 
+    if getattr(model_cfg, "arch_from", None):
+        from workbench.models.auto import meta_model
+
+        return meta_model(model_cfg)
     cfg = hf_config(model_cfg.arch)
     cfg.num_hidden_layers = 1
     with torch.device("meta"):
@@ -60,20 +68,33 @@ def lora_params(block: nn.Module, targets: list[str], r: int, dora: bool = False
     return n
 
 
+def blocks(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks: `model.model.layers` for Llama-like models, else the longest ModuleList."""
+    inner = getattr(model, "model", None)
+    if isinstance(getattr(inner, "layers", None), nn.ModuleList):
+        return inner.layers
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: no decoder blocks found")
+    return max(lists, key=len)
+
+
 def count(model: nn.Module, arch, peft_cfg=None) -> Counts:
+    """Exact counts for `arch.layers` blocks from a model built with one block (or all of them)."""
     from workbench.peft.lora import target_names
 
-    block = model.model.layers[0]
+    built = blocks(model)
+    block = built[0]
     per_block = _numel(block)
     layers = int(arch.layers)
-    total = _numel(model) + (layers - 1) * per_block
+    total = _numel(model) + (layers - len(built)) * per_block
     linear = sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
     experts = sum(p.numel() for n, p in block.named_parameters() if ".experts." in f".{n}")
     active = total
     if arch.experts and experts:
         active = total - layers * experts * (1 - arch.experts_per_token / arch.experts)
-    embed = _numel(model) - per_block - sum(p.numel() for n, p in model.named_parameters()
-                                            if n.startswith("model.norm"))
+    embed = _numel(model) - sum(_numel(b) for b in built) - sum(
+        p.numel() for n, p in model.named_parameters() if n.startswith("model.norm"))
     n_lora = 0
     if peft_cfg is not None and peft_cfg.kind != "none":
         targets = target_names(model, peft_cfg.target_modules)  # UserError if a target is missing

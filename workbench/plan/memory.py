@@ -20,8 +20,8 @@ Peak = weights + master + optimizer + the larger of
   backward:  max(activations + casts + logits + head gradient, gradients + dense embedding gradient)
   step:      gradients + optimizer temporaries
 plus reference + generation ("transient" reports what the peak holds beyond the listed terms).
-Sharding divides each term by the backend: ZeRO-1 optimizer (+master), ZeRO-2 also grads, ZeRO-3 / FSDP2 also weights; offload moves
-optimizer (and params) to host memory; tensor/pipeline/context/expert parallel sizes split
+Sharding divides each term by the backend: ZeRO-1 optimizer (+master), ZeRO-2 also grads, ZeRO-3 /
+FSDP2 also weights; offload moves optimizer (and params) to host memory; tensor/pipeline/context/expert parallel sizes split
 blocks, sequence and experts. `tests/integration/test_plan_memory.py` holds the predicted
 peak against the torch allocator's measured peak on CPU.
 """

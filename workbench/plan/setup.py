@@ -58,7 +58,7 @@ class Setup:
     def shards_params(self) -> bool:
         return self.backend == "fsdp2" or (self.backend == "deepspeed" and self.stage >= 3)
 
-    def but(self, **kw) -> "Setup":
+    def but(self, **kw) -> Setup:
         return replace(self, **kw)
 
 

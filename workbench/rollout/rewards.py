@@ -15,11 +15,10 @@ stops the run with one line naming the function and the sample.
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -72,15 +71,9 @@ def _lookup(name: str) -> Callable:
     if ":" not in name:
         raise UserError(f"reward: unknown reward function {name!r}; built-ins are {sorted(REGISTRY)}, "
                         "or name your own as 'package.module:function'")
-    mod_name, fn_name = name.split(":", 1)
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise UserError(f"reward: cannot import module {mod_name!r} for {name!r}: {exc}") from None
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise UserError(f"reward: {mod_name!r} has no function {fn_name!r}")
-    return fn
+    from workbench.imports import user_function
+
+    return user_function(name, "reward")
 
 
 def resolve(spec) -> list[RewardFn]:

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from workbench.errors import UserError, missing_package
 
@@ -49,13 +48,9 @@ class Options:
 
 
 def options(cfg) -> Options:
-    def get(key, default):
-        return OmegaConf.select(cfg, f"method.vllm_{key}", default=default)
-
-    d = Options()
-    return Options(get("gpu_memory_utilization", d.gpu_memory_utilization), get("sleep_level", d.sleep_level),
-                   get("verify_every", d.verify_every), get("max_model_len", 2 * cfg.data.seq_len),
-                   get("enforce_eager", d.enforce_eager), get("probe_tolerance", d.probe_tolerance))
+    m = cfg.method  # the vllm_* fields of workbench/methods/grpo.py Config
+    return Options(m.vllm_gpu_memory_utilization, m.vllm_sleep_level, m.vllm_verify_every,
+                   m.vllm_max_model_len or 2 * cfg.data.seq_len, m.vllm_enforce_eager, m.vllm_probe_tolerance)
 
 
 def check(cfg) -> None:
@@ -152,9 +147,10 @@ class VLLMEngine:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.contract = contract
-        self.opts = options(cfg)
         if adapter is None:
             check(cfg)
+        self.opts = options(cfg)
+        if adapter is None:
             adapter = _VLLMAdapter(_weights_dir(cfg, tokenizer), self.opts, cfg.train.seed)
         self.llm = adapter
         self.awake = True

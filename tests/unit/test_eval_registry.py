@@ -1,0 +1,222 @@
+"""Evaluation hooks as a registry: built-ins on the held-out split (loss, preference, reward,
+generate), the arith tasks, and a user's `module:function`, whose metrics reach metrics.jsonl
+and the report; a hook that raises names itself and the step, and the checkpoint is kept.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/test_eval_registry.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+from tests.conftest import compose, train
+from workbench.errors import UserError
+from workbench.evals.hooks import EvalHookError, check_tasks
+
+HOOKS = '''
+def answer_len(ctx):
+    out = ctx.generate(["Say hi"], max_new_tokens=3)
+    return {"chars": len(out[0]), "seen_step": ctx.step}
+
+def boom(ctx):
+    if ctx.step >= 2:
+        raise RuntimeError("the metric server is down")
+    return {"ok": 1}
+'''
+HH = "\n\nHuman: {q}\n\nAssistant: {a}"
+ON = ["eval.at_start=true", "eval.at_end=true"]  # the test baseline has eval=none
+
+
+@pytest.fixture
+def hook_module(tmp_path, monkeypatch):
+    (tmp_path / "my_eval_hooks.py").write_text(HOOKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "my_eval_hooks"
+    sys.modules.pop("my_eval_hooks", None)
+
+
+@pytest.fixture
+def chat_file(tmp_path):
+    f = tmp_path / "chat.jsonl"
+    f.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"item {i}?"},
+                                                  {"role": "assistant", "content": f"answer {i}"}]}) + "\n"
+                         for i in range(24)))
+    return f
+
+
+def test_unknown_and_unimportable_tasks_are_one_line(hook_module):
+    with pytest.raises(UserError, match=r"unknown task 'los'.*'loss'"):
+        check_tasks(["los"])
+    with pytest.raises(UserError, match="cannot import module 'no_such_mod'"):
+        check_tasks(["no_such_mod:f"])
+    with pytest.raises(UserError, match="has no function 'nope'"):
+        check_tasks([f"{hook_module}:nope"])
+    check_tasks(["loss", "generate", "arith_add2", f"{hook_module}:answer_len"])
+
+
+def test_builtins_check_the_run_before_weights_load(chat_file):
+    from workbench import preflight
+
+    with pytest.raises(UserError, match="needs held-out rows; set data.eval_split"):
+        preflight.check(compose(["eval.tasks=[loss]"]))  # a named recipe has no split unless asked
+    with pytest.raises(UserError, match="is for method=sft; with method=dpo use 'preference'"):
+        preflight.check(compose([f"data.path={chat_file}", "data.eval_split=4", "method=dpo", "eval.tasks=[loss]"]))
+    with pytest.raises(UserError, match="needs eval.prompts"):
+        preflight.check(compose(["eval.tasks=[generate]"]))
+
+
+def test_sft_loss_generate_and_user_hook_reach_metrics_and_report(chat_file, hook_module, tmp_path):
+    out = tmp_path / "run"
+    res = train([f"data.path={chat_file}", "data.eval_split=0.25", "train.max_steps=2", "eval.every_n_steps=1",
+                 f"eval.tasks=[loss,generate,{hook_module}:answer_len]", "eval.prompts=[Hello there]",
+                 "eval.generate_max_new_tokens=4", *ON], out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval" in r]
+    assert [(r["step"], r["eval"]) for r in evals] == [(0, "start"), (1, "step"), (2, "step"), (2, "end")]
+    for r in evals:
+        assert r["eval/loss/n"] == 6 and math.isclose(r["eval/loss/perplexity"], math.exp(r["eval/loss/loss"]))
+        assert r["eval/answer_len/seen_step"] == r["step"]
+    assert evals[0]["eval/loss/loss"] != evals[-1]["eval/loss/loss"]  # the model changed in between
+    assert len([r for r in rows if "loss" in r]) == 2  # training rows are untouched
+    report = (out / "report.md").read_text()
+    assert "| answer_len/seen_step | 0 | 2 |" in report and "| loss/loss |" in report
+    assert "**Hello there**" in report and "- before:" in report and "- after:" in report
+    assert res["eval_end"]["generations"][0]["prompt"] == "Hello there"
+
+
+def test_a_raising_hook_names_itself_and_the_step_and_keeps_the_checkpoint(hook_module, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(EvalHookError, match=rf"eval hook '{hook_module}:boom' raised at step 2 .*metric server "
+                                            r"is down.*checkpoint is kept: .*step-00000002"):
+        train(["train.max_steps=4", "eval.every_n_steps=1", f"eval.tasks=[{hook_module}:boom]"], out)
+    assert (out / "checkpoints" / "step-00000002").is_dir()
+
+
+def test_dpo_preference_on_held_out_pairs(tmp_path):
+    f = tmp_path / "hh.jsonl"
+    f.write_text("".join(json.dumps({"chosen": HH.format(q=f"q{i}", a=f"good {i}"),
+                                     "rejected": HH.format(q=f"q{i}", a="bad")}) + "\n" for i in range(12)))
+    res = train([f"data.path={f}", "data.eval_split=4", "method=dpo", "train.max_steps=2",
+                 "eval.tasks=[preference]", "optim.lr=1e-2", *ON], tmp_path / "run")
+    start, end = res["eval_start"], res["eval_end"]
+    assert start["eval/preference/n"] == 4
+    # LoRA starts as the identity: policy == reference, every reward and margin is 0
+    assert start["eval/preference/margin"] == 0.0 and start["eval/preference/accuracy"] == 0.0
+    assert end["eval/preference/margin"] != 0.0 and "eval/preference/chosen_reward" in end
+
+
+def test_grpo_reward_of_greedy_completions(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"What is {i} + 1? Answer with the number only.",
+                                     "answer": str(i + 1)}) + "\n" for i in range(10)))
+    res = train([f"data.path={f}", "data.eval_split=3", "method=grpo", "reward=arith_exact", "train.max_steps=1",
+                 "eval.tasks=[reward]", "eval.at_end=true", "method.max_new_tokens=4"], tmp_path / "run")
+    end = res["eval_end"]
+    assert end["eval/reward/n"] == 3 and 0.0 <= end["eval/reward/mean"] <= 1.0
+    assert "eval/reward/arith_exact" in end and len(end["samples"]["reward"]) == 3
+
+
+PEAK = '''
+def peak(ctx):
+    return {"score": -abs(ctx.step - 1)}  # best right after the first step
+'''
+
+
+def test_keep_best_keeps_the_best_evaluated_checkpoint_apart_and_exports_it(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    (tmp_path / "peak_hook.py").write_text(PEAK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    res = train(["train.max_steps=3", "eval.every_n_steps=1", "train.checkpoint_every=1", "train.keep_checkpoints=1",
+                 "eval.tasks=[peak_hook:peak]", "train.keep_best=peak/score", "train.export_best=true",
+                 "train.export=true", "train.export_merged=false", "optim.lr=1e-2", *ON], out)
+    sys.modules.pop("peak_hook", None)
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000003"]  # rolling: only the last
+    best = json.loads((ckpts / "best.json").read_text())
+    assert best["step"] == 1 and best["mode"] == "max" and best["value"] == 0
+    kept = load_file(ckpts / "best" / "model.safetensors")
+    last = load_file(ckpts / "step-00000003" / "model.safetensors")
+    assert any(not (kept[k] == last[k]).all() for k in kept)
+    exported = load_file(out / "export" / "adapter" / "adapter_model.safetensors")
+    total = lambda d: sorted(round(float(t.double().abs().sum()), 6) for t in d.values())  # noqa: E731
+    assert res["exported_from"].endswith("best") and total(exported) == total(kept)
+
+
+def test_keep_best_is_checked_before_training(chat_file):
+    from workbench import preflight
+
+    base = [f"data.path={chat_file}", "data.eval_split=4", "eval.tasks=[loss]"]
+    with pytest.raises(UserError, match=r"train.keep_best='acc/x'.*eval.tasks=\['loss'\]"):
+        preflight.check(compose([*base, "train.keep_best=acc/x"]))
+    with pytest.raises(UserError, match="multiple of train.checkpoint_every"):
+        preflight.check(compose([*base, "train.keep_best=loss/loss", "eval.every_n_steps=3",
+                                 "train.checkpoint_every=2"]))
+    from workbench.evals.best import mode_of
+
+    assert mode_of("eval/loss/loss", "auto") == "min" and mode_of("eval/preference/accuracy", "auto") == "max"
+
+
+MC_TASK = """task: my_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+
+def test_lm_eval_is_an_optional_extra_checked_before_weights_load(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    with pytest.raises(UserError, match=r"'lm-eval' is not installed.*\.\[eval\]"):
+        check_tasks(["lm_eval:arc_easy"])
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    if real("lm_eval") is not None:
+        with pytest.raises(UserError, match="task file not found"):
+            check_tasks([f"lm_eval:{tmp_path / 'none.yaml'}"])
+
+
+@pytest.mark.slow
+def test_lm_eval_local_task_in_process_equals_its_cli_on_the_merged_export(tmp_path):
+    """A local task YAML over a local jsonl (no downloads): in-process after training, then
+    lm-eval's own CLI on export/merged with the same task and limit."""
+    import os
+    import subprocess
+
+    pytest.importorskip("lm_eval")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    data = tasks / "mc.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} plus {i}?", "choices": [str(2 * i), str(i), "7"],
+                                        "label": 0}) + "\n" for i in range(16)))
+    (tasks / "my_mc.yaml").write_text(MC_TASK.format(data=data))
+    out = tmp_path / "run"
+    res = train(["train.max_steps=2", "optim.lr=1e-2", f"eval.tasks=[lm_eval:{tasks / 'my_mc.yaml'}]",
+                 "eval.lm_eval.limit=12", "eval.lm_eval.batch_size=4", "train.export=true", "eval.at_end=true"], out)
+    mine = {k: v for k, v in res["eval_end"].items() if k.startswith("eval/lm_eval/my_mc/")}
+    assert set(mine) == {"eval/lm_eval/my_mc/acc", "eval/lm_eval/my_mc/acc_norm"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "HF_DATASETS_OFFLINE": "1"}
+    cli = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                          f"pretrained={out / 'export' / 'merged'},dtype=float32", "--tasks", "my_mc",
+                          "--include_path", str(tasks), "--limit", "12", "--batch_size", "4", "--seed", "0",
+                          "--output_path", str(tmp_path / "cli")], env=env, capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    found = sorted((tmp_path / "cli").rglob("results*.json"))
+    theirs = json.loads(found[-1].read_text())["results"]["my_mc"]
+    assert mine["eval/lm_eval/my_mc/acc"] == theirs["acc,none"]
+    assert mine["eval/lm_eval/my_mc/acc_norm"] == theirs["acc_norm,none"]

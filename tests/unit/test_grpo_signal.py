@@ -1,0 +1,84 @@
+"""GRPO signal accounting, dynamic sampling and the batch shape (method.prompts_per_step).
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/test_grpo_signal.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import compose, train
+from workbench.errors import UserError
+
+# Rewards that have no spread within any group for the first FLAT calls, then do.
+CALLS = {"n": 0}
+FLAT = 1
+
+
+def flat_then_varied(completions, **kw):
+    CALLS["n"] += 1
+    if CALLS["n"] <= FLAT:
+        return [1.0] * len(completions)
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def always_flat(completions, **kw):
+    return [0.5] * len(completions)
+
+
+def _rows(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+BASE = ["method=grpo", "peft=lora", "method.num_generations=2", "train.micro_batch_size=4", "train.max_steps=1",
+        "method.max_new_tokens=4", "train.resume=never"]
+
+
+def test_flat_batch_is_refilled_not_stepped_on(tmp_path):
+    CALLS["n"] = 0
+    out = tmp_path / "run"
+    train(BASE + ['reward.functions=["tests.unit.test_grpo_signal:flat_then_varied"]',
+                  "method.dynamic_sampling=true"], out)
+    (row,) = _rows(out)
+    # the first generation (2 groups) had no spread: dropped and refilled once, so the one
+    # optimizer step trains on groups with signal and the share counts what was generated
+    assert CALLS["n"] == 2
+    assert row["resample_rounds"] == 1 and row["groups_generated"] == 4 and row["groups_dropped"] == 2
+    assert row["zero_std_groups"] == 0.5 and row["signal_groups_trained"] == 2
+    assert row["grad_norm"] > 0
+
+
+def test_without_dynamic_sampling_a_flat_batch_carries_no_gradient(tmp_path):
+    out = tmp_path / "run"
+    train(BASE + ['reward.functions=["tests.unit.test_grpo_signal:always_flat"]'], out)
+    (row,) = _rows(out)
+    assert row["zero_std_groups"] == 1.0 and row["signal_groups_trained"] == 0
+    assert row["grad_norm"] == 0.0 and "entropy" in row
+
+
+def test_refill_is_capped_and_warns(tmp_path, capsys):
+    out = tmp_path / "run"
+    train(BASE + ['reward.functions=["tests.unit.test_grpo_signal:always_flat"]', "method.dynamic_sampling=true",
+                  "method.max_resample_rounds=2", "method.stall_warn_steps=1"], out)
+    (row,) = _rows(out)
+    assert row["resample_rounds"] == 2 and row["groups_generated"] == 6 and row["zero_std_groups"] == 1.0
+    assert "no reward spread" in capsys.readouterr().err
+
+
+def test_prompts_per_step_sets_the_batch_independently_of_the_micro_batch(tmp_path, capsys):
+    out = tmp_path / "run"
+    train(BASE + ['reward.functions=["tests.unit.test_rewards:char_length"]', "method.prompts_per_step=4",
+                  "train.micro_batch_size=2"], out)
+    err = capsys.readouterr().err
+    assert "4 prompts x 2 generations = 8 completions per optimizer step" in err
+    assert "4 micro-batches of 2" in err
+    # 3 prompts x 2 generations = 6 completions: not whole micro-batches of 4
+    with pytest.raises(UserError, match="prompts_per_step"):
+        train(BASE + ["method.prompts_per_step=3"], tmp_path / "bad")
+    with pytest.raises(UserError, match="train.grad_accum=2"):  # DeepSpeed counts micro-batches itself
+        from workbench.methods import grpo
+
+        cfg = compose(BASE + ["method.prompts_per_step=4", "train.micro_batch_size=4", "backend=deepspeed"])
+        grpo.check(cfg.method, cfg)

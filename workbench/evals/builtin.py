@@ -1,0 +1,223 @@
+"""The built-in evaluation tasks on the run's own data: `loss`, `preference`, `reward`, `generate`.
+
+    python -m workbench data.path=chat.jsonl data.eval_split=0.05 eval.tasks=[loss] eval.every_n_steps=50
+    python -m workbench method=dpo data.path=pairs.jsonl data.eval_split=200 eval.tasks=[preference]
+    python -m workbench method=grpo data.path=prompts.jsonl data.eval_split=0.1 eval.tasks=[reward]
+    python -m workbench eval.tasks=[generate] eval.prompts='[Write a haiku about rain]'
+
+- `loss` (SFT): mean token loss and perplexity on the held-out rows (data.eval_split), the same
+  tokens and loss mask as training;
+- `preference` (DPO): on held-out pairs, reward accuracy and margins, rewards being
+  beta * (policy - reference) log-probs; the reference is the model with its adapter switched
+  off (peft) or, for full fine-tuning, the log-probs measured at the first evaluation (before
+  training); without one only the policy's log-prob accuracy is reported;
+- `reward` (GRPO): the mean reward of greedy completions of held-out prompts, scored with the
+  run's own reward functions;
+- `generate`: greedy completions of `eval.prompts` (a list, or a .txt / .jsonl file), kept for the
+  report so a person can read what training changed.
+
+Each takes an `EvalContext` (workbench/evals/hooks.py) and returns {metric: value}; the caller
+prefixes `eval/<task>/`. Held-out rows are tokenised once per run and cached in the context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from workbench.errors import UserError
+
+NEEDS_SPLIT = {"loss": "sft", "preference": "dpo", "reward": "grpo"}
+
+
+def eval_recipe(cfg):
+    """The recipe the run trains on, with its held-out view (Recipe.eval_sources)."""
+    from workbench.data.recipes import load_recipe
+    from workbench.preflight import sample_recipe
+
+    return load_recipe(sample_recipe(cfg))
+
+
+def check(task: str, cfg) -> None:
+    """Preflight: the task fits the method and has held-out data (UserError otherwise)."""
+    if task in NEEDS_SPLIT:
+        method = cfg.method.name
+        if method != NEEDS_SPLIT[task]:
+            fits = {v: k for k, v in NEEDS_SPLIT.items()}.get(method)
+            raise UserError(f"eval.tasks: {task!r} is for method={NEEDS_SPLIT[task]}; with method={method} use "
+                            f"{fits!r}" + (" (or generate, or your own module:function)" if fits else ""))
+        if not eval_recipe(cfg).eval_sources:
+            raise UserError(f"eval.tasks: {task!r} needs held-out rows; set data.eval_split (a fraction such as "
+                            "0.05, a row count, or a file)")
+    if task == "generate":
+        prompts(cfg.eval)
+
+
+def prompts(eval_cfg) -> list[list[dict]]:
+    """eval.prompts as conversations: a list of strings, or a file (.txt: one per line; .jsonl: prompt/messages)."""
+    spec = eval_cfg.prompts
+    if spec is None or (not isinstance(spec, str) and len(spec) == 0):
+        raise UserError("eval.tasks: 'generate' needs eval.prompts (a list of prompts, or a .txt / .jsonl file)")
+    if isinstance(spec, str):
+        f = Path(spec).expanduser()
+        if not f.exists():
+            raise UserError(f"eval.prompts={spec!r}: file not found (for a single prompt write eval.prompts='[...]')")
+        if f.suffix == ".jsonl":
+            out = []
+            for n, line in enumerate(f.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"{f}:{n}: malformed JSON ({exc.msg})") from None
+                p = row.get("messages") or row.get("prompt") if isinstance(row, dict) else None
+                if p is None:
+                    raise UserError(f"{f}:{n}: expected {{\"prompt\": ...}} or {{\"messages\": [...]}}")
+                out.append([{"role": "user", "content": p}] if isinstance(p, str) else list(p))
+            return out
+        return [[{"role": "user", "content": line}] for line in f.read_text().splitlines() if line.strip()]
+    return [[{"role": "user", "content": str(p)}] for p in spec]
+
+
+@contextlib.contextmanager
+def _inference(model):
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was)
+
+
+def _device(model):
+    return next(model.parameters()).device
+
+
+def loss(ctx) -> dict:
+    """Held-out mean token loss and perplexity (SFT)."""
+    import torch.nn.functional as F
+
+    from workbench.data.collate import pad_batch
+    from workbench.data.pipeline import tokenise_source
+    from workbench.models.head import SelectiveLM
+
+    def examples():
+        loss_on = getattr(ctx.cfg.method, "loss_on", "assistant")
+        out = []
+        for s in eval_recipe(ctx.cfg).eval_sources:
+            t = tokenise_source(s, ctx.tokenizer, ctx.contract, ctx.cfg.data, loss_on)
+            out += [t.examples[i] for i in range(len(t.examples))]
+        return out[: ctx.eval_cfg.num_samples]
+
+    rows = ctx.cached("loss/examples", examples)
+    lm, device = SelectiveLM(ctx.model), _device(ctx.model)
+    total, tokens = 0.0, 0
+    with _inference(ctx.model):
+        for i in range(0, len(rows), ctx.eval_cfg.batch_size):
+            micro = {k: v.to(device) for k, v in pad_batch(rows[i:i + ctx.eval_cfg.batch_size],
+                                                           ctx.tokenizer.pad_token_id).items()}
+            with ctx.autocast_ctx():
+                logits = lm(micro["input_ids"], micro["attention_mask"], select=micro["select"])
+            total += float(F.cross_entropy(logits.float(), micro["targets"], reduction="sum"))
+            tokens += int(micro["targets"].numel())
+    mean = total / max(tokens, 1)
+    return {"loss": mean, "perplexity": math.exp(min(mean, 50.0)), "tokens": tokens, "n": len(rows)}
+
+
+def preference(ctx) -> dict:
+    """Held-out reward accuracy and margins (DPO)."""
+    from omegaconf import OmegaConf
+
+    from workbench.data.preference import tokenise_preferences
+    from workbench.methods.dpo import collate, sequence_logps
+    from workbench.models.head import SelectiveLM
+
+    def pairs():
+        out = []
+        for s in eval_recipe(ctx.cfg).eval_sources:
+            out += tokenise_preferences(s, ctx.tokenizer, ctx.contract, ctx.cfg.data).pairs
+        return out[: ctx.eval_cfg.num_samples]
+
+    rows = ctx.cached("preference/pairs", pairs)
+    model, device = ctx.model, _device(ctx.model)
+    lm = SelectiveLM(model)
+
+    def logps():
+        out = []
+        for i in range(0, len(rows), ctx.eval_cfg.batch_size):
+            chunk = rows[i:i + ctx.eval_cfg.batch_size]
+            micro = {k: v.to(device) for k, v in collate(chunk, ctx.tokenizer.pad_token_id).items()}
+            with ctx.autocast_ctx():
+                out.append(sequence_logps(lm, micro).float().view(2, -1).cpu())
+        return torch.cat(out, dim=1)  # (2, pairs): chosen, rejected
+
+    with _inference(model):
+        pi = logps()
+        if hasattr(model, "disable_adapter"):  # peft: the base weights are the reference
+            with model.disable_adapter():
+                ref = logps()
+        else:  # full fine-tuning: the first evaluation (before training, eval.at_start) is the reference
+            ref = ctx.cached("preference/reference", lambda: pi.clone() if ctx.step == 0 else None)
+    out = {"logp_accuracy": float((pi[0] > pi[1]).float().mean()), "n": len(rows)}
+    if ref is not None:
+        beta = float(OmegaConf.select(ctx.cfg, "method.beta", default=0.1) or 0.1)
+        rc, rr = beta * (pi[0] - ref[0]), beta * (pi[1] - ref[1])
+        out.update(accuracy=float((rc > rr).float().mean()), margin=float((rc - rr).mean()),
+                   chosen_reward=float(rc.mean()), rejected_reward=float(rr.mean()))
+    return out
+
+
+def reward(ctx) -> dict:
+    """Mean reward of greedy completions of held-out prompts, with the run's reward functions (GRPO)."""
+    from omegaconf import OmegaConf
+
+    from workbench.data.preference import read_prompts
+    from workbench.rollout import rewards
+
+    def rows():
+        out = []
+        for s in eval_recipe(ctx.cfg).eval_sources:
+            out += read_prompts(s, ctx.tokenizer, ctx.contract, ctx.cfg.data).rows
+        return out[: ctx.eval_cfg.num_samples]
+
+    items = ctx.cached("reward/rows", rows)
+    fns = rewards.resolve(ctx.cfg.reward)
+    max_new = int(OmegaConf.select(ctx.cfg, "method.max_new_tokens", default=None) or ctx.eval_cfg.max_new_tokens)
+    totals, per_fn, samples = [], [], []
+    weights = torch.tensor([f.weight for f in fns])
+    for i in range(0, len(items), ctx.eval_cfg.batch_size):
+        chunk = items[i:i + ctx.eval_cfg.batch_size]
+        convs = [r["prompt"] for r in chunk]
+        ids = ctx.generate_ids(convs, max_new)
+        texts = [ctx.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
+        columns = {k: [r.get(k) for r in chunk] for k in chunk[0] if k not in ("prompt", "_where")}
+        scores = rewards.score(fns, convs, texts, ids, columns, max_new_tokens=max_new)
+        per_fn.append(scores)
+        totals.append(scores @ weights)
+        samples += [{"prompt": c[-1]["content"], "completion": t, "reward": float(s)}
+                    for c, t, s in zip(convs, texts, scores @ weights)][: max(0, 5 - len(samples))]
+    scores, total = torch.cat(per_fn), torch.cat(totals)
+    out = {"mean": float(total.mean()), "n": len(items)}
+    out.update({f"{f.name}": float(scores[:, j].mean()) for j, f in enumerate(fns)})
+    out["_samples"] = samples
+    return out
+
+
+def generate(ctx) -> dict:
+    """Greedy completions of eval.prompts, for the report (before / after training)."""
+    convs = prompts(ctx.eval_cfg)
+    ids = []
+    for i in range(0, len(convs), ctx.eval_cfg.batch_size):
+        ids += ctx.generate_ids(convs[i:i + ctx.eval_cfg.batch_size], ctx.eval_cfg.generate_max_new_tokens)
+    texts = [ctx.tokenizer.decode(x, skip_special_tokens=True) for x in ids]
+    return {"n": len(convs), "mean_tokens": sum(len(x) for x in ids) / max(1, len(ids)),
+            "_generations": [{"prompt": c[-1]["content"], "completion": t} for c, t in zip(convs, texts)]}
+
+
+TASKS = {"loss": loss, "preference": preference, "reward": reward, "generate": generate}
