@@ -155,8 +155,8 @@ def _export(trained, tokenizer, contract, cfg, out_dir: Path, results: dict) -> 
     source = "fp32" if cfg.peft.kind != "none" else _dtype_name(pol.trainable_dtype)
     reloaded = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=dtype)
     declared = GenerationConfig.from_pretrained(merged_dir).eos_token_id
-    gate = compare(trained, reloaded, tokenizer, convs, eot, rounding(source, _dtype_name(dtype)),
-                   declared_eos=declared, autocast=precision.autocast(pol, "cpu"))
+    gate = compare(_fp32_copy(trained), _fp32_copy(reloaded), tokenizer, convs, eot,
+                   rounding(source, _dtype_name(dtype)), declared_eos=declared)
     result["parity"]["merged"] = gate
     # the figures earlier reports carried, kept for continuity
     result["merged_vs_trained_max_abs_diff"] = gate["logit_max_abs_diff"]
@@ -178,6 +178,17 @@ def _export(trained, tokenizer, contract, cfg, out_dir: Path, results: dict) -> 
     return result
 
 
+def _fp32_copy(model):
+    """A copy computing in fp32: the parity gate compares weights, not bf16 arithmetic. Values
+    are unchanged (widening is exact); 4-bit layers keep their storage and dequantise to fp32."""
+    out = copy.deepcopy(model)
+    cast_weights(out, torch.float32)
+    for m in out.modules():
+        if hasattr(m, "compute_dtype"):  # bitsandbytes Linear4bit
+            m.compute_dtype = torch.float32
+    return out
+
+
 def _gguf(merged_dir, out_dir, kind, merged, tokenizer, contract, convs, cfg, merged_dtype) -> dict:
     """Write one GGUF file and gate it against the merged model it was converted from."""
     from gguf import GGUFReader
@@ -191,9 +202,7 @@ def _gguf(merged_dir, out_dir, kind, merged, tokenizer, contract, convs, cfg, me
     field = GGUFReader(str(path)).fields["tokenizer.ggml.eos_token_id"]
     declared = int(field.contents())
     back = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    ref = copy.deepcopy(merged)
-    cast_weights(ref, torch.float32)
-    gate = compare(ref, back, tokenizer, convs, contract.end_of_turn_id, rounding(merged_dtype, kind),
+    gate = compare(_fp32_copy(merged), back, tokenizer, convs, contract.end_of_turn_id, rounding(merged_dtype, kind),
                    declared_eos=declared)
     gate["path"], gate["bytes"] = str(path), path.stat().st_size
     return gate

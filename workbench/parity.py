@@ -5,7 +5,9 @@ model it came from on held-out prompts.
     report["passed"]  # KL and max |logit| difference within the format's tolerance, greedy
                       # completions equal where the format is lossless, the stop token honoured
 
-Measured per prompt: the next-token distributions over every prompt position (mean and max KL
+Both models run in fp32 compute: the gate judges the exported weights, not the rounding noise
+of bf16 arithmetic (which, under autocast, moved the same comparison's KL 5x). Measured per
+prompt: the next-token distributions over every prompt position (mean and max KL
 of candidate from reference, max |logit| difference, argmax agreement), then greedy completions
 of both, which must stop on the end-of-turn token wherever the reference's do.
 
@@ -24,12 +26,14 @@ import torch
 # - exact: nothing is rounded (same or a wider dtype; merging W + BA in fp32 only reorders a
 #   sum, a few ulps of the logits, KL ~1e-10): KL <= 1e-6 and greedy equal.
 # - f16 (11 mantissa bits): measured KL 3.7e-6, greedy 20/20: KL <= 1e-4 and greedy equal.
-# - bf16 (8 mantissa bits): measured KL 1.3e-4, greedy 18/20 (two near-ties flipped): KL <= 1e-3,
-#   greedy may differ.
+# - bf16 (8 mantissa bits): a LoRA merged into bf16 weights (the embedded default, 20 steps),
+#   compared in fp32 compute: KL 6.1e-4 (max 6.5e-3 at one position), greedy 17/20; the bare
+#   fp32 -> bf16 cast of SmolLM2's own weights: 1.3e-4, 18/20. KL <= 5e-3 (8x the merge), greedy
+#   may differ. The same run with its adapter dropped: KL 0.17, greedy 0/20.
 # - q8_0 (8-bit blocks of 32, one f16 scale each): measured KL 2.5e-3 (max 1.4e-2 at one
 #   position), greedy 13/20: KL <= 2e-2, greedy may differ.
 # A dropped or mis-scaled adapter, or a transposed tensor, moves the KL to 1e-1 and beyond.
-TOLERANCES = {"exact": (1e-6, True), "f16": (1e-4, True), "bf16": (1e-3, False), "q8_0": (2e-2, False)}
+TOLERANCES = {"exact": (1e-6, True), "f16": (1e-4, True), "bf16": (5e-3, False), "q8_0": (2e-2, False)}
 
 
 def rounding(source_dtype: str, target: str) -> str:
