@@ -198,7 +198,7 @@ def _gguf(merged_dir, out_dir, kind, merged, tokenizer, contract, convs, cfg, me
     from workbench.to_gguf import write
 
     path = write(merged_dir, out_dir / "gguf" / f"model-{kind}.gguf", kind, eos_id=contract.end_of_turn_id,
-                 pre=_base_pre_tokenizer(cfg))
+                 pre=_base_gguf_field(cfg, "tokenizer.ggml.pre"))
     field = GGUFReader(str(path)).fields["tokenizer.ggml.eos_token_id"]
     declared = int(field.contents())
     back = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -208,8 +208,9 @@ def _gguf(merged_dir, out_dir, kind, merged, tokenizer, contract, convs, cfg, me
     return gate
 
 
-def _base_pre_tokenizer(cfg) -> str | None:
-    """The base model's llama.cpp pre-tokenizer name when it came from a packaged GGUF."""
+def _base_gguf_field(cfg, key: str) -> str | None:
+    """A metadata field of the base model's packaged GGUF, when it came from one (the llama.cpp
+    pre-tokenizer name, the license)."""
     if not cfg.model.gguf_package:
         return None
     from gguf import GGUFReader
@@ -217,9 +218,7 @@ def _base_pre_tokenizer(cfg) -> str | None:
     from workbench.models.load import _gguf_in_package
 
     path = _gguf_in_package(cfg.model.gguf_package)
-    if path is None:
-        return None
-    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.pre")
+    field = GGUFReader(str(path)).fields.get(key) if path is not None else None
     return str(field.contents()) if field is not None else None
 
 
@@ -273,16 +272,7 @@ def _overrides() -> list[str]:
 
 
 def _license(cfg) -> str:
-    if cfg.model.gguf_package:
-        from gguf import GGUFReader
-
-        from workbench.models.load import _gguf_in_package
-
-        path = _gguf_in_package(cfg.model.gguf_package)
-        field = GGUFReader(str(path)).fields.get("general.license") if path else None
-        if field is not None:
-            return str(field.contents())
-    return "see the base model's card"
+    return _base_gguf_field(cfg, "general.license") or "see the base model's card"
 
 
 def main(argv: list[str]) -> int:

@@ -20,14 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tokenizer_only_folder(entry: Path) -> None:
     """The broken entry of the original race: tokenizer files, no config or weights."""
     from workbench.models.load import zoo_entry
@@ -48,8 +40,8 @@ def test_two_ranks_convert_once_over_a_broken_entry(tmp_path):
     entry = cache / "models" / "smollm2-135m"
     _tokenizer_only_folder(entry)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WORKBENCH_CACHE": str(cache)}
-    cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(HERE), str(tmp_path)]
+    cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(HERE), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert proc.stderr.count("rebuilding it") == 1, proc.stderr[-3000:]

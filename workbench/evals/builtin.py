@@ -23,7 +23,6 @@ prefixes `eval/<task>/`. Held-out rows are tokenised once per run and cached in 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from pathlib import Path
 
@@ -67,21 +66,26 @@ def prompts(eval_cfg) -> list[list[dict]]:
         if not f.exists():
             raise UserError(f"eval.prompts={spec!r}: file not found (for a single prompt write eval.prompts='[...]')")
         if f.suffix == ".jsonl":
+            from workbench.data.recipes import read_jsonl
+
             out = []
-            for n, line in enumerate(f.read_text().splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"{f}:{n}: malformed JSON ({exc.msg})") from None
-                p = row.get("messages") or row.get("prompt") if isinstance(row, dict) else None
+            for n, row in read_jsonl(f):
+                p = row.get("messages") or row.get("prompt")
                 if p is None:
                     raise UserError(f"{f}:{n}: expected {{\"prompt\": ...}} or {{\"messages\": [...]}}")
                 out.append([{"role": "user", "content": p}] if isinstance(p, str) else list(p))
             return out
         return [[{"role": "user", "content": line}] for line in f.read_text().splitlines() if line.strip()]
     return [[{"role": "user", "content": str(p)}] for p in spec]
+
+
+def _held_out(ctx, read) -> list:
+    """The first eval.num_samples items `read(source, tokenizer, contract, data_cfg)` gives over
+    the held-out sources."""
+    out = []
+    for s in eval_recipe(ctx.cfg).eval_sources:
+        out += read(s, ctx.tokenizer, ctx.contract, ctx.cfg.data)
+    return out[: ctx.eval_cfg.num_samples]
 
 
 @contextlib.contextmanager
@@ -138,13 +142,7 @@ def preference(ctx) -> dict:
     from workbench.methods.dpo import collate, sequence_logps
     from workbench.models.head import SelectiveLM
 
-    def pairs():
-        out = []
-        for s in eval_recipe(ctx.cfg).eval_sources:
-            out += tokenise_preferences(s, ctx.tokenizer, ctx.contract, ctx.cfg.data).pairs
-        return out[: ctx.eval_cfg.num_samples]
-
-    rows = ctx.cached("preference/pairs", pairs)
+    rows = ctx.cached("preference/pairs", lambda: _held_out(ctx, lambda s, *a: tokenise_preferences(s, *a).pairs))
     model, device = ctx.model, _device(ctx.model)
     lm = SelectiveLM(model)
 
@@ -180,13 +178,7 @@ def reward(ctx) -> dict:
     from workbench.data.preference import read_prompts
     from workbench.rollout import rewards
 
-    def rows():
-        out = []
-        for s in eval_recipe(ctx.cfg).eval_sources:
-            out += read_prompts(s, ctx.tokenizer, ctx.contract, ctx.cfg.data).rows
-        return out[: ctx.eval_cfg.num_samples]
-
-    items = ctx.cached("reward/rows", rows)
+    items = ctx.cached("reward/rows", lambda: _held_out(ctx, lambda s, *a: read_prompts(s, *a).rows))
     fns = rewards.resolve(ctx.cfg.reward)
     max_new = int(OmegaConf.select(ctx.cfg, "method.max_new_tokens", default=None) or ctx.eval_cfg.max_new_tokens)
     totals, per_fn, samples = [], [], []
