@@ -40,7 +40,14 @@ def _fix(rule) -> str:
 
 
 def render() -> str:
+    import importlib
+
+    from workbench import backends, methods
     from workbench.rules import PLANNABLE, RULES
+
+    for package in (backends, methods):  # modules that register rules of their own (rules.register)
+        for module in package.CHOICES.values():
+            importlib.import_module(f"{package.__name__}.{module}")
 
     lines = [
         "# Compatibility rules",

@@ -126,7 +126,7 @@ class Check:
         runner.build()
         from workbench.flops import FlopCount
 
-        count = FlopCount.from_model(runner.model, cfg)
+        count = FlopCount.from_model(runner.model, runner.run_facts)
         rows = []
         for _ in range(steps):
             t = time.perf_counter()
@@ -248,16 +248,18 @@ def rollout(c: Check) -> dict:
 
     out["hf_generate"] = timed(lambda: generate(
         model, tok, convs, new, contract.end_of_turn_id, do_sample=True, temperature=1.0,
-        num_return_sequences=gens, autocast=autocast(policy("bf16-mixed", dev), dev)))
+        num_return_sequences=gens, autocast=autocast(policy("bf16-mixed"), dev)))
     try:
+        from workbench import rules
         from workbench.errors import UserError
-        from workbench.rollout.vllm_engine import VLLMEngine, check
+        from workbench.rollout.vllm_engine import VLLMEngine
 
+        vcfg = c.compose(c.model_135m() + ["peft=none", "precision=bf16-mixed", "method=grpo", "method.engine=vllm"])
         try:
-            check(cfg)
+            rules.check(vcfg)  # vllm-needs-cuda, vllm-needs-package, ...
         except UserError as exc:
             raise Skip(str(exc)) from None
-        engine = VLLMEngine(cfg, tok, contract)
+        engine = VLLMEngine(vcfg, tok, contract)
         first = engine.sync_weights(model)
         out["vllm"] = timed(lambda: engine.generate(convs, gens, new, 1.0, 1.0))
         with torch.no_grad():  # a stand-in optimizer step: the engine must follow it

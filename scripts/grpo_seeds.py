@@ -30,13 +30,15 @@ def one_seed(seed: int, steps: int, from_base: bool, overrides: list[str], out: 
 
     model = []
     if not from_base:
-        sft = train(["train.max_steps=20", f"train.seed={seed}", f"data.shuffle_seed={seed}", "train.resume=never", "eval=none",
-                     "train.export=true"], out / f"sft{seed}", base=[])
-        model = [f"model.path={sft['export']['merged']}"]
+        merged = out / f"sft{seed}" / "export" / "merged"
+        if not (merged / "config.json").exists():  # the warm start depends on the seed only: made once per --work
+            train(["train.max_steps=20", f"train.seed={seed}", f"data.shuffle_seed={seed}", "train.resume=never",
+                   "eval=none", "train.export=true"], out / f"sft{seed}", base=[])
+        model = [f"model.path={merged}"]
     t = time.perf_counter()
     res = train(["method=grpo", *model, f"train.max_steps={steps}", f"train.seed={seed}", f"data.shuffle_seed={seed}",
                  *COMMON, *overrides],
-                out / f"grpo{seed}", base=[])
+                out / f"grpo{seed}-{int(time.time())}", base=[])
     return {"seed": seed, "from_base": from_base, "steps": steps, "overrides": overrides,
             "before": res["eval_start"]["eval/arith_add2/accuracy"],
             "after": res["eval_end"]["eval/arith_add2/accuracy"], "grpo_seconds": round(time.perf_counter() - t)}

@@ -16,7 +16,6 @@ Secret-looking values given on the command line are redacted from Hydra's own co
 from __future__ import annotations
 
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -36,16 +35,15 @@ def _skip_bitsandbytes(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    if cfg.peft.kind == "qlora" or cfg.model.loader != "hf" or "peft" in sys.modules or "bitsandbytes" in sys.modules:
+    from workbench.resolved import needs_bitsandbytes
+
+    if needs_bitsandbytes(cfg) or "peft" in sys.modules or "bitsandbytes" in sys.modules:
         return
     if HydraConfig.get().mode != RunMode.RUN:
         return
     sys.modules["bitsandbytes"] = None  # import raises ImportError; find_spec answers None
 
 
-# Token shapes that are secrets whatever key holds them (HF, OpenAI-style, GitHub, Slack).
-TOKEN_SHAPE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
-                         r"|xox[abpr]-[A-Za-z0-9-]{10,})")
 
 
 def secret_values(cfg: DictConfig) -> set[str]:
@@ -69,7 +67,7 @@ def secret_values(cfg: DictConfig) -> set[str]:
 
 def scrub_files(paths, secrets: set[str]) -> None:
     """Replace each secret (and anything token-shaped) in these text files with <redacted>."""
-    from workbench.manifest import REDACTED
+    from workbench.manifest import REDACTED, TOKEN_SHAPE
 
     for path in paths:
         if not path.is_file():
@@ -138,10 +136,11 @@ def run_job(cfg: DictConfig) -> dict | None:
         from workbench.plan import render, to_json
 
         if cfg.plan.json:  # machine-readable: the plan plus what preflight found
-            print(to_json({k: v for k, v in facts.items()}))
+            print(to_json({k: v for k, v in facts.items() if k != "run"}))
             return facts
         print(f"preflight ok: model={cfg.model.name} ({facts['n_params']:,} parameters, weights from "
-              f"{facts['model_source']}), method={cfg.method.name}, peft={cfg.peft.kind}, backend={cfg.backend.name}")
+              f"{facts['model_source']}), method={cfg.method.name}, peft={facts['resolved']['peft']}, "
+              f"backend={cfg.backend.name}")
         for w in facts.get("warnings", []):
             print(f"warning: {w}")
         render(facts["plan"])
@@ -153,7 +152,7 @@ def run_job(cfg: DictConfig) -> dict | None:
         return remote
     from workbench.runner import Runner
 
-    return Runner(cfg).run()
+    return Runner(cfg, facts["run"]).run()
 
 
 

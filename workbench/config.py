@@ -20,8 +20,29 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from workbench.errors import UserError
-from workbench.launch.sweep import register_resolvers
-from workbench.trackers import TrackerConfig
+
+
+def job_dir(default: str) -> str:
+    """`output_dir` under Hydra: the job's sweep subdir in multirun, else `default`."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+    except ImportError:
+        return default
+    if not HydraConfig.initialized():
+        return default
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        out = OmegaConf.select(hc, "runtime.output_dir", default=None)
+        if out:
+            return str(out)
+    return default
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("workbench.job_dir"):
+        OmegaConf.register_new_resolver("workbench.job_dir", job_dir)
+
 
 # conf/train.yaml's output_dir goes through ${workbench.job_dir:...}: each multirun job trains in
 # its own sweep subdir.
@@ -87,7 +108,7 @@ class PeftConfig:
 
 @dataclass
 class DataConfig:
-    recipe: str = "arith_sft"  # data_recipes/<recipe>.yaml
+    recipe: str | None = None  # data_recipes/<recipe>.yaml; null: the method's own (method.recipe)
     seq_len: int = 256
     packing: bool = False
     chat_template: str | None = None  # a named override; default: the tokenizer's own
@@ -229,6 +250,43 @@ class DebugConfig:
     overfit_batches: int = 0
 
 
+# -- trackers (workbench/trackers.py; a chosen tracker's node is not None) --------------------
+@dataclass
+class TensorBoardOptions:
+    dir: str = "tensorboard"  # relative to the run dir
+    flush_secs: int = 30
+
+
+@dataclass
+class WandbOptions:
+    project: str = "workbench"
+    entity: str | None = None
+    name: str | None = None  # default: the run dir's name
+    mode: str = "online"  # online | offline | disabled
+    tags: list[str] | None = None
+
+
+@dataclass
+class MlflowOptions:
+    tracking_uri: str | None = None  # default: a file store in <run_dir>/mlruns
+    experiment: str = "workbench"
+    run_name: str | None = None
+
+
+@dataclass
+class TrackioOptions:
+    project: str = "workbench"
+    name: str | None = None
+
+
+@dataclass
+class TrackerConfig:
+    tensorboard: TensorBoardOptions | None = None
+    wandb: WandbOptions | None = None
+    mlflow: MlflowOptions | None = None
+    trackio: TrackioOptions | None = None
+
+
 @dataclass
 class Schema:
     """The whole run. `method` and `backend` are checked against their modules' own schemas."""
@@ -291,12 +349,13 @@ def _own_model_and_data(merged: DictConfig, method_node: dict) -> None:
     if merged.data.path is not None and list(merged.eval.tasks) == EvalConfig().tasks:
         # Your own data: the default evaluation is on its held-out rows, not the arithmetic task.
         merged.eval.tasks = [{"dpo": "preference", "grpo": "reward"}.get(name, "loss")]
-    # A split of a named recipe splits the one the method reads (DPO and GRPO keep their own
-    # default recipe unless data.recipe is changed).
+    # data.recipe null: the method's own recipe (arith_sft, arith_dpo, arith_grpo); a data.eval_split
+    # then splits that one.
     if own is None and name in importlib.import_module(PLUGGABLE["method"]).CHOICES:
-        own = getattr(plugin_module("method", name).Config(), "recipe", None)
-    base = own if own and merged.data.recipe == "arith_sft" and name != "sft" else None
-    inline = inline_recipe(merged.data, merged.eval.tasks, base)
+        own = plugin_module("method", name).Config().recipe
+    if merged.data.recipe is None:
+        merged.data.recipe = own
+    inline = inline_recipe(merged.data, merged.eval.tasks)
     if inline is not None:
         merged.data.recipe = inline
 
@@ -319,6 +378,9 @@ def validate(cfg: DictConfig) -> DictConfig:
         merged[group] = sub
     OmegaConf.set_struct(merged, True)
     _check_values(merged)
+    # Every decision derived from here on lives in the resolved run (workbench/resolved.py);
+    # nothing writes to the config after this point.
+    OmegaConf.set_readonly(merged, True)
     return merged
 
 

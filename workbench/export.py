@@ -37,9 +37,9 @@ def _save_tokenizer(tokenizer, contract, path: Path) -> None:
     _generation_config(tokenizer, contract).save_pretrained(path)
 
 
-def merged_model(trained, cfg, dtype: torch.dtype):
+def merged_model(trained, run, dtype: torch.dtype):
     """A plain *ForCausalLM with the trained weights (adapters merged) in `dtype`."""
-    if cfg.peft.kind == "none":
+    if not run.peft.adapter:
         model = copy.deepcopy(base_model(trained))
         cast_weights(model, dtype)
         return model
@@ -49,8 +49,8 @@ def merged_model(trained, cfg, dtype: torch.dtype):
     # trained against the NF4 weights, so the base they are merged into is those weights
     # dequantised (what every training forward saw), not the original ones and never the 4-bit
     # storage itself (re-quantising after the merge would compound the error, peft#2321).
-    fresh = load_model(cfg.model, dtype=torch.float32)
-    if cfg.peft.kind == "qlora":
+    fresh = load_model(run.cfg.model, dtype=torch.float32)
+    if run.peft.quantised:
         _dequantised_base_into(trained, fresh)
     from peft import get_peft_model
 
@@ -76,39 +76,12 @@ def _dequantised_base_into(trained, fresh) -> None:
         raise RuntimeError("peft=qlora export: no 4-bit layers found in the trained model")
 
 
-def rebuild_plain(cfg, pol, full_state: dict, only: set[str] | None = None):
-    """A plain (unsharded) model for eval and export under sharding backends.
-
-    `full_state` is the gathered state of the backend's root module (keys prefixed `inner.`).
-    With peft, only the trainable (`only`) tensors are taken from it: the frozen base is
-    reloaded from its source, where it is identical, so nothing big crosses ranks.
-    """
-    from workbench import precision
-    from workbench.peft import lora
-
-    with torch.random.fork_rng(devices=[]):  # rebuilding must not move this rank's RNG
-        model = load_model(cfg.model, dtype=pol.load_dtype if cfg.peft.kind != "none" else torch.float32)
-        model = lora.apply(model, cfg.peft, compute_dtype=pol.autocast_dtype or pol.trainable_dtype)
-        precision.cast_params(model, pol)
-    state = {k.removeprefix("inner."): v for k, v in full_state.items() if only is None or k in only}
-    params = {**dict(model.named_buffers()), **dict(model.named_parameters(remove_duplicate=False))}
-    missing = [k for k in state if k not in params]
-    if missing or not state:
-        raise RuntimeError(f"gathered state does not fit the rebuilt model: {missing[:3] or 'empty state'}")
-    with torch.no_grad():
-        for k, v in state.items():
-            target = params[k]
-            if v.numel() != target.numel():
-                raise RuntimeError(f"gathered {k} has {v.numel()} elements, the model {target.numel()}")
-            target.copy_(v.reshape(target.shape).to(target.dtype))
-    return model
-
-
-def export(trained, tokenizer, contract, cfg, out_dir: Path, results: dict | None = None) -> dict:
+def export(trained, tokenizer, contract, run, out_dir: Path, results: dict | None = None) -> dict:
+    """`run`: the resolved run (workbench/resolved.py) the model was trained under."""
     from workbench.imports import hidden
 
     with hidden("deepspeed"):  # save_pretrained would import it just to probe (workbench/imports.py)
-        return _export(trained, tokenizer, contract, cfg, out_dir, results or {})
+        return _export(trained, tokenizer, contract, run, out_dir, results or {})
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -123,22 +96,22 @@ def _parity_prompts(cfg) -> list:
     return [r["prompt"] for r in eval_rows("arith_add2", cfg.export.parity_prompts)]
 
 
-def _export(trained, tokenizer, contract, cfg, out_dir: Path, results: dict) -> dict:
+def _export(trained, tokenizer, contract, run, out_dir: Path, results: dict) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from workbench import precision
     from workbench.parity import compare, rounding
 
+    cfg = run.cfg
     out_dir = Path(out_dir)
     result: dict = {"parity": {}, "failed": []}
-    dtype = torch.float32 if cfg.precision.name == "fp32" else torch.bfloat16
-    if cfg.peft.kind != "none":
+    dtype = run.export_dtype
+    if run.peft.adapter:
         trained.save_pretrained(out_dir / "adapter", safe_serialization=True)
         _save_tokenizer(tokenizer, contract, out_dir / "adapter")
         result["adapter"] = str(out_dir / "adapter")
     if not cfg.train.export_merged:
         return result
-    merged = merged_model(trained, cfg, dtype)
+    merged = merged_model(trained, run, dtype)
     merged.config.use_cache = True
     merged.generation_config = _generation_config(tokenizer, contract)
     merged_dir = out_dir / "merged"
@@ -150,9 +123,8 @@ def _export(trained, tokenizer, contract, cfg, out_dir: Path, results: dict) -> 
     # The parity gate: what is on disk, read back by transformers, against the trained model.
     convs = _parity_prompts(cfg)
     eot = contract.end_of_turn_id
-    pol = precision.policy(cfg.precision.name, "cpu")
     # merged weights are W + BA summed from fp32 adapters (peft), or the trainable weights as trained
-    source = "fp32" if cfg.peft.kind != "none" else _dtype_name(pol.trainable_dtype)
+    source = _dtype_name(run.merge_source)
     reloaded = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=dtype)
     declared = GenerationConfig.from_pretrained(merged_dir).eos_token_id
     gate = compare(_fp32_copy(trained), _fp32_copy(reloaded), tokenizer, convs, eot,
@@ -167,7 +139,7 @@ def _export(trained, tokenizer, contract, cfg, out_dir: Path, results: dict) -> 
                                                  _dtype_name(dtype))
         result.setdefault("gguf", []).append(str(out_dir / "gguf" / f"model-{kind}.gguf"))
     if cfg.export.card:
-        (merged_dir / "README.md").write_text(model_card(cfg, results, result))
+        (merged_dir / "README.md").write_text(model_card(run, results, result))
     result["failed"] = [k for k, r in result["parity"].items() if not r["passed"]]
     if cfg.export.push_to_hub and not result["failed"]:  # a failed gate is never published
         from workbench import hub
@@ -222,18 +194,19 @@ def _base_gguf_field(cfg, key: str) -> str | None:
     return str(field.contents()) if field is not None else None
 
 
-def model_card(cfg, results: dict, export: dict) -> str:
+def model_card(run, results: dict, export: dict) -> str:
     """README.md for the merged folder: what it is, how it was made, how it scored."""
     import json as _json
 
+    cfg = run.cfg
     base = cfg.model.hub_id or cfg.model.path or cfg.model.name
     evals = {k: v for k, v in (results.get("eval_end") or {}).items() if isinstance(v, float)}
     before = results.get("eval_start") or {}
     lines = ["---", f"base_model: {base}", "library_name: transformers", "tags: [workbench, "
-             f"{cfg.method.name}{', ' + cfg.peft.kind if cfg.peft.kind != 'none' else ''}]", "---", "",
+             f"{cfg.method.name}{', ' + run.peft.kind if run.peft.adapter else ''}]", "---", "",
              f"# {Path(cfg.output_dir).name}", "",
-             f"Fine-tuned from `{base}` with `method={cfg.method.name}` and `peft={cfg.peft.kind}` "
-             f"(`precision={cfg.precision.name}`, {cfg.train.max_steps} steps of {cfg.train.micro_batch_size} x "
+             f"Fine-tuned from `{base}` with `method={cfg.method.name}` and `peft={run.peft.kind}` "
+             f"(`precision={run.precision.name}`, {cfg.train.max_steps} steps of {cfg.train.micro_batch_size} x "
              f"{cfg.train.grad_accum} per rank). The adapters are merged; generation_config.json stops on the "
              "end-of-turn token the model was trained to emit.", "",
              "## Evaluation", ""]

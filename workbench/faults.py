@@ -36,7 +36,6 @@ import torch.distributed as dist
 from workbench.errors import UserError
 
 PREEMPTED_EXIT = 75  # checkpoint written; relaunch to continue (EX_TEMPFAIL)
-SKIPPABLE = ("single", "fsdp2")  # backends whose gradients sit in param.grad before the step
 
 
 class NumericalFault(UserError):
@@ -90,9 +89,10 @@ def _grads_finite(optimizer) -> bool:
 class Guard:
     """One per run: installs the signal handlers, checks each step's numbers."""
 
-    def __init__(self, cfg, backend, device: str, say=print):
+    def __init__(self, run, backend, say=print):
+        cfg = run.cfg
         self.backend = backend
-        self.device = device
+        self.device = run.device
         self.say = say
         self.max_bad = cfg.train.max_bad_steps
         self.nan_at = cfg.debug.nan_at_step
@@ -100,8 +100,8 @@ class Guard:
         self.signal: int | None = None
         self._previous: dict = {}
         # fp16: the loss scaler owns overflow handling (it skips steps whose gradients overflow)
-        self.scaled = getattr(backend, "scaler", None) is not None or cfg.precision.name == "fp16"
-        self.can_skip = getattr(backend, "name", "") in SKIPPABLE and hasattr(backend, "optimizer")
+        self.scaled = run.precision.loss_scaling
+        self.can_skip = backend.skips_steps
 
     # -- signals -------------------------------------------------------------------------
     def install(self) -> None:
@@ -165,7 +165,7 @@ class Guard:
             why = f"loss={m['loss']}" if not math.isfinite(m["loss"]) else "non-finite gradients"
             if not self.can_skip:
                 self.bad_steps += 1
-                self._stop(step, f"{why} on backend {getattr(backend, 'name', '?')}, which cannot skip a step",
+                self._stop(step, f"{why} on backend {backend.name}, which cannot skip a step",
                            last_good)
             self._count(step, why, last_good)
             backend.optimizer.zero_grad(set_to_none=True)  # drop the poisoned gradients; weights untouched

@@ -57,9 +57,9 @@ class FlopCount:
 
     # -- building ------------------------------------------------------------------------
     @classmethod
-    def from_model(cls, model: nn.Module, cfg=None) -> FlopCount:
-        """Walk the (PEFT-wrapped) model once; `cfg` adds the method's reference passes and the
-        backend's model-parallel degree."""
+    def from_model(cls, model: nn.Module, run=None) -> FlopCount:
+        """Walk the (PEFT-wrapped) model once; the resolved `run` (workbench/resolved.py) adds the
+        method's reference passes and the backend's model-parallel degree."""
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
         head_ids = {id(m) for m in head.modules()} if head is not None else set()
@@ -104,11 +104,10 @@ class FlopCount:
         count = cls(blocks, trainable, skipped, head_w, head_train, layers, heads * int(head_dim))
         # SelectiveLM projects only selected positions when it can split decoder and head
         count.head_everywhere = not (hasattr(lm, "model") and hasattr(lm, "lm_head"))
-        if cfg is not None:
-            count.ref_weights = _reference_weights(cfg, blocks, trainable)
-            backend = cfg.backend
-            count.model_parallel = int(getattr(backend, "tp", 1) or 1) * int(getattr(backend, "pp", 1) or 1)
-            count.head_everywhere |= backend.name == "megatron"  # its head projects every position
+        if run is not None:
+            count.ref_weights = _reference_weights(run.reference, blocks, trainable)
+            count.model_parallel = run.layout.tp * run.layout.pp
+            count.head_everywhere |= run.cfg.backend.name == "megatron"  # its head projects every position
         return count
 
     # -- counting ------------------------------------------------------------------------
@@ -143,18 +142,8 @@ class FlopCount:
             (4.0 + (2.0 if self.head_trainable else 0.0) + (2.0 if self.ref_weights else 0.0)) * self.head_weights)
 
 
-def _reference_weights(cfg, blocks: float, trainable: float) -> float:
+def _reference_weights(reference: str, blocks: float, trainable: float) -> float:
     """Block weights a per-step reference forward runs through: the base without its adapters
-    (adapter disabled) or a full frozen copy; 0 when no reference pass runs during training."""
-    method = cfg.method
-    name = getattr(method, "name", "")
-    if name == "dpo":
-        ref = getattr(method, "reference", "auto")
-        if ref == "precomputed":
-            return 0.0
-    elif name == "grpo":
-        if not getattr(method, "beta", 0.0):
-            return 0.0
-    else:
-        return 0.0
-    return blocks if cfg.peft.kind == "none" else blocks - trainable
+    (adapter disabled) or a full frozen copy; 0 when no reference pass runs during training
+    (none, or log-probs precomputed before it)."""
+    return {"adapter": blocks - trainable, "copy": blocks}.get(reference, 0.0)

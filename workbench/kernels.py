@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workbench.errors import UserError, missing_package
+from workbench.errors import missing_package
 
 CHOICES = ("none", "liger")
 # What kernels=liger patches into each decoder layer.
@@ -34,21 +34,9 @@ def require_liger():
     return lt
 
 
-def check(name: str, device: str) -> None:
-    """Refuse kernel choices this machine cannot run (called by preflight and by apply)."""
-    if name == "none":
-        return
-    if name not in CHOICES:
-        raise UserError(f"config field 'kernels' must be one of {', '.join(CHOICES)} (got {name!r})")
-    if device != "cuda" or not torch.cuda.is_available():
-        raise UserError("kernels=liger needs a CUDA GPU (Liger's kernels are Triton programs); "
-                        "on CPU use kernels=none")
-    require_liger()
-
-
 def apply(model: torch.nn.Module, name: str, device: str) -> dict:
-    """Patch the model's layers in place; returns which kernels were applied."""
-    check(name, device)
+    """Patch the model's layers in place; returns which kernels were applied. Which choices this
+    machine can run is a rule (workbench/rules.py: kernels-choice, liger-on-cpu, liger-needs-package)."""
     if name == "none":
         return {}
     lt = require_liger()

@@ -24,6 +24,9 @@ SECRET_KEY = re.compile(
     r"^(token|(.*[_-])?(hf|auth|access|api|bearer|private)[_-]?token|"
     r"(.*[_-])?(secret|password|passwd|api[_-]?key|access[_-]?key|secret[_-]?key|credentials?))$", re.I)
 REDACTED = "<redacted>"
+# Token shapes that are secrets whatever key holds them (HF, OpenAI-style, GitHub, Slack).
+TOKEN_SHAPE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
+                         r"|xox[abpr]-[A-Za-z0-9-]{10,})")
 
 
 def redact(obj):

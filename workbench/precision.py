@@ -19,8 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.errors import UserError
-
 
 @dataclass(frozen=True)
 class Policy:
@@ -30,7 +28,17 @@ class Policy:
     frozen_dtype: torch.dtype
     autocast_dtype: torch.dtype | None
     loss_scaling: bool
-    fp8: str = ""  # fp8 only: torchao | transformer_engine
+    fp8: str = ""  # fp8 only: torchao | transformer_engine (the installed library; "" when planning)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What matmuls run in: the autocast dtype, else the parameters' own."""
+        return self.autocast_dtype or self.trainable_dtype
+
+    def bytes(self, which: str) -> int:
+        """Bytes per element of `trainable`, `frozen`, `load` or `compute` values (the planner's tables)."""
+        return {"trainable": self.trainable_dtype, "frozen": self.frozen_dtype, "load": self.load_dtype,
+                "compute": self.compute_dtype}[which].itemsize
 
 
 POLICIES = {
@@ -38,6 +46,8 @@ POLICIES = {
     "bf16": Policy("bf16", torch.bfloat16, torch.bfloat16, torch.bfloat16, None, False),
     "bf16-mixed": Policy("bf16-mixed", torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16, False),
     "fp16": Policy("fp16", torch.float16, torch.float32, torch.float16, torch.float16, True),
+    # fp8 GEMMs inside bf16 autocast; which library runs them is chosen by policy()
+    "fp8": Policy("fp8", torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16, False),
 }
 
 
@@ -54,17 +64,18 @@ def fp8_backend() -> str:
     raise missing_package("torchao")
 
 
-def policy(name: str, device: str) -> Policy:
+def spec(name: str) -> Policy:
+    """The policy's dtypes, whatever this machine has (the planner, rules, dry runs)."""
+    return POLICIES[name]
+
+
+def policy(name: str) -> Policy:
+    """The policy a run trains with. Whether this machine can run it (fp8 needs sm >= 8.9 and
+    torchao or Transformer Engine) is a rule in workbench/rules.py, checked before this."""
     if name == "fp8":
-        if device != "cuda" or not torch.cuda.is_available():
-            raise UserError("precision=fp8 needs an NVIDIA Hopper/Blackwell GPU (torchao float8 or "
-                            "Transformer Engine); on this machine use precision=bf16-mixed")
-        if torch.cuda.get_device_capability() < (8, 9):
-            raise UserError(f"precision=fp8 needs fp8 tensor cores (compute capability >= 8.9, Hopper/"
-                            f"Blackwell); {torch.cuda.get_device_name()} has "
-                            f"{torch.cuda.get_device_capability()}; use precision=bf16-mixed")
-        return Policy("fp8", torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16, False,
-                      fp8=fp8_backend())
+        from dataclasses import replace
+
+        return replace(POLICIES["fp8"], fp8=fp8_backend())
     return POLICIES[name]
 
 

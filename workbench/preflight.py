@@ -1,8 +1,9 @@
 """Preflight: the checks every run makes before anything heavy, and alone with dry_run=true.
 
 In order, cheapest first, all before any weights load:
-1. the compatibility rules (workbench/rules.py: method x peft x backend x precision x hardware),
-   GPU-only options, the backend's own option checks, the eval tasks;
+1. the resolved run (workbench/resolved.py), which checks the rule table (workbench/rules.py:
+   method x peft x backend x precision x hardware, GPU-only options, backend options), then the
+   eval tasks;
 2. the model on the meta device (one block, exact parameter counts; adapter targets exist);
 3. the plan (workbench/plan/): a run that cannot fit the configured hardware is refused here,
    with where it would fit, how many devices it needs, and time and cost;
@@ -17,50 +18,18 @@ missing) are warnings, so a laptop can plan a cluster run.
 
 from __future__ import annotations
 
-import importlib.util
-
 from omegaconf import OmegaConf
 
 from workbench import rules
-from workbench.errors import UserError, missing_package
+from workbench.errors import UserError
 from workbench.evals.hooks import check_tasks
 from workbench.models.load import resolve
-from workbench.precision import policy
-
-
-def check_gpu_options(cfg) -> None:
-    """GPU-only options: kernels, unsloth loader, flash attention, vLLM rollouts."""
-    from workbench import kernels
-    from workbench.models import unsloth_loader
-    from workbench.models.load import attention_for
-
-    kernels.check(cfg.kernels, cfg.hardware.device)
-    unsloth_loader.check(cfg)
-    attention_for(cfg.model.attn_implementation, cfg.hardware.device)
-    if OmegaConf.select(cfg, "method.engine", default="hf") == "vllm":
-        from workbench.rollout import vllm_engine
-
-        vllm_engine.check(cfg)
+from workbench.resolved import resolve as resolve_run
 
 
 def _machine_checks_apply(cfg) -> bool:
     """True when the run would execute on this machine (not merely be planned or sent away)."""
     return rules.runs_here(cfg) and not cfg.dry_run
-
-
-def _backend_preflight(cfg) -> None:
-    from workbench.config import plugin_module
-
-    module = plugin_module("backend", cfg.backend.name)
-    if hasattr(module, "preflight"):
-        module.preflight(cfg)
-
-
-def sample_recipe(cfg) -> str:
-    """The recipe the method reads (methods keep their own default unless data.recipe is changed)."""
-    name = cfg.data.recipe
-    own = OmegaConf.select(cfg, "method.recipe", default=None)
-    return own if own and name == "arith_sft" and cfg.method.name != "sft" else name
 
 
 def data_sample(cfg) -> dict:
@@ -72,7 +41,7 @@ def data_sample(cfg) -> dict:
 
     tokenizer = load_tokenizer(cfg.model)
     contract = formats.setup_tokenizer(tokenizer, cfg.data.chat_template)
-    src = load_recipe(sample_recipe(cfg)).sources[0]
+    src = load_recipe(cfg.data.recipe).sources[0]
     try:
         where, row = next(iter(iter_rows(src, src.columns or None, src.split)))
     except StopIteration:
@@ -112,18 +81,12 @@ def check(cfg, env: rules.Env | None = None) -> dict:
     from workbench.plan.counts import count, probe
 
     here = _machine_checks_apply(cfg)
-    warnings = rules.check(cfg, env, planning=not here)
-    if here:
-        policy(cfg.precision.name, cfg.hardware.device)
-        if cfg.peft.kind == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
-            raise missing_package("bitsandbytes")
-        check_gpu_options(cfg)
-    try:
-        _backend_preflight(cfg)
-    except UserError as exc:  # planning on a machine without the backend's package is fine
-        if here or "is not installed" not in str(exc):
-            raise
-        warnings.append(str(exc))
+    run = resolve_run(cfg, planning=not here, env=env)  # the rule table; machine rules warn when planning
+    warnings = list(run.warnings)
+    if here and cfg.model.loader == "unsloth":
+        from workbench.models.unsloth_loader import check_versions
+
+        check_versions()
     check_tasks(cfg.eval.tasks, cfg)  # names, user hooks importable, held-out data for loss/preference/reward
     from workbench.evals import best
 
@@ -138,7 +101,7 @@ def check(cfg, env: rules.Env | None = None) -> dict:
         raise UserError(refusal(make_plan(cfg, counts)))
 
     facts = {"n_params": counts.total, "n_trainable": plan["params"]["trainable"], "plan": plan,
-             "warnings": warnings}
+             "warnings": warnings, "resolved": run.summary(), "run": run}
     try:
         facts["model_source"] = resolve(cfg.model).kind
     except UserError as exc:

@@ -74,13 +74,15 @@ def _generations(results: dict) -> list[str]:
     return lines
 
 
-def write(run_dir: Path, cfg, results: dict, rows: list[dict]) -> None:
+def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
+    """`run`: the resolved run (workbench/resolved.py)."""
+    cfg = run.cfg
     run_dir = Path(run_dir)
     losses = results.get("losses") or []
     tps = [r["tokens_per_s"] for r in rows[1:]] or [r["tokens_per_s"] for r in rows]
     lines = [
-        f"# Run report: {cfg.method.name} on {cfg.model.name} (peft={cfg.peft.kind}, backend={cfg.backend.name}, "
-        f"precision={cfg.precision.name})", "",
+        f"# Run report: {cfg.method.name} on {cfg.model.name} (peft={run.peft.kind}, backend={cfg.backend.name}, "
+        f"precision={run.precision.name})", "",
         f"- steps: {len(losses)} (resumed from: {results.get('resumed_from') or 'no'})",
         f"- parameters: {results.get('n_params', 0):,} total, {results.get('n_trainable', 0):,} trainable",
     ]

@@ -10,18 +10,22 @@ cannot drift from what the code enforces.
     rules.violations(cfg)          # all broken rules, as (rule, message)
     rules.check(cfg)               # raise the first one
 
-Fields owned by other modules (backend.stage, backend.tp, method.num_generations, ...) are read
-with OmegaConf.select and defaults, so rules apply to any backend or method config.
+This is the only place a combination is refused: `resolved.resolve(cfg)` runs it for every entry
+point (preflight, the runner, export from a checkpoint), so backends, methods and loaders do not
+check again. Fields owned by one backend or method (backend.stage, method.engine, ...) are read
+by their schema names with a default, so a rule applies to any backend or method config.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from omegaconf import OmegaConf
+
 from workbench.errors import UserError
-from workbench.plan.setup import pick
 
 RUNNABLE_DEVICES = ("cpu", "cuda")
 
@@ -34,6 +38,7 @@ class Env:
     gpus: int = 0
     packages: frozenset = frozenset()
     hub_token: bool = False  # $HF_TOKEN is set (its value is never read here)
+    capability: tuple = ()  # CUDA compute capability of device 0; () not known
 
     def has(self, package: str) -> bool:
         return package in self.packages
@@ -51,12 +56,11 @@ def current_env() -> Env:
 
     cuda = torch.cuda.is_available()
     names = ("bitsandbytes", "deepspeed", "megatron", "unsloth", "vllm", "liger_kernel", "torchao",
-             "transformer_engine", "flash_attn")
+             "transformer_engine", "apex", "flash_attn", "flash_attn_interface")
     found = frozenset(n for n in names if _installed(n))
-    import os
-
     token = bool(os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN"))
-    return Env(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0, packages=found, hub_token=token)
+    return Env(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0, packages=found, hub_token=token,
+               capability=tuple(torch.cuda.get_device_capability()) if cuda else ())
 
 
 @dataclass(frozen=True)
@@ -73,24 +77,37 @@ class Rule:
 
 
 # -- helpers that read fields other modules own -------------------------------------------------
+def _get(c, key, default):
+    value = OmegaConf.select(c, key, default=None)
+    return default if value is None else value
+
+
 def _dev(c):
     return c.hardware.device
 
 
 def _world(c):
-    return int(c.hardware.procs) * int(c.hardware.nodes)
+    """Processes of the run: the launcher's WORLD_SIZE inside a launched process (the user's own
+    torchrun too), else hardware.procs x hardware.nodes (workbench/resolved.py, layout)."""
+    from workbench.resolved import layout
+
+    return layout(c).world
 
 
 def _backend(c):
-    return pick(c, "backend.name", "single")
+    return _get(c, "backend.name", "single")
 
 
 def _method(c):
-    return pick(c, "method.name", "sft")
+    return _get(c, "method.name", "sft")
 
 
 def _stage(c):
-    return int(pick(c, ["backend.stage", "backend.zero_stage"], 0))
+    return int(_get(c, "backend.stage", 0))
+
+
+def _sharded(c):
+    return _backend(c) == "fsdp2" or (_backend(c) == "deepspeed" and _stage(c) == 3)
 
 
 def _storage_float(c):
@@ -98,28 +115,30 @@ def _storage_float(c):
 
 
 def _par(c, key):
-    return int(pick(c, f"backend.{key}", 1))
+    return int(_get(c, f"backend.{key}", 1))
 
 
 def _rewards(c):
-    r = pick(c, ["reward.functions", "method.rewards", "reward"], None)
-    if r is None:
-        return []
-    if isinstance(r, str):
-        return [r] if r else []
-    try:
-        return list(r.keys()) if hasattr(r, "keys") else list(r)
-    except TypeError:
-        return [r]
+    return list(_get(c, "reward.functions", []) or [])
 
 
 def _offload(c, key):
-    v = pick(c, f"backend.{key}", "none")
-    return v not in (None, False, "none", "", "false")
+    return _get(c, f"backend.{key}", "none") != "none"
 
 
 def _use_vllm(c):
-    return pick(c, ["method.engine", "method.rollout", "method.generator"], "hf") == "vllm"
+    return _method(c) == "grpo" and _get(c, "method.engine", "hf") == "vllm"
+
+
+def _ref(c):
+    from workbench.resolved import reference
+
+    return reference(c)
+
+
+ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "auto")
+FLASH = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+KERNELS = ("none", "liger")
 
 
 RULES: list[Rule] = [
@@ -135,6 +154,11 @@ RULES: list[Rule] = [
          lambda c, e: c.precision.name == "fp8" and _dev(c) == "cuda" and e.cuda and not e.has("torchao")
          and not e.has("transformer_engine"),
          "precision=fp8 needs torchao (pip install torchao) or Transformer Engine; or use precision=bf16-mixed"),
+    Rule("fp8-needs-sm89", {"precision": "fp8", "hardware": "GPU below compute capability 8.9"},
+         lambda c, e: c.precision.name == "fp8" and _dev(c) == "cuda" and bool(e.capability)
+         and tuple(e.capability) < (8, 9),
+         lambda c, e: f"precision=fp8 needs fp8 tensor cores (compute capability >= 8.9, Hopper/Blackwell); this GPU "
+                      f"has {tuple(e.capability)}: use precision=bf16-mixed"),
     # hardware
     Rule("cuda-not-visible", {"hardware": "cuda profile on a machine without GPU"},
          lambda c, e: _dev(c) == "cuda" and not e.cuda,
@@ -160,6 +184,15 @@ RULES: list[Rule] = [
     Rule("unsloth-backend", {"backend": "fsdp2, deepspeed, megatron", "loader": "unsloth"},
          lambda c, e: c.model.loader == "unsloth" and _backend(c) != "single",
          "model.loader=unsloth works with backend=single only; use model.loader=hf for sharded backends"),
+    Rule("unsloth-kernels", {"loader": "unsloth", "kernels": "liger"},
+         lambda c, e: c.model.loader == "unsloth" and c.kernels != "none",
+         "model.loader=unsloth patches in its own kernels; use kernels=none with it"),
+    Rule("unsloth-dora", {"loader": "unsloth", "peft": "dora"},
+         lambda c, e: c.model.loader == "unsloth" and c.peft.kind == "dora",
+         "model.loader=unsloth supports peft=lora, qlora or none; use model.loader=hf for dora"),
+    Rule("unsloth-needs-package", {"loader": "unsloth"},
+         lambda c, e: c.model.loader == "unsloth" and not e.has("unsloth"),
+         "model.loader=unsloth needs unsloth: pip install -e '.[unsloth]' (or use model.loader=hf)"),
     # qlora
     Rule("qlora-sharded-storage", {"peft": "qlora", "backend": "fsdp2, deepspeed stage 3"},
          lambda c, e: c.peft.kind == "qlora" and (_backend(c) == "fsdp2" or _backend(c) == "deepspeed" and _stage(c) == 3)
@@ -195,16 +228,44 @@ RULES: list[Rule] = [
          lambda c, e: _backend(c) == "deepspeed" and _stage(c) not in (1, 2, 3),
          lambda c, e: f"backend.stage={_stage(c)}: ZeRO stages are 1, 2 or 3; for plain data parallelism "
                       f"use backend=single"),
+    Rule("deepspeed-offload-choice", {"backend": "deepspeed", "offload": "optimizer, params"},
+         lambda c, e: _backend(c) == "deepspeed" and any(_get(c, f"backend.{k}", "none") not in ("none", "cpu", "nvme")
+                                                      for k in ("offload_optimizer", "offload_param")),
+         lambda c, e: f"config fields 'backend.offload_optimizer' / 'backend.offload_param' must be none, cpu or nvme "
+                      f"(got {_get(c, 'backend.offload_optimizer', 'none')!r} / {_get(c, 'backend.offload_param', 'none')!r})"),
     Rule("param-offload-needs-zero3", {"backend": "deepspeed stage < 3", "offload": "params"},
          lambda c, e: _backend(c) == "deepspeed" and _offload(c, "offload_param") and _stage(c) != 3,
-         "backend.offload_param needs parameters partitioned: set backend.stage=3"),
+         "backend.offload_param needs parameters partitioned: set backend.stage=3 (stages 1-2 keep full "
+         "parameters on every rank)"),
     Rule("nvme-offload-needs-path", {"backend": "deepspeed", "offload": "nvme"},
-         lambda c, e: _backend(c) == "deepspeed" and "nvme" in (pick(c, "backend.offload_optimizer", "none"),
-                                                                 pick(c, "backend.offload_param", "none"))
-         and not pick(c, "backend.nvme_path", ""),
-         "backend.offload_*=nvme needs a directory on local NVMe: set backend.nvme_path=/local/nvme/dir"),
+         lambda c, e: _backend(c) == "deepspeed" and "nvme" in (_get(c, "backend.offload_optimizer", "none"),
+                                                                 _get(c, "backend.offload_param", "none"))
+         and not os.path.isdir(str(_get(c, "backend.nvme_path", "") or "")),
+         lambda c, e: "backend.offload_*=nvme needs an existing directory on local NVMe: set backend.nvme_path "
+                      f"(got {_get(c, 'backend.nvme_path', '')!r})"),
+    Rule("fsdp2-checkpointing-choice", {"backend": "fsdp2", "other": "activation checkpointing"},
+         lambda c, e: _backend(c) == "fsdp2" and (_get(c, "backend.activation_checkpointing", "none")
+                                                  not in ("none", "full", "selective")
+                                                  or int(_get(c, "backend.selective_every", 2)) < 1),
+         lambda c, e: "config field 'backend.activation_checkpointing' must be none, full or selective, and "
+                      f"'backend.selective_every' >= 1 (got {_get(c, 'backend.activation_checkpointing', 'none')!r}, "
+                      f"{_get(c, 'backend.selective_every', 2)})"),
+    Rule("fsdp2-reduce-dtype", {"backend": "fsdp2", "precision": "reduce dtype"},
+         lambda c, e: _backend(c) == "fsdp2" and _get(c, "backend.reduce_dtype", "float32")
+         not in ("float32", "bfloat16", "float16"),
+         lambda c, e: f"config field 'backend.reduce_dtype' must be float32, bfloat16 or float16 "
+                      f"(got {_get(c, 'backend.reduce_dtype', 'float32')!r})"),
+    Rule("sharded-vllm", {"backend": "fsdp2, deepspeed stage 3", "method": "grpo (vLLM rollouts)"},
+         lambda c, e: _sharded(c) and _use_vllm(c),
+         "method.engine=vllm loads full weights into vLLM on every rank, which a sharding backend splits; use "
+         "method.engine=hf (generates through the sharded model) or backend=deepspeed backend.stage=2"),
+    Rule("sharded-copied-reference", {"backend": "fsdp2, deepspeed stage 3", "method": "dpo / grpo with a copied reference"},
+         lambda c, e: _sharded(c) and _ref(c) == "copy",
+         lambda c, e: f"method={_method(c)} keeps a copied reference model, which a sharding backend cannot shard; "
+                      + ("use method.reference=precomputed, or peft=lora (its reference is the adapter-free base)"
+                         if _method(c) == "dpo" else "use peft=lora (its reference is the adapter-free base) or method.beta=0")),
     Rule("fsdp2-offload-on-cpu", {"backend": "fsdp2", "offload": "cpu_offload", "hardware": "cpu"},
-         lambda c, e: _backend(c) == "fsdp2" and bool(pick(c, "backend.cpu_offload", False)) and _dev(c) == "cpu",
+         lambda c, e: _backend(c) == "fsdp2" and bool(_get(c, "backend.cpu_offload", False)) and _dev(c) == "cpu",
          "backend.cpu_offload moves GPU memory to the host; on hardware=cpu set backend.cpu_offload=false"),
     Rule("deepspeed-needs-package", {"backend": "deepspeed"},
          lambda c, e: _backend(c) == "deepspeed" and not e.has("deepspeed"),
@@ -233,18 +294,41 @@ RULES: list[Rule] = [
          lambda c, e: _par(c, "cp") > 1 and c.data.seq_len % (2 * _par(c, "cp")),
          lambda c, e: f"backend.cp={_par(c, 'cp')} splits each sequence in 2 x cp chunks: make data.seq_len a "
                       f"multiple of {2 * _par(c, 'cp')}"),
+    Rule("megatron-fp8", {"backend": "megatron", "precision": "backend.fp8"},
+         lambda c, e: _backend(c) == "megatron" and _get(c, "backend.fp8", None) is not None,
+         "backend.fp8 needs Transformer Engine layer specs, which backend=megatron does not build yet: set backend.fp8=null"),
+    Rule("megatron-distributed-optimizer", {"backend": "megatron"},
+         lambda c, e: _backend(c) == "megatron" and bool(_get(c, "backend.distributed_optimizer", False)),
+         "backend.distributed_optimizer=true is not built yet; every data-parallel rank keeps full optimizer "
+         "state (set it to false)"),
+    Rule("megatron-sequence-parallel", {"backend": "megatron (sp)"},
+         lambda c, e: _backend(c) == "megatron" and bool(_get(c, "backend.sequence_parallel", False))
+         and (_par(c, "tp") < 2 or not (e.has("transformer_engine") or e.has("apex"))),
+         "backend.sequence_parallel=true needs backend.tp > 1 and Transformer Engine or Apex norms (GPU)"),
+    Rule("megatron-cp-needs-gpu", {"backend": "megatron (cp)", "hardware": "cpu"},
+         lambda c, e: _backend(c) == "megatron" and _par(c, "cp") > 1 and _dev(c) != "cuda",
+         "backend.cp > 1 needs Transformer Engine's attention on a GPU"),
+    Rule("megatron-recompute-choice", {"backend": "megatron"},
+         lambda c, e: _backend(c) == "megatron" and _get(c, "backend.recompute", "none") not in ("none", "selective", "full"),
+         lambda c, e: f"backend.recompute={_get(c, 'backend.recompute', 'none')!r} is not one of none, selective, full"),
     # methods
     Rule("grpo-needs-reward", {"method": "grpo"},
          lambda c, e: _method(c) == "grpo" and not _rewards(c),
          "method=grpo needs at least one reward: add reward=arith_exact (or reward.functions=[{name: module:function}])"),
     Rule("grpo-group-size", {"method": "grpo"},
-         lambda c, e: _method(c) == "grpo" and int(pick(c, ["method.num_generations", "method.generations"], 2)) < 2,
+         lambda c, e: _method(c) == "grpo" and int(_get(c, "method.num_generations", 2)) < 2,
          "method=grpo compares completions within a group: set method.num_generations>=2"),
     Rule("vllm-needs-cuda", {"method": "grpo (vLLM rollouts)", "hardware": "cpu"},
          lambda c, e: _use_vllm(c) and _dev(c) != "cuda",
          "method.engine=vllm needs a CUDA GPU; on CPU use method.engine=hf (generate with KV cache)"),
+    Rule("vllm-needs-package", {"method": "grpo (vLLM rollouts)"},
+         lambda c, e: _use_vllm(c) and not e.has("vllm"),
+         "method.engine=vllm needs vllm: pip install -e '.[vllm]' (or use method.engine=hf)"),
+    Rule("vllm-dora", {"method": "grpo (vLLM rollouts)", "peft": "dora"},
+         lambda c, e: _use_vllm(c) and c.peft.kind == "dora",
+         "method.engine=vllm syncs lora, qlora or full weights; use method.engine=hf with peft=dora"),
     Rule("dpo-adapter-ref-needs-peft", {"method": "dpo (ref=adapter)", "peft": "none"},
-         lambda c, e: _method(c) == "dpo" and pick(c, ["method.reference", "method.ref"], None) == "adapter"
+         lambda c, e: _method(c) == "dpo" and _get(c, "method.reference", None) == "adapter"
          and c.peft.kind == "none",
          "method.reference=adapter uses the model with its adapter disabled as the reference, but peft=none has "
          "no adapter: use peft=lora, or method.reference=copy / method.reference=precomputed"),
@@ -253,12 +337,25 @@ RULES: list[Rule] = [
          lambda c, e: c.data.seq_len > c.model.arch.max_position,
          lambda c, e: f"data.seq_len={c.data.seq_len} exceeds model={c.model.name}'s context of "
                       f"{c.model.arch.max_position}; set data.seq_len<={c.model.arch.max_position}"),
+    Rule("attention-choice", {"model": "attn_implementation"},
+         lambda c, e: c.model.attn_implementation not in ATTENTION,
+         lambda c, e: f"model.attn_implementation={c.model.attn_implementation!r} is not one of {', '.join(ATTENTION)}"),
     Rule("flash-attn-on-cpu", {"hardware": "cpu", "attention": "flash_attention_2/3"},
-         lambda c, e: str(c.model.attn_implementation).startswith("flash_attention") and _dev(c) != "cuda",
+         lambda c, e: c.model.attn_implementation in FLASH and _dev(c) != "cuda",
          "model.attn_implementation=flash_attention_* needs a CUDA GPU; use model.attn_implementation=sdpa"),
+    Rule("flash-attn-needs-package", {"hardware": "cuda", "attention": "flash_attention_2/3"},
+         lambda c, e: c.model.attn_implementation in FLASH and _dev(c) == "cuda"
+         and not e.has(FLASH[c.model.attn_implementation]),
+         "model.attn_implementation=flash_attention_* needs flash-attn: pip install flash-attn (or use sdpa)"),
+    Rule("kernels-choice", {"kernels": "name"},
+         lambda c, e: c.kernels not in KERNELS,
+         lambda c, e: f"config field 'kernels' must be one of {', '.join(KERNELS)} (got {c.kernels!r})"),
     Rule("liger-on-cpu", {"hardware": "cpu", "kernels": "liger"},
          lambda c, e: c.kernels == "liger" and _dev(c) != "cuda",
          "kernels=liger are Triton GPU kernels; on CPU use kernels=none"),
+    Rule("liger-needs-package", {"hardware": "cuda", "kernels": "liger"},
+         lambda c, e: c.kernels == "liger" and _dev(c) == "cuda" and not e.has("liger_kernel"),
+         "kernels=liger needs liger-kernel: pip install -e '.[liger]' (or use kernels=none)"),
     Rule("gguf-types", {"export": "gguf=<type>"},
          lambda c, e: c.train.export and any(str(t).lower() not in _gguf().TYPES for t in c.export.gguf),
          lambda c, e: f"export.gguf={list(c.export.gguf)}: choose from {list(_gguf().TYPES)}; K-quants "
@@ -284,6 +381,13 @@ def _gguf():
     return to_gguf
 
 
+def register(*new: Rule) -> None:
+    """A backend or method module adds rules about itself when it is imported (config.validate
+    imports the chosen ones, so their rules are in the table before any run is resolved)."""
+    known = {r.id for r in RULES}
+    RULES.extend(r for r in new if r.id not in known)
+
+
 def violations(cfg, env: Env | None = None) -> list[tuple[Rule, str]]:
     env = env or current_env()
     out = []
@@ -295,14 +399,16 @@ def violations(cfg, env: Env | None = None) -> list[tuple[Rule, str]]:
 
 # rules that stand between a CPU machine and a plan: dry_run=true may still plan past them
 PLANNABLE = {"push-needs-token", "cuda-not-visible", "multinode-needs-rendezvous", "planning-only-accelerator",
-             "procs-exceed-gpus", "fp8-needs-torchao",
-             "unsloth-needs-cuda", "vllm-needs-cuda", "flash-attn-on-cpu", "liger-on-cpu",
-             "deepspeed-needs-package", "megatron-needs-package", "qlora-needs-bitsandbytes"}
+             "procs-exceed-gpus", "fp8-needs-torchao", "fp8-needs-sm89",
+             "unsloth-needs-cuda", "unsloth-needs-package", "vllm-needs-cuda", "vllm-needs-package",
+             "flash-attn-on-cpu", "flash-attn-needs-package", "liger-on-cpu", "liger-needs-package",
+             "deepspeed-needs-package", "megatron-needs-package", "qlora-needs-bitsandbytes",
+             "nvme-offload-needs-path", "megatron-sequence-parallel", "megatron-cp-needs-gpu"}
 
 
 def runs_here(cfg) -> bool:
     """False when a launcher sends the run to other machines (their hardware is checked there)."""
-    return pick(cfg, "launcher.name", "local") == "local"
+    return _get(cfg, "launcher.name", "local") == "local"
 
 
 def check(cfg, env: Env | None = None, planning: bool = False) -> list[str]:

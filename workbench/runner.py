@@ -23,57 +23,43 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from workbench import checkpoint, faults, kernels, manifest, precision, report
+from workbench import checkpoint, faults, manifest, precision, report
 from workbench.config import plugin_module
 from workbench.data.formats import setup_tokenizer
+from workbench.distributed import init_distributed
 from workbench.evals import hooks
 from workbench.flops import FlopCount
+from workbench.models.build import build_model
 from workbench.models.head import SelectiveLM
-from workbench.models.load import load_model, load_tokenizer, resolve
-from workbench.peft import lora
+from workbench.models.load import load_tokenizer, resolve
+from workbench.resolved import Run
+from workbench.resolved import resolve as resolve_run
 from workbench.state import TrainState, rng_state, seed_everything, set_rng_state
 from workbench.tracking import Tracker, peak_flops, throughput
 
 
-@dataclass
+@dataclass(frozen=True)
 class Context:
-    """What methods and backends may read while they set themselves up."""
+    """What methods and backends may read while they set themselves up: the resolved run
+    (precision, peft, reference, layout; workbench/resolved.py) and the tokenizer."""
 
-    cfg: DictConfig
+    run: Run
     tokenizer: object
     contract: object
-    device: str
-    policy: precision.Policy
-    rank: int
-    world_size: int
     run_dir: Path
 
+    @property
+    def cfg(self) -> DictConfig:
+        return self.run.cfg
 
-def init_distributed(device: str, timeout_minutes: int = 30) -> tuple[int, int]:
-    from datetime import timedelta
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        # The timeout bounds every collective: a dead peer fails the job instead of hanging it.
-        kw = {}
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if restart and "MASTER_ADDR" in os.environ:
-            # After an elastic restart the rendezvous store still holds the dead attempt's
-            # peer addresses under the same keys; a per-attempt prefix keeps them apart.
-            rank = int(os.environ["RANK"])
-            host_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
-            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                 is_master=host_store, timeout=timedelta(minutes=timeout_minutes))
-            kw = {"store": dist.PrefixStore(f"workbench/attempt_{restart}", base), "rank": rank, "world_size": world}
-        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo",
-                                timeout=timedelta(minutes=timeout_minutes), **kw)
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    @property
+    def device(self) -> str:
+        return self.run.device
 
 
 class Runner:
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, run: Run | None = None):
+        """`run`: the resolved run preflight made in this process, if any (else resolved here)."""
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir)
         self.device = cfg.hardware.device
@@ -83,7 +69,13 @@ class Runner:
             os.environ.setdefault(str(key), str(value))
         self.rank, self.world = init_distributed(self.device, cfg.hardware.timeout_minutes)
         self.is_main = self.rank == 0
-        self.pol = precision.policy(cfg.precision.name, self.device)
+        if run is None or (run.layout.rank, run.layout.world) != (self.rank, self.world):
+            run = resolve_run(cfg, self.rank, self.world)  # the rule table runs here too
+        self.run_facts = run
+        self.pol = self.run_facts.precision
+        self.backend = None  # build() sets model, method, backend
+        self._best = None  # train.keep_best's keeper, made at the first evaluation
+        self._eval_cache: dict = {}  # eval data tokenised once per run
         seed_everything(cfg.train.seed)
 
     # -- build ---------------------------------------------------------------------------
@@ -91,39 +83,26 @@ class Runner:
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model)
         self.contract = setup_tokenizer(self.tokenizer, cfg.data.chat_template)
-        self.ctx = Context(cfg, self.tokenizer, self.contract, self.device, self.pol, self.rank, self.world,
-                           self.run_dir)
+        self.ctx = Context(self.run_facts, self.tokenizer, self.contract, self.run_dir)
         self.method = plugin_module("method", cfg.method.name).build(cfg.method, self.ctx)
         self.method.prepare(self.ctx)  # data errors surface here, before any weights load
-        backend_module = plugin_module("backend", cfg.backend.name)
-        if hasattr(backend_module, "preflight"):  # e.g. QLoRA storage dtype under sharding
-            backend_module.preflight(cfg)
 
         torch.manual_seed(cfg.train.seed)
         if cfg.model.loader == "unsloth":  # unsloth loads and patches LoRA/QLoRA itself
             from workbench.models import unsloth_loader
 
-            self.model = unsloth_loader.load(cfg, self.pol.load_dtype, self.run_dir)
+            self.model = unsloth_loader.load(self.run_facts, self.run_dir)
+            precision.cast_params(self.model, self.pol)
+            if self.pol.fp8:
+                precision.apply_fp8(self.model, self.pol)
         else:
-            model = load_model(cfg.model, dtype=self.pol.load_dtype if cfg.peft.kind != "none" else torch.float32,
-                               device=self.device)
-            kernels.apply(model, cfg.kernels, self.device)
-            if cfg.model.gradient_checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-                if cfg.peft.kind != "none":
-                    model.enable_input_require_grads()
-            compute = self.pol.autocast_dtype or self.pol.trainable_dtype
-            self.model = lora.apply(model, cfg.peft, compute_dtype=compute)
-        precision.cast_params(self.model, self.pol)
-        if self.pol.fp8:
-            precision.apply_fp8(self.model, self.pol)
+            self.model = build_model(self.run_facts)
         self.train_module = SelectiveLM(self.model)
         if cfg.train.compile:
             self.train_module.compile()
         self.backend = plugin_module("backend", cfg.backend.name).build(cfg.backend, self.ctx)
         self.backend.wrap(self.train_module, self.ctx)
-        if hasattr(self.method, "attach"):  # e.g. DPO precomputing reference log-probs
-            self.method.attach(self.backend)
+        self.method.attach(self.backend)  # e.g. DPO's reference log-probs, once the backend holds the model
         self.state = TrainState()
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -133,8 +112,8 @@ class Runner:
         path = checkpoint.resume_point(self.run_dir, self.cfg.train.resume)
         if path is None:
             return None
-        state, meta = checkpoint.load(path, self.rank, sharded=getattr(self.backend, "sharded", False),
-                                      external=hasattr(self.backend, "load_from"))
+        state, meta = checkpoint.load(path, self.rank, sharded=self.backend.sharded,
+                                      external=self.backend.external_checkpoint)
         self.backend.load_state_dict(state)
         self.method.load_state_dict(meta["method"])
         self.state = TrainState(**meta["train_state"])
@@ -151,9 +130,7 @@ class Runner:
     def _plain_model(self):
         """The trained model as a plain module; under sharding backends a collective that
         gathers full weights onto rank 0 (None on the other ranks)."""
-        if hasattr(self.backend, "gathered_model"):
-            return self.backend.gathered_model()
-        return self.backend.unwrapped().inner
+        return self.backend.gathered_model()
 
     def _evaluate(self, tag: str) -> dict:
         if not self.cfg.eval.tasks:
@@ -167,7 +144,7 @@ class Runner:
                 res = hooks.run(model, self.tokenizer, self.contract, self.cfg.eval,
                                 autocast=precision.autocast(self.pol, self.device), cfg=self.cfg,
                                 step=self.state.step, tag=tag, run_dir=self.run_dir,
-                                cache=vars(self).setdefault("_eval_cache", {}))
+                                cache=self._eval_cache)
         except hooks.EvalHookError as exc:
             raise hooks.EvalHookError(f"{exc}; {self._keep_checkpoint(tag)}") from exc
         res["eval_seconds"] = time.perf_counter() - t
@@ -176,7 +153,7 @@ class Runner:
         if self.cfg.train.keep_best and tag != "start":  # copy this step's checkpoint to checkpoints/best/
             from workbench.evals.best import Keeper
 
-            if not hasattr(self, "_best"):
+            if self._best is None:
                 self._best = Keeper(self.run_dir, self.cfg.train.keep_best, self.cfg.train.keep_best_mode)
             if self._best.update(res, self.state.step):
                 self.tracker.console(f"best {self._best.key[5:]}={self._best.best['value']:.4g} at step "
@@ -192,8 +169,8 @@ class Runner:
         if not path.is_dir():
             self.tracker.console("train.export_best: no best checkpoint was kept; exporting the last weights")
             return "last"
-        state, _meta = checkpoint.load(path, self.rank, sharded=getattr(self.backend, "sharded", False),
-                                       external=hasattr(self.backend, "load_from"))
+        state, _meta = checkpoint.load(path, self.rank, sharded=self.backend.sharded,
+                                       external=self.backend.external_checkpoint)
         self.backend.load_state_dict(state)
         return str(path)
 
@@ -214,7 +191,7 @@ class Runner:
         cfg = self.cfg
         self.tracker = Tracker(self.run_dir, enabled=self.is_main, cfg=cfg)  # + trackers, progress
         self.tracker.set_price(cfg.hardware.price_per_hour, self.world)
-        if not hasattr(self, "backend"):
+        if self.backend is None:
             self.build()
         resumed = self._resume()
         if self.is_main:
@@ -222,12 +199,12 @@ class Runner:
         results: dict = {"resumed_from": resumed, "n_params": self.n_params, "n_trainable": self.n_trainable}
         if cfg.eval.at_start and self.state.step == 0:
             results["eval_start"] = self._evaluate("start")
-        peak, results["peak_source"] = peak_flops(cfg.hardware, cfg.precision.name, self.device, self.pol)
+        peak, results["peak_source"] = peak_flops(cfg.hardware, self.pol, self.device)
         results["peak_flops"] = peak
-        flop_count = FlopCount.from_model(self.model, cfg)  # FLOPs as computed (workbench/flops.py)
+        flop_count = FlopCount.from_model(self.model, self.run_facts)  # FLOPs as computed (workbench/flops.py)
         losses, first_step_at = [], None
         # SIGTERM/SIGINT: finish the step, checkpoint, exit 75; NaN/Inf: skip or stop (workbench/faults.py)
-        guard = faults.Guard(cfg, self.backend, self.device, say=self.tracker.console)
+        guard = faults.Guard(self.run_facts, self.backend, say=self.tracker.console)
         guard.install()
         while self.state.step < cfg.train.max_steps:
             first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
@@ -240,7 +217,7 @@ class Runner:
             first_step_at = first_step_at or (time.perf_counter() - t_launch)
             self.state.step += 1
             # data-parallel ranks each see different tokens; tensor/pipeline peers share theirs
-            dp = self.ctx.world_size
+            dp = self.run_facts.layout.dp
             self.state.tokens_seen += batch.tokens * dp
             loss = m.pop("loss")
             losses.append(loss)
@@ -273,9 +250,10 @@ class Runner:
         if self.is_main and cfg.train.export:
             from workbench.export import export
 
-            results["export"] = export(trained, self.tokenizer, self.contract, cfg, self.run_dir / "export", results)
+            results["export"] = export(trained, self.tokenizer, self.contract, self.run_facts, self.run_dir / "export",
+                                       results)
         if self.is_main:
-            report.write(self.run_dir, cfg, results, self.tracker.rows)
+            report.write(self.run_dir, self.run_facts, results, self.tracker.rows)
             self.tracker.finish(self.run_dir / "plots")  # plots to the trackers; close them
         if dist.is_initialized():
             dist.barrier()
@@ -289,7 +267,7 @@ class Runner:
 
     def _write_manifest(self, resumed) -> None:
         cfg = self.cfg
-        data = getattr(self.method, "data_report", lambda: {})()
+        data = self.method.data_report()
         man = manifest.build(OmegaConf.to_container(cfg, resolve=True),
                              {"kind": resolve(cfg.model).kind, "name": cfg.model.name}, data, self.contract)
         man["resumed_from"] = resumed

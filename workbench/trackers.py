@@ -25,46 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
-
-
-# -- schema (config.py puts TrackerConfig at `tracker`; a chosen tracker's node is not None) ---
-@dataclass
-class TensorBoardOptions:
-    dir: str = "tensorboard"  # relative to the run dir
-    flush_secs: int = 30
-
-
-@dataclass
-class WandbOptions:
-    project: str = "workbench"
-    entity: str | None = None
-    name: str | None = None  # default: the run dir's name
-    mode: str = "online"  # online | offline | disabled
-    tags: list[str] | None = None
-
-
-@dataclass
-class MlflowOptions:
-    tracking_uri: str | None = None  # default: a file store in <run_dir>/mlruns
-    experiment: str = "workbench"
-    run_name: str | None = None
-
-
-@dataclass
-class TrackioOptions:
-    project: str = "workbench"
-    name: str | None = None
-
-
-@dataclass
-class TrackerConfig:
-    tensorboard: TensorBoardOptions | None = None
-    wandb: WandbOptions | None = None
-    mlflow: MlflowOptions | None = None
-    trackio: TrackioOptions | None = None
-
 
 INSTALL = {"wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio", "tensorboard": "tensorboard"}
 
@@ -226,8 +187,7 @@ def _wandb_key() -> bool:
 def _scrub(obj):
     """Token-shaped strings (hf_..., sk-...) redacted wherever they sit, as the CLI does for
     Hydra's own files; `redact` already covered secret-looking keys."""
-    from workbench.cli import TOKEN_SHAPE
-    from workbench.manifest import REDACTED
+    from workbench.manifest import REDACTED, TOKEN_SHAPE
 
     if isinstance(obj, dict):
         return {k: _scrub(v) for k, v in obj.items()}

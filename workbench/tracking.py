@@ -139,25 +139,25 @@ def throughput(count, micro_batches, seconds: float, peak: float, ranks: int) ->
     return {"flops": mine * ranks, "mfu": mine / seconds / peak if peak and seconds > 0 else None}
 
 
-def flops_per_token(model, seq_len: int, head_fraction: float = 1.0, cfg=None) -> float:
+def flops_per_token(model, seq_len: int, head_fraction: float = 1.0, run=None) -> float:
     """Training FLOPs per position of `model` at `seq_len`, the LM head on `head_fraction` of the
     positions; the accounting of workbench/flops.py (the runner counts each step's batch)."""
     from workbench.flops import FlopCount
 
-    return FlopCount.from_model(model, cfg).per_token(seq_len, head_fraction)
+    return FlopCount.from_model(model, run).per_token(seq_len, head_fraction)
 
 
 # -- the peak ------------------------------------------------------------------------------
 _PEAK: dict = {}
 
 
-def peak_flops(hw, precision_name: str, device: str, pol) -> tuple[float, str]:
+def peak_flops(hw, pol, device: str) -> tuple[float, str]:
     """(FLOP/s of one device, where the figure comes from): the datasheet of the hardware
     profile when it has one for this device, else the measured matmul peak."""
     if device != "cpu" and hw is not None and hw.bf16_tflops:
         from workbench.plan.catalog import peak_tflops
 
-        return peak_tflops(hw, precision_name) * 1e12, f"datasheet ({hw.accelerator or hw.name})"
+        return peak_tflops(hw, pol.name) * 1e12, f"datasheet ({hw.accelerator or hw.name})"
     return measured_peak_flops(device, pol), "measured matmul"
 
 
@@ -179,7 +179,7 @@ def measured_peak_flops(device: str, pol) -> float:
     kept value is implausible."""
     from workbench import cache
 
-    dtype = pol.autocast_dtype or pol.trainable_dtype
+    dtype = pol.compute_dtype
     threads = torch.get_num_threads() if device == "cpu" else 0
     prefix = f"{_device_name(device)}|{dtype}|"
     key = f"{prefix}{threads}"

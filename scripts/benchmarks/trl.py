@@ -128,10 +128,10 @@ def run(argv: list[str]) -> dict:
         launch = first_step_after_launch(args.model, tmp / "launch")
     import torch
 
+    from workbench.precision import spec
     from workbench.tracking import matmul_flops, measured_peak_flops
 
-    pol = type("Policy", (), {"autocast_dtype": torch.bfloat16, "trainable_dtype": torch.float32})
-    peak = measured_peak_flops("cpu", pol)  # the peak the runs' MFU was taken against (bf16-mixed)
+    peak = measured_peak_flops("cpu", spec("bf16-mixed"))  # the peak the runs' MFU was taken against (bf16-mixed)
     now = matmul_flops("cpu", torch.bfloat16)  # and one measured now, after the runs
     med = {k: statistics.median(v) for k, v in per.items()}
     return {

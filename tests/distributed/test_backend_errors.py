@@ -9,65 +9,59 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
 
 from tests.conftest import compose
+from workbench import rules
 from workbench.errors import UserError
+from workbench.resolved import resolve
+
+# what the rules see on a machine with every engine installed (tests pass their own Env)
+ENGINES = rules.Env(packages=frozenset({"deepspeed", "megatron", "bitsandbytes"}))
 
 
 def test_deepspeed_missing_names_the_install_hint(monkeypatch, tmp_path):
     from workbench.cli import run_job
+    from workbench.runner import Runner
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     cfg = compose(["backend=deepspeed", "hardware.procs=2"], tmp_path, validate=False)
     with pytest.raises(UserError, match=r"deepspeed.*pip install -e '\.\[deepspeed\]'"):
         run_job(cfg)  # checked before any worker starts
     assert not (tmp_path / "checkpoints").exists()
-    from workbench.backends import deepspeed
-
-    # The backend's own check, which also guards runs started under the user's own torchrun.
-    with pytest.raises(UserError, match=r"'deepspeed' is not installed.*pip install -e '\.\[deepspeed\]'"):
-        deepspeed.preflight(compose(["backend=deepspeed"], tmp_path))
+    # A run started under the user's own torchrun resolves its run too, before weights load.
+    with pytest.raises(UserError, match=r"\[deepspeed-needs-package\].*pip install -e '\.\[deepspeed\]'"):
+        Runner(compose(["backend=deepspeed"], tmp_path))
 
 
-def test_procs_above_gpus_is_refused(monkeypatch, tmp_path):
-    from workbench.launch.torchrun import check_devices
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+def test_procs_above_gpus_is_refused(tmp_path):
+    four = rules.Env(cuda=True, gpus=4, packages=ENGINES.packages)
     cfg = compose(["hardware.procs=8", "++hardware.device=cuda"], tmp_path)
-    with pytest.raises(UserError, match=r"hardware.procs=8 but this machine has 4 GPU\(s\); use hardware.procs=4"):
-        check_devices(cfg)
-    check_devices(compose(["hardware.procs=4", "++hardware.device=cuda"], tmp_path))  # fits: no error
+    with pytest.raises(UserError, match=r"hardware.procs=8 but this node has 4 GPU\(s\); set hardware.procs<=4"):
+        resolve(cfg, env=four)
+    resolve(compose(["hardware.procs=4", "++hardware.device=cuda"], tmp_path), env=four)  # fits: no error
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["backend=deepspeed", "backend.stage=2", "backend.offload_param=cpu"],
-     r"offload_param=cpu needs ZeRO stage 3: use backend.stage=3 or backend.offload_param=none"),
-    (["backend=deepspeed", "backend.stage=0"], r"'backend.stage' must be 1, 2 or 3 .* use backend=single"),
-    (["backend=deepspeed", "backend.offload_optimizer=nvme"], r"NVMe offload needs backend.nvme_path"),
+     r"offload_param needs parameters partitioned: set backend.stage=3"),
+    (["backend=deepspeed", "backend.stage=0"], r"ZeRO stages are 1, 2 or 3; .* use backend=single"),
+    (["backend=deepspeed", "backend.offload_optimizer=nvme"], r"set backend.nvme_path"),
     (["backend=fsdp2", "++model.gradient_checkpointing=true"], r"use backend.activation_checkpointing=full"),
-    (["backend=fsdp2", "backend.cpu_offload=true"], r"use backend.cpu_offload=false"),
+    (["backend=fsdp2", "backend.cpu_offload=true"], r"set backend.cpu_offload=false"),
     (["backend=fsdp2", "method=grpo", "method.engine=vllm"], r"use method.engine=hf"),
     (["backend=fsdp2", "method=grpo", "method.beta=0.1", "peft=none"], r"use peft=lora .* or method.beta=0"),
     (["backend=deepspeed", "backend.stage=3", "method=dpo", "peft=none"], r"use method.reference=precomputed"),
 ])
 def test_impossible_combinations_say_what_to_use(tmp_path, overrides, message):
-    from workbench.config import plugin_module
-
-    cfg = compose(overrides, tmp_path)
     with pytest.raises(UserError, match=message):
-        plugin_module("backend", cfg.backend.name).preflight(cfg)
+        resolve(compose(overrides, tmp_path), env=ENGINES)
 
 
 @pytest.mark.parametrize("precision, storage", [("fp32", "float32"), ("bf16-mixed", "bfloat16")])
 def test_qlora_storage_becomes_a_shardable_float(tmp_path, precision, storage):
-    from workbench.backends import fsdp2
-
     cfg = compose(["backend=fsdp2", "peft=qlora", f"precision={precision}"], tmp_path)
-    assert cfg.peft.quant_storage == "uint8"
-    fsdp2.preflight(cfg)
-    assert cfg.peft.quant_storage == storage
+    assert resolve(cfg, env=ENGINES).peft.quant_storage == storage
+    assert cfg.peft.quant_storage == "uint8"  # decided in the resolved run; the config is not rewritten
 
 
 def test_worker_command_forwards_overrides_and_pins_output_dir(tmp_path, monkeypatch):
@@ -100,5 +94,5 @@ def test_worker_command_forwards_overrides_and_pins_output_dir(tmp_path, monkeyp
     assert args[:6] == ["-m", "workbench", "--config-path", str(tmp_path.resolve()), "--config-name", "config"]
     lc = torchrun.launch_config(compose(["hardware.procs=2", "++hardware.max_restarts=3"], tmp_path))
     assert (lc.nproc_per_node, lc.max_restarts, lc.min_nodes, lc.rdzv_backend) == (2, 3, 1, "c10d")
-    with pytest.raises(UserError, match="needs hardware.rdzv_endpoint"):
-        torchrun.launch_config(compose(["hardware.nodes=2"], tmp_path))
+    with pytest.raises(UserError, match=r"\[multinode-needs-rendezvous\].*hardware.rdzv_endpoint"):
+        resolve(compose(["hardware.nodes=2"], tmp_path), env=ENGINES)

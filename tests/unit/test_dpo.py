@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from tests.conftest import ROOT, compose, train
 from tests.tolerances import LOSS_RTOL, grad_atol
@@ -19,6 +20,7 @@ from workbench.data.preference import Pair, preference_row, tokenise_completion,
 from workbench.data.recipes import Source
 from workbench.errors import UserError
 from workbench.methods import dpo
+from workbench.resolved import derive
 
 PAIRS = ROOT / "data_recipes" / "data" / "arith_dpo_train.jsonl"
 
@@ -115,9 +117,10 @@ def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu):
     # Ours: the method's own loss with a frozen-copy reference, divided by the pair count as the backend does.
     model = AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32)
     cfg = copy.deepcopy(tiny.cfg.method)
+    OmegaConf.set_readonly(cfg, False)  # the loss under test reads these fields; set them by hand
     cfg.beta, cfg.loss_type = beta, "sigmoid" if loss_type == "rpo" else loss_type
     cfg.rpo_alpha = alpha if loss_type == "rpo" else 0.0
-    ctx = SimpleNamespace(cfg=tiny.cfg)
+    ctx = SimpleNamespace(cfg=tiny.cfg, run=derive(tiny.cfg))  # the reference strategy as a run resolves it
     method = dpo.DPO(cfg, ctx)
     policy = SelectiveLM(model).train()
     method.attach(SimpleNamespace(unwrapped=lambda: policy))

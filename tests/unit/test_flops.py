@@ -9,6 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.conftest import compose, train
 from workbench.flops import FlopCount, _reference_weights
+from workbench.resolved import reference
 
 # model=tiny (conf/model/tiny.yaml): 2 layers, hidden 64, 4 heads x 16, 2 kv heads, MLP 128,
 # vocab 49152, tied embeddings. conf/peft/lora.yaml: r=16 on every block Linear.
@@ -43,7 +44,7 @@ def _built(peft: str, tmp_path):
 @pytest.mark.parametrize("peft", ["lora", "none"])
 def test_step_flops_equal_a_count_by_hand_and_torch_flop_counter(peft, tmp_path):
     cfg, runner, batch = _built(peft, tmp_path)
-    count = FlopCount.from_model(runner.model, cfg)
+    count = FlopCount.from_model(runner.model, runner.run_facts)
     assert count.block_weights == W + (LORA if peft == "lora" else 0)
     by_hand = sum(hand_count(peft, m["input_ids"].shape[0], m["input_ids"].shape[1], int(m["select"].sum()))
                   for m in batch.micro)
@@ -61,15 +62,15 @@ def test_step_flops_equal_a_count_by_hand_and_torch_flop_counter(peft, tmp_path)
 
 def test_per_token_matches_step_count_and_a_reference_pass_is_counted(tmp_path):
     cfg, runner, _ = _built("lora", tmp_path)
-    count = FlopCount.from_model(runner.model, cfg)
+    count = FlopCount.from_model(runner.model, runner.run_facts)
     ids = torch.zeros(3, 40, dtype=torch.long)
     sel = torch.zeros(3, 40, dtype=torch.bool)
     sel[:, 30:] = True
     assert count.step([{"input_ids": ids, "select": sel}]) == pytest.approx(3 * 40 * count.per_token(40, 0.25))
     dpo = compose(["method=dpo"], tmp_path / "dpo")
-    assert _reference_weights(dpo, count.block_weights, count.block_trainable) == W  # adapter disabled: the base
+    assert _reference_weights(reference(dpo), count.block_weights, count.block_trainable) == W  # adapter off: the base
     pre = compose(["method=dpo", "method.reference=precomputed"], tmp_path / "pre")
-    assert _reference_weights(pre, count.block_weights, count.block_trainable) == 0
+    assert _reference_weights(reference(pre), count.block_weights, count.block_trainable) == 0
     with_ref = FlopCount(**{**count.__dict__, "ref_weights": W})
     assert with_ref.step([{"input_ids": ids, "select": sel}]) > count.step([{"input_ids": ids, "select": sel}])
 
@@ -96,7 +97,7 @@ def test_smollm2_step_flops_equal_torch_flop_counter(tmp_path):
     runner = Runner(cfg)
     runner.build()
     batch = runner.method.next_batch(TrainState(), runner.backend)
-    count = FlopCount.from_model(runner.model, cfg)
+    count = FlopCount.from_model(runner.model, runner.run_facts)
     with FlopCounterMode(display=False) as counter:
         for m in batch.micro:
             loss, _ = runner.method.loss(runner.train_module, m)

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, compose
-from workbench import kernels, preflight
+from workbench import preflight, rules
 from workbench.errors import UserError
 from workbench.models import unsloth_loader
 from workbench.models.load import attention_for, load_model, load_tokenizer
+from workbench.resolved import derive
 from workbench.rollout import vllm_engine
 
 
@@ -42,19 +43,6 @@ def test_gpu_options_refused_on_cpu(overrides, needle, tmp_path):
     assert needle in str(err.value)
 
 
-@pytest.mark.parametrize("check", [
-    lambda cfg: kernels.check("liger", "cpu"),
-    lambda cfg: unsloth_loader.check(cfg),
-    lambda cfg: attention_for("flash_attention_3", "cpu"),
-    lambda cfg: vllm_engine.check(cfg),
-    lambda cfg: preflight.policy("fp8", "cpu"),
-])
-def test_each_gpu_check_refuses_on_cpu(check, tmp_path):
-    cfg = compose(["++model.loader=unsloth"], tmp_path)
-    with pytest.raises(UserError, match="GPU"):
-        check(cfg)
-
-
 def test_runner_refuses_fp8_before_loading(tmp_path):
     from workbench.runner import Runner
 
@@ -65,38 +53,29 @@ def test_runner_refuses_fp8_before_loading(tmp_path):
 def test_attention_choices():
     assert attention_for("sdpa", "cpu") == "sdpa"
     assert attention_for("auto", "cpu") == "sdpa"
-    with pytest.raises(UserError, match="not one of"):
-        attention_for("flash", "cpu")
 
 
-# -- import guards ----------------------------------------------------------------------------------
-def test_liger_missing_package(monkeypatch):
-    _fake_cuda(monkeypatch)
-    monkeypatch.setitem(sys.modules, "liger_kernel", None)
-    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", None)
-    with pytest.raises(UserError, match=r"liger-kernel.*pip install -e '\.\[liger\]'"):
-        kernels.check("liger", "cuda")
-    with pytest.raises(UserError, match="must be one of"):
-        kernels.check("triton-magic", "cuda")
-    kernels.check("none", "cpu")  # the default never needs anything
+# -- import guards: a package blocked in sys.modules is missing to the rules ------------------------
+ON_GPU = ["hardware.device=cuda", "hardware.name=h100-80gb"]
 
 
-def test_flash_attn_missing_package(monkeypatch):
-    _fake_cuda(monkeypatch)
-    monkeypatch.setitem(sys.modules, "flash_attn", None)
-    with pytest.raises(UserError, match="flash-attn"):
-        attention_for("flash_attention_2", "cuda")
-    assert attention_for("auto", "cuda") == "sdpa"
+def _gpu_env():
+    """This machine's packages, as if it had one GPU (the rules read CUDA from the Env)."""
+    return rules.Env(cuda=True, gpus=1, packages=rules.current_env().packages)
 
 
-def test_vllm_missing_package(monkeypatch, tmp_path):
-    _fake_cuda(monkeypatch)
-    monkeypatch.setitem(sys.modules, "vllm", None)
-    cfg = compose(["hardware.device=cuda", "method=grpo"], tmp_path)
-    with pytest.raises(UserError, match=r"'vllm' is not installed.*\[vllm\]"):
-        vllm_engine.check(cfg)
-    with pytest.raises(UserError, match="vllm"):
-        vllm_engine.VLLMEngine(cfg, tokenizer=None, contract=None)
+@pytest.mark.parametrize("blocked, overrides, rule", [
+    (["liger_kernel", "liger_kernel.transformers"], ["kernels=liger"], r"\[liger-needs-package\].*'\.\[liger\]'"),
+    (["flash_attn"], ["++model.attn_implementation=flash_attention_2"], r"\[flash-attn-needs-package\].*flash-attn"),
+    (["vllm"], ["method=grpo", "method.engine=vllm"], r"\[vllm-needs-package\].*'\.\[vllm\]'"),
+    (["unsloth"], ["++model.loader=unsloth"], r"\[unsloth-needs-package\].*'\.\[unsloth\]'"),
+])
+def test_missing_gpu_packages(blocked, overrides, rule, monkeypatch, tmp_path):
+    for name in blocked:
+        monkeypatch.setitem(sys.modules, name, None)
+    cfg = compose([*ON_GPU, *overrides], tmp_path)
+    with pytest.raises(UserError, match=rule):
+        rules.check(cfg, _gpu_env())
 
 
 def test_fp8_missing_package(monkeypatch):
@@ -109,23 +88,18 @@ def test_fp8_missing_package(monkeypatch):
 
 
 def test_unsloth_refusals(monkeypatch, tmp_path):
-    _fake_cuda(monkeypatch)
-    multi = compose(["++model.loader=unsloth", "hardware.device=cuda", "hardware.procs=2"], tmp_path)
+    gpus = rules.Env(cuda=True, gpus=8, packages=frozenset({"unsloth"}))
+    multi = compose(["++model.loader=unsloth", *ON_GPU, "hardware.procs=2"], tmp_path)
     with pytest.raises(UserError, match="one GPU only"):
-        unsloth_loader.check(multi)
-    dora = compose(["++model.loader=unsloth", "hardware.device=cuda", "peft=dora"], tmp_path)
+        rules.check(multi, gpus)
+    dora = compose(["++model.loader=unsloth", *ON_GPU, "peft=dora"], tmp_path)
     with pytest.raises(UserError, match="dora"):
-        unsloth_loader.check(dora)
-    single = compose(["++model.loader=unsloth", "hardware.device=cuda"], tmp_path)
-    monkeypatch.setitem(sys.modules, "unsloth", None)
-    with pytest.raises(UserError, match=r"'unsloth' is not installed.*\[unsloth\]"):
-        unsloth_loader.check(single)
+        rules.check(dora, gpus)
     # installed, but the libraries around it break its pins
-    monkeypatch.setattr(unsloth_loader.importlib.util, "find_spec", lambda name: object())
     versions = {"transformers": "5.18.1", "trl": "1.15.0", "datasets": "5.0.0"}
     monkeypatch.setattr(unsloth_loader, "_version", versions.get)
     with pytest.raises(UserError, match=r"transformers 5\.18\.1 \(needs <=5\.17\.0\), datasets 5\.0\.0 \(needs <5\)"):
-        unsloth_loader.check(single)
+        unsloth_loader.check_versions()
 
 
 def test_unsloth_pin_bounds():
@@ -141,7 +115,7 @@ def _lora_model(tmp_path, kind="lora"):
     from workbench.peft import lora
 
     cfg = compose([f"peft={kind}", "method=grpo"], tmp_path)  # the vLLM engine is GRPO's
-    model = lora.apply(load_model(cfg.model), cfg.peft)
+    model = lora.apply(load_model(cfg.model), derive(cfg))
     torch.manual_seed(1)
     with torch.no_grad():  # fresh LoRA B is zero; make the adapters matter
         for n, p in model.named_parameters():

@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from tests.conftest import compose, train
 from tests.tolerances import LOSS_RTOL, grad_atol
@@ -97,6 +98,7 @@ def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu):  # noq
     # Ours: the method's loss on right-padded prompt+completion rows, divided by its denom
     model = AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32)
     cfg = copy.deepcopy(compose(["method=grpo"]).method)
+    OmegaConf.set_readonly(cfg, False)  # the loss under test reads these fields; set them by hand
     cfg.loss_type, cfg.temperature, cfg.beta, cfg.epsilon, cfg.epsilon_high = loss_type, temperature, beta, eps, eps_high
     cfg.max_new_tokens = MAX_NEW
     method = grpo.GRPO.__new__(grpo.GRPO)
@@ -133,18 +135,18 @@ def test_group_advantages_match_trl_formula():
 
 
 def test_num_generations_below_two_is_refused(tmp_path):
-    with pytest.raises(UserError, match="num_generations must be >= 2"):
+    with pytest.raises(UserError, match=r"\[grpo-group-size\].*num_generations>=2"):
         train(["method=grpo", "method.num_generations=1", "train.max_steps=1"], tmp_path)
 
 
 def test_missing_and_unknown_rewards_fail_before_weights(tmp_path, monkeypatch):
-    import workbench.runner as runner
+    import workbench.models.build as build
 
     def no_weights(*a, **k):
         raise AssertionError("weights were loaded before the reward error")
 
-    monkeypatch.setattr(runner, "load_model", no_weights)
-    with pytest.raises(UserError, match="needs a reward"):
+    monkeypatch.setattr(build, "load_model", no_weights)
+    with pytest.raises(UserError, match=r"\[grpo-needs-reward\] method=grpo needs at least one reward"):
         train(["method=grpo", "~reward", "train.max_steps=1"], tmp_path)
     with pytest.raises(UserError, match="unknown reward function 'exactt'"):
         train(["method=grpo", "reward.functions=[exactt]", "train.max_steps=1"], tmp_path)

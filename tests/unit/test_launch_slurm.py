@@ -12,10 +12,10 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
 from tests.conftest import CONF, TINY, compose
+from workbench.config import register_resolvers
 from workbench.errors import UserError
-from workbench.launch.sweep import register_resolvers
 
-register_resolvers()  # conf/train.yaml's output_dir resolver (workbench.config registers it too)
+register_resolvers()  # conf/train.yaml's output_dir resolver (importing workbench.config registers it)
 
 submitit = pytest.importorskip("submitit")
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from workbench import config
 from workbench.launch import sweep
 
 
@@ -53,7 +54,7 @@ def test_best_by_lowest_loss_without_eval_and_explicit_metric(tmp_path):
 
 
 def test_job_dir_outside_multirun_is_the_default():
-    assert sweep.job_dir("runs/abc") == "runs/abc"
+    assert config.job_dir("runs/abc") == "runs/abc"
 
 
 @pytest.mark.parametrize("n", [1, 5])

@@ -12,6 +12,7 @@ import torch
 import transformers as tf
 
 from tests.conftest import compose
+from workbench import rules
 from workbench.errors import UserError
 from workbench.megatron.model import Parallel, check_parallel, family, padded_vocab, rope
 
@@ -42,8 +43,6 @@ def test_unmapped_architecture_is_named():
     (Parallel(tp=4), 4, "backend.tp=4 does not divide the model's 2 key/value heads"),
     (Parallel(pp=3), 3, "backend.pp=3 does not divide the model's 2 layers"),
     (Parallel(tp=2), 3, "does not divide the 3 processes"),
-    (Parallel(sequence_parallel=True), 1, "sequence_parallel=true needs backend.tp > 1"),
-    (Parallel(tp=2, sequence_parallel=True), 2, "sequence_parallel=true needs Transformer Engine or Apex"),
     (Parallel(ep=2), 2, "backend.ep=2 needs a mixture-of-experts model"),
 ])
 def test_parallel_sizes_that_do_not_divide(par, world, field):
@@ -65,26 +64,20 @@ def test_config_schema_and_choices():
         compose(["backend=megatron", "+backend.tpp=2"])
 
 
-def test_backend_checks_fp8_peft_and_recompute():
-    from workbench.backends.megatron import check
-
-    base = compose(["backend=megatron", "peft=none"]).backend
-    llama = tf.LlamaConfig(**SMALL)
-    with pytest.raises(UserError, match="backend.fp8 needs Transformer Engine"):
-        check(_with(base, fp8="hybrid"), llama, 1, "cpu")
-    with pytest.raises(UserError, match="peft=lora with backend=megatron"):
-        check(base, llama, 1, "cpu", "lora")
-    with pytest.raises(UserError, match="backend.recompute='some'"):
-        check(_with(base, recompute="some"), llama, 1, "cpu")
-    check(base, llama, 1, "cpu")
+CPU_WITH_MEGATRON = rules.Env(packages=frozenset({"megatron"}))
 
 
-def _with(node, **kw):
-    from omegaconf import OmegaConf
-
-    out = OmegaConf.to_container(node)
-    out.update(kw)
-    return OmegaConf.create(out)
+@pytest.mark.parametrize("overrides, message", [
+    (["backend.fp8=hybrid"], r"\[megatron-fp8\] backend.fp8 needs Transformer Engine"),
+    (["peft=lora"], r"\[lora-megatron\] peft=lora is not built for backend=megatron"),
+    (["backend.recompute=some"], r"\[megatron-recompute-choice\] backend.recompute='some'"),
+    (["backend.sequence_parallel=true"], r"\[megatron-sequence-parallel\].*backend.tp > 1"),
+    (["backend.sequence_parallel=true", "backend.tp=2", "hardware.procs=2"], r"Transformer Engine or Apex"),
+])
+def test_option_combinations_are_rules(overrides, message):
+    with pytest.raises(UserError, match=message):
+        rules.check(compose(["backend=megatron", "peft=none", *overrides]), CPU_WITH_MEGATRON)
+    rules.check(compose(["backend=megatron", "peft=none"]), CPU_WITH_MEGATRON)
 
 
 def test_vocab_padding_and_rope_mapping():
@@ -125,10 +118,8 @@ def test_lora_is_merged_on_the_way_out():
 
 
 def test_preflight_reports_before_weights_load():
-    from workbench.backends.megatron import preflight
-
-    with pytest.raises(UserError, match="backend.tp=3 does not divide the model's 4 attention heads"):
-        preflight(compose(["backend=megatron", "backend.tp=3", "hardware.procs=3", "peft=none"]))
-    with pytest.raises(UserError, match="backend.pp=4 does not divide the model's 2 layers"):
-        preflight(compose(["backend=megatron", "backend.pp=4", "hardware.procs=4", "peft=none"]))
-    preflight(compose(["backend=megatron", "backend.tp=2", "hardware.procs=2", "peft=none"]))
+    with pytest.raises(UserError, match=r"\[tp-divides-heads\] backend.tp=3 must divide the attention heads"):
+        rules.check(compose(["backend=megatron", "backend.tp=3", "hardware.procs=3", "peft=none"]), CPU_WITH_MEGATRON)
+    with pytest.raises(UserError, match=r"\[pp-divides-layers\] backend.pp=4 must divide the 2 layers"):
+        rules.check(compose(["backend=megatron", "backend.pp=4", "hardware.procs=4", "peft=none"]), CPU_WITH_MEGATRON)
+    rules.check(compose(["backend=megatron", "backend.tp=2", "hardware.procs=2", "peft=none"]), CPU_WITH_MEGATRON)

@@ -123,11 +123,11 @@ def test_hub_id_without_a_local_config_says_what_to_do():
 
 
 def test_megatron_refuses_an_unmapped_family_clearly(model_dirs):
-    from workbench.backends import megatron
+    from workbench.resolved import resolve
 
     cfg = compose([f"model.path={model_dirs['gemma2']}", "backend=megatron", "peft=none"], base=BASE)
-    with pytest.raises(UserError, match="no HF<->Megatron mapping.*gemma2"):
-        megatron.preflight(cfg)
+    with pytest.raises(UserError, match=r"\[megatron-family\].*no HF<->Megatron mapping.*gemma2"):
+        resolve(cfg, planning=True)  # before any weights load, whatever this machine has installed
 
 
 def test_a_model_dir_without_a_tokenizer_is_one_line(tmp_path, model_dirs):

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import ROOT, compose
 from workbench import preflight, rules
+from workbench.backends import megatron  # noqa: F401  registers its rules (rules.register)
 from workbench.errors import UserError
 
 ALL = frozenset({"bitsandbytes", "deepspeed", "megatron", "torchao", "vllm", "unsloth"})
@@ -33,6 +34,7 @@ def base():
 
 def variant(base, changes: dict):
     cfg = copy.deepcopy(base)
+    OmegaConf.set_readonly(cfg, False)  # a validated config is read-only; a variant is made by hand here
     OmegaConf.set_struct(cfg, False)
     for key, value in changes.items():
         if isinstance(value, dict):
@@ -104,6 +106,41 @@ CASES = [
     ("gguf-family", {"train.export": True, "export.gguf": ["f16"], "model.arch.family": "mixtral"}, CPU,
      "convert the merged folder"),
     ("push-needs-token", {"train.export": True, "export.push_to_hub": "me/x"}, CPU, "$HF_TOKEN"),
+    # moved here from the backends, loaders and engines that used to check them again
+    ("fp8-needs-sm89", {**CUDA, "precision.name": "fp8", "hardware.fp8_tflops": 1979.0},
+     rules.Env(cuda=True, gpus=1, packages=ALL, capability=(8, 0)), "compute capability >= 8.9"),
+    ("unsloth-kernels", {**CUDA, "model.loader": "unsloth", "kernels": "liger"}, GPU8, "kernels=none"),
+    ("unsloth-dora", {**CUDA, "model.loader": "unsloth", "peft.kind": "dora"}, GPU8, "model.loader=hf"),
+    ("unsloth-needs-package", {**CUDA, "model.loader": "unsloth"}, rules.Env(cuda=True, gpus=1, packages=ALL - {"unsloth"}),
+     "'.[unsloth]'"),
+    ("deepspeed-offload-choice", {"backend": {"name": "deepspeed", "stage": 3, "offload_optimizer": "disk"}}, CPU,
+     "none, cpu or nvme"),
+    ("fsdp2-checkpointing-choice", {"backend": {"name": "fsdp2", "activation_checkpointing": "some"}}, CPU,
+     "none, full or selective"),
+    ("fsdp2-reduce-dtype", {"backend": {"name": "fsdp2", "reduce_dtype": "int8"}}, CPU, "float32, bfloat16"),
+    ("sharded-vllm", {**CUDA, **GRPO, "method": {"name": "grpo", "num_generations": 4, "engine": "vllm"},
+                      "backend": {"name": "fsdp2"}}, GPU8, "method.engine=hf"),
+    ("sharded-copied-reference", {"method": {"name": "dpo", "reference": "auto"}, "peft.kind": "none",
+                                  "backend": {"name": "fsdp2"}}, CPU, "method.reference=precomputed"),
+    ("megatron-fp8", {"backend": {"name": "megatron", "fp8": "hybrid"}}, CPU, "backend.fp8=null"),
+    ("megatron-distributed-optimizer", {"backend": {"name": "megatron", "distributed_optimizer": True}}, CPU,
+     "set it to false"),
+    ("megatron-sequence-parallel", {"backend": {"name": "megatron", "sequence_parallel": True}}, CPU, "backend.tp > 1"),
+    ("megatron-cp-needs-gpu", {"backend": {"name": "megatron", "cp": 2}, "hardware.procs": 2}, CPU,
+     "attention on a GPU"),
+    ("megatron-recompute-choice", {"backend": {"name": "megatron", "recompute": "most"}}, CPU, "none, selective, full"),
+    ("vllm-needs-package", {**CUDA, **GRPO, "method": {"name": "grpo", "num_generations": 4, "engine": "vllm"}},
+     rules.Env(cuda=True, gpus=1, packages=ALL - {"vllm"}), "'.[vllm]'"),
+    ("vllm-dora", {**CUDA, **GRPO, "method": {"name": "grpo", "num_generations": 4, "engine": "vllm"},
+                   "peft.kind": "dora"}, GPU8, "peft=dora"),
+    ("attention-choice", {"model.attn_implementation": "flash"}, CPU, "sdpa"),
+    ("flash-attn-needs-package", {**CUDA, "model.attn_implementation": "flash_attention_2"},
+     rules.Env(cuda=True, gpus=1, packages=ALL), "pip install flash-attn"),
+    ("kernels-choice", {"kernels": "triton-magic"}, CPU, "none, liger"),
+    ("liger-needs-package", {**CUDA, "kernels": "liger"}, rules.Env(cuda=True, gpus=1, packages=ALL), "'.[liger]'"),
+    # registered by workbench/backends/megatron.py (rules.register)
+    ("megatron-family", {"backend": {"name": "megatron"}, "peft.kind": "none", "model.arch.family": "gemma2"}, CPU,
+     "backend=fsdp2"),
 ]
 
 

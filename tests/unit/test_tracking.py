@@ -4,15 +4,14 @@ measured once per machine, kept, and measured again when the kept value is impla
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from workbench import tracking
+from workbench import precision, tracking
 
-BF16 = SimpleNamespace(autocast_dtype=torch.bfloat16, trainable_dtype=torch.float32)
-FP32 = SimpleNamespace(autocast_dtype=None, trainable_dtype=torch.float32)
+BF16 = precision.spec("bf16-mixed")
+FP32 = precision.spec("fp32")
 
 
 @pytest.fixture
@@ -74,11 +73,11 @@ def test_datasheet_peak_wins_where_the_profile_has_one(fake):
     from workbench.config import load_group_file
 
     h200 = load_group_file("hardware", "h200")
-    peak, source = tracking.peak_flops(h200, "bf16-mixed", "cuda", BF16)
+    peak, source = tracking.peak_flops(h200, BF16, "cuda")
     assert peak == 989e12 and "datasheet" in source and fake["calls"] == []
-    assert tracking.peak_flops(h200, "fp8", "cuda", BF16)[0] == 1979e12
+    assert tracking.peak_flops(h200, precision.spec("fp8"), "cuda")[0] == 1979e12
     cpu = load_group_file("hardware", "cpu")
-    assert tracking.peak_flops(cpu, "bf16-mixed", "cpu", BF16) == (1.5e12, "measured matmul")
+    assert tracking.peak_flops(cpu, BF16, "cpu") == (1.5e12, "measured matmul")
 
 
 def test_matmul_measurement_is_best_of_several_trials():

@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, compose
-from workbench import runner as runner_mod
 from workbench.cli import run_job
 from workbench.errors import UserError
+from workbench.models import build
 
 
 @pytest.fixture(autouse=True)
@@ -18,7 +18,7 @@ def no_weights(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("weights were loaded before the error was raised")
 
-    monkeypatch.setattr(runner_mod, "load_model", refuse)
+    monkeypatch.setattr(build, "load_model", refuse)
 
 
 def recipe(tmp_path, body: str, fmt: str = "messages"):

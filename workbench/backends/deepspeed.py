@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from workbench.backends.base import Backend
 from workbench.backends.step import all_sum
 from workbench.batch import StepBatch
-from workbench.errors import UserError, missing_package
+from workbench.errors import missing_package
 from workbench.optim import build_optimizer, build_scheduler
 
 TAG = "zero"  # DeepSpeed's checkpoint tag inside each workbench step directory
@@ -56,35 +57,6 @@ def available() -> bool:
         return importlib.util.find_spec("deepspeed") is not None
     except (ValueError, ImportError):  # a blocked or broken import
         return False
-
-
-def preflight(cfg) -> None:
-    """Checks that need no weights: the package, and combinations that cannot work."""
-    b = cfg.backend
-    if not available():
-        raise missing_package("deepspeed", "deepspeed")
-    if b.stage not in (1, 2, 3):
-        raise UserError(f"config field 'backend.stage' must be 1, 2 or 3 (got {b.stage}); "
-                        "for plain data parallelism use backend=single")
-    for field in ("offload_optimizer", "offload_param"):
-        if b[field] not in ("none", "cpu", "nvme"):
-            raise UserError(f"config field 'backend.{field}' must be none, cpu or nvme (got {b[field]!r})")
-    if b.offload_param != "none" and b.stage != 3:
-        raise UserError(f"backend.offload_param={b.offload_param} needs ZeRO stage 3: use backend.stage=3 "
-                        "or backend.offload_param=none (stages 1-2 keep full parameters on every rank)")
-    if "nvme" in (b.offload_optimizer, b.offload_param) and not (b.nvme_path and os.path.isdir(b.nvme_path)):
-        raise UserError(f"NVMe offload needs backend.nvme_path set to an existing directory (got {b.nvme_path!r})")
-    if cfg.precision.name == "fp8":
-        raise UserError("precision=fp8 is not supported with backend=deepspeed; use precision=bf16-mixed, "
-                        "or backend=fsdp2 for fp8")
-    if cfg.model.gradient_checkpointing and b.stage == 3 and cfg.peft.kind == "qlora":
-        raise UserError("QLoRA with ZeRO-3 and model.gradient_checkpointing is not supported here; "
-                        "use backend=fsdp2 with backend.activation_checkpointing=full")
-    from workbench.backends.fsdp2 import check_method, fix_quant_storage
-
-    if b.stage == 3:
-        check_method(cfg, "backend=deepspeed backend.stage=3")
-    fix_quant_storage(cfg)
 
 
 def _import():
@@ -137,9 +109,10 @@ def ds_config(cfg, tcfg, pol, max_grad_norm: float, n_params: int = 1 << 62) -> 
     return out
 
 
-class DeepSpeedBackend:
+class DeepSpeedBackend(Backend):
     name = "deepspeed"
     sharded = True
+    external_checkpoint = True  # DeepSpeed writes and reads its own checkpoint files
 
     def __init__(self, cfg, ctx):
         self.cfg = cfg
@@ -148,11 +121,11 @@ class DeepSpeedBackend:
     # -- setup ---------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, ctx) -> None:
         deepspeed = _import()
-        from workbench.backends.fsdp2 import ensure_process_group
+        from workbench.distributed import ensure_process_group
 
         ensure_process_group(ctx.device)
         deepspeed.init_distributed(dist_backend="nccl" if ctx.device == "cuda" else "gloo")
-        self.model, self.pol = model, ctx.policy
+        self.model, self.pol = model, ctx.run.precision
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         optim_cfg, max_steps = ctx.cfg.optim, ctx.cfg.train.max_steps
@@ -233,7 +206,7 @@ class DeepSpeedBackend:
 
     def save_to(self, path: Path):
         self.engine.save_checkpoint(str(path), tag=TAG, save_latest=False,
-                                    exclude_frozen_parameters=self.ctx.cfg.peft.kind != "none")
+                                    exclude_frozen_parameters=self.ctx.run.peft.adapter)
         return None
 
     def load_from(self, path: Path) -> None:
@@ -249,9 +222,9 @@ class DeepSpeedBackend:
         """Collective: a plain copy of the trained model with full weights on rank 0, None elsewhere."""
         import deepspeed
 
-        from workbench.export import rebuild_plain
+        from workbench.models.build import rebuild_plain
 
-        names = set(self.trainable) if self.ctx.cfg.peft.kind != "none" else None
+        names = set(self.trainable) if self.ctx.run.peft.adapter else None
         params = [p for n, p in self.model.named_parameters() if names is None or n in names]
         full = {}
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=self.cfg.stage == 3):
@@ -260,7 +233,7 @@ class DeepSpeedBackend:
                         if names is None or n in names}
         if self.rank != 0:
             return None
-        return rebuild_plain(self.ctx.cfg, self.pol, full, only=names)
+        return rebuild_plain(self.ctx.run, full, only=names)
 
 
 def build(cfg, ctx) -> DeepSpeedBackend:

@@ -17,17 +17,16 @@ shards, and a checkpoint can be loaded at another world size. With peft, only th
 from __future__ import annotations
 
 import contextlib
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from workbench import precision as prec
+from workbench.backends.base import Backend
 from workbench.backends.step import accumulate, clip_and_step
 from workbench.batch import StepBatch
-from workbench.errors import UserError
+from workbench.distributed import ensure_process_group
 from workbench.optim import build_optimizer, build_scheduler
 from workbench.peft.lora import base_model
 
@@ -41,65 +40,6 @@ class Config:
     selective_every: int = 2
     reduce_dtype: str = "float32"  # gradient reduce-scatter dtype under mixed precision
     async_checkpoint: bool = False  # DCP async_save: training continues while shards are written
-
-
-def preflight(cfg) -> None:
-    """Checks and config adjustments that must happen before any weights load."""
-    b = cfg.backend
-    if b.activation_checkpointing not in ("none", "full", "selective"):
-        raise UserError(f"config field 'backend.activation_checkpointing' must be none, full or selective "
-                        f"(got {b.activation_checkpointing!r})")
-    if b.selective_every < 1:
-        raise UserError("config field 'backend.selective_every' must be >= 1")
-    if b.reduce_dtype not in ("float32", "bfloat16", "float16"):
-        raise UserError(f"config field 'backend.reduce_dtype' must be float32, bfloat16 or float16 "
-                        f"(got {b.reduce_dtype!r})")
-    if b.cpu_offload and cfg.hardware.device == "cpu":
-        raise UserError("backend.cpu_offload=true moves shards from GPU to host memory; on hardware.device=cpu "
-                        "they already are there: use backend.cpu_offload=false")
-    if cfg.model.gradient_checkpointing:
-        raise UserError("under backend=fsdp2 use backend.activation_checkpointing=full instead of "
-                        "model.gradient_checkpointing=true")
-    check_method(cfg, "backend=fsdp2")
-    fix_quant_storage(cfg)
-
-
-def check_method(cfg, where: str) -> None:
-    """Methods that need the full weights on one rank outside the backend's forward."""
-    if cfg.method.name == "grpo" and cfg.method.engine == "vllm":
-        raise UserError(f"method.engine=vllm loads full weights into vLLM on every rank, which {where} shards; "
-                        "use method.engine=hf (generates through the sharded model) or backend=deepspeed "
-                        "backend.stage=2")
-    if cfg.method.name == "grpo" and cfg.method.beta and cfg.peft.kind == "none":
-        raise UserError(f"method=grpo with method.beta>0 and peft=none keeps a copied reference model, which "
-                        f"{where} cannot shard; use peft=lora (its reference is the adapter-free base) "
-                        "or method.beta=0")
-    if cfg.method.name == "dpo":
-        ref = cfg.method.reference
-        if ref == "copy" or (ref == "auto" and cfg.peft.kind == "none"):
-            raise UserError(f"method=dpo with a copied reference model cannot be sharded by {where}; "
-                            "use method.reference=precomputed (or peft=lora, whose reference is the adapter-free base)")
-
-
-def fix_quant_storage(cfg) -> None:
-    """QLoRA under sharding: packed 4-bit weights must be stored in a float dtype so FSDP/ZeRO can
-    flatten and shard them together with the other parameters (uint8 storage cannot be)."""
-    if cfg.peft.kind == "qlora" and cfg.peft.quant_storage not in ("float32", "bfloat16", "float16"):
-        frozen = prec.policy(cfg.precision.name, cfg.hardware.device).frozen_dtype
-        cfg.peft.quant_storage = str(frozen).replace("torch.", "")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ensure_process_group(device: str) -> None:
-    """FSDP2 needs a process group even on one process (e.g. backend=fsdp2 hardware.procs=1)."""
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                                init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
 
 
 def decoder_blocks(module: torch.nn.Module) -> torch.nn.ModuleList:
@@ -119,9 +59,11 @@ def keep_quant_state(model: torch.nn.Module) -> None:
             mod.quant_state = qs
 
 
-class FSDP2Backend:
+class FSDP2Backend(Backend):
     name = "fsdp2"
     sharded = True
+    external_checkpoint = True  # torch.distributed.checkpoint (DCP) files
+    skips_steps = True
 
     def __init__(self, cfg, ctx):
         self.cfg = cfg
@@ -135,7 +77,7 @@ class FSDP2Backend:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         ensure_process_group(ctx.device)
-        self.model, self.pol, self.device = model, ctx.policy, ctx.device
+        self.model, self.pol, self.device = model, ctx.run.precision, ctx.device
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self._activation_checkpointing(model)
         # The compute dtype: params are all-gathered in it, so no autocast is needed for matmuls.
@@ -165,7 +107,7 @@ class FSDP2Backend:
             return
         lm = base_model(model.inner)
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.ctx.cfg.peft.kind != "none":
+        if self.ctx.run.peft.adapter:
             lm.enable_input_require_grads()
         if mode == "selective":  # recompute every Nth block only: trades less memory for less recompute
             for i, block in enumerate(decoder_blocks(model)):
@@ -281,9 +223,9 @@ class FSDP2Backend:
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
-        from workbench.export import rebuild_plain
+        from workbench.models.build import rebuild_plain
 
-        return rebuild_plain(self.ctx.cfg, self.pol, full, only=set(self.trainable))
+        return rebuild_plain(self.ctx.run, full, only=set(self.trainable))
 
 
 def build(cfg, ctx) -> FSDP2Backend:

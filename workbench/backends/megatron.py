@@ -13,7 +13,8 @@ method must call the model once per micro-batch). Gradients are then summed over
 ranks, sequence-parallel norms over TP and tied embeddings between first and last stage.
 
 Data: a rank's *data-parallel* rank and size decide its slice of the global batch (TP and PP
-peers train on the same examples), so `wrap()` sets ctx.rank / ctx.world_size to them.
+peers train on the same examples); the resolved run's layout (workbench/resolved.py) holds them
+and `wrap()` checks that Megatron-Core's process groups agree.
 Checkpoints: the workbench format, one file per rank (`sharded=True`) holding its Megatron-Core
 shard, with the TP/PP/EP layout recorded; resuming needs the same layout.
 `unwrapped()` is the HF model with the current weights bridged back (refreshed after the last
@@ -23,9 +24,6 @@ step, at eval steps and, for GRPO's rollouts, after every step; on one process a
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
-import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +31,13 @@ import torch.distributed as dist
 from torch import nn
 
 from workbench import precision as prec
+from workbench import rules
+from workbench.backends.base import Backend
 from workbench.batch import StepBatch
+from workbench.distributed import ensure_process_group
 from workbench.errors import UserError
 from workbench.optim import build_optimizer, build_scheduler
+from workbench.rules import Rule
 
 
 @dataclass
@@ -58,47 +60,26 @@ def parallel(cfg):
                     recompute=cfg.recompute)
 
 
-def check(cfg, hf_config, world_size: int, device: str, peft_kind: str = "none") -> None:
-    """Every backend=megatron user error, before weights are bridged."""
+def _unmapped(c) -> bool:
+    from workbench.megatron.model import FAMILIES
+
+    return c.backend.name == "megatron" and c.model.arch.family not in FAMILIES
+
+
+rules.register(Rule(
+    "megatron-family", {"backend": "megatron", "model": "a family without an HF<->Megatron mapping"},
+    lambda c, e: _unmapped(c),
+    lambda c, e: f"backend=megatron has no HF<->Megatron mapping for model family {c.model.arch.family!r} "
+                 f"(model={c.model.name}); use backend=fsdp2 for it"))
+
+
+def check(cfg, hf_config, world_size: int) -> None:
+    """The loaded model against the parallel sizes (its config.json is the truth: a hub model's
+    intermediate size is not in model.arch). Combinations of options are rules (workbench/rules.py)."""
     from workbench.megatron.model import check_parallel, require_megatron
 
     require_megatron()
     check_parallel(hf_config, parallel(cfg), world_size)
-    if cfg.fp8 is not None:
-        if device != "cuda":
-            raise UserError("backend.fp8 needs Transformer Engine on an NVIDIA GPU; set backend.fp8=null on CPU")
-        raise UserError("backend.fp8 needs Transformer Engine layer specs, which this backend does not build yet")
-    if cfg.distributed_optimizer:
-        raise UserError("backend.distributed_optimizer=true is not built yet; every data-parallel rank keeps "
-                        "full optimizer state (set it to false)")
-    if peft_kind != "none":
-        raise UserError(f"peft={peft_kind} with backend=megatron: adapters are not built on Megatron layers; "
-                        "use peft=none (LoRA-trained HF models are merged when bridged in)")
-
-
-def preflight(cfg) -> None:
-    """Called by workbench.preflight before any weights load: the same checks on the zoo's arch."""
-    from omegaconf import OmegaConf
-
-    from workbench.models.load import hf_config
-
-    arch = OmegaConf.select(cfg, "model.arch", default=None)
-    if arch is None:
-        return  # checked again in wrap() against the loaded model's config
-    # Inside a launched process the launcher's WORLD_SIZE is the truth; before launch, the request.
-    world = int(os.environ.get("WORLD_SIZE") or
-                int(cfg.hardware.procs) * int(OmegaConf.select(cfg, "hardware.nodes", default=1) or 1))
-    check(cfg.backend, hf_config(arch), world, cfg.hardware.device, cfg.peft.kind)
-
-
-def _ensure_process_group() -> None:
-    if dist.is_initialized():
-        return
-    fd, path = tempfile.mkstemp(prefix="wb-megatron-pg-")
-    os.close(fd)
-    os.unlink(path)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(minutes=30))
 
 
 class MegatronLM(nn.Module):
@@ -165,13 +146,13 @@ def _pad_micro(micro: dict, length: int) -> dict:
     return out
 
 
-class MegatronBackend:
+class MegatronBackend(Backend):
     name = "megatron"
+    sharded = True
 
     def __init__(self, cfg, ctx):
         self.cfg = cfg
         self.ctx = ctx
-        self.sharded = True
 
     # -- setup ---------------------------------------------------------------------------
     def wrap(self, train_module: nn.Module, ctx) -> None:
@@ -184,9 +165,9 @@ class MegatronBackend:
         self.train_module = train_module
         self.hf = base_model(train_module.inner)
         self.hf_config = self.hf.config
-        _ensure_process_group()
+        ensure_process_group(ctx.device)
         world = dist.get_world_size()
-        check(self.cfg, self.hf_config, world, ctx.device, ctx.cfg.peft.kind)
+        check(self.cfg, self.hf_config, world)
         self.par = parallel(self.cfg)
         if not ps.model_parallel_is_initialized():
             ps.initialize_model_parallel(tensor_model_parallel_size=self.par.tp,
@@ -198,7 +179,7 @@ class MegatronBackend:
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(ctx.cfg.train.seed)
-        self.pol = ctx.policy
+        self.pol = ctx.run.precision
         self.device = ctx.device
         self.gpt = build_gpt(self.hf_config, self.par, self.pol.trainable_dtype)
         if ctx.device == "cuda":
@@ -208,8 +189,12 @@ class MegatronBackend:
         self.module = MegatronLM(self.gpt, self.hf_config.vocab_size)
         self.dp_group = ps.get_data_parallel_group()
         self.dp = dist.get_world_size(self.dp_group)
-        # Data-parallel rank decides the slice of the global batch; TP/PP peers share it.
-        ctx.rank, ctx.world_size = ps.get_data_parallel_rank(), self.dp
+        # Data-parallel rank decides the slice of the global batch; TP/PP peers share it. Methods
+        # read it from the resolved layout, which must be Megatron-Core's own rank order.
+        lay = ctx.run.layout
+        if (ps.get_data_parallel_rank(), self.dp) != (lay.dp_rank, lay.dp):
+            raise RuntimeError(f"megatron: data-parallel rank/size {ps.get_data_parallel_rank()}/{self.dp} differ from "
+                               f"the resolved layout's {lay.dp_rank}/{lay.dp}")
         self.optimizer = build_optimizer(self.gpt.parameters(), ctx.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, ctx.cfg.optim, ctx.cfg.train.max_steps)
         self.max_grad_norm = ctx.cfg.optim.max_grad_norm

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from workbench.backends.base import Backend
 from workbench.backends.step import accumulate, clip_and_step
 from workbench.batch import StepBatch
 from workbench.optim import build_optimizer, build_scheduler
@@ -23,8 +24,9 @@ class Config:
     find_unused_parameters: bool = False
 
 
-class SingleBackend:
+class SingleBackend(Backend):
     name = "single"
+    skips_steps = True
 
     def __init__(self, cfg, ctx):
         self.cfg = cfg
@@ -35,7 +37,7 @@ class SingleBackend:
     # -- setup ---------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, ctx) -> None:
         self.model = model
-        self.pol = ctx.policy
+        self.pol = ctx.run.precision
         self.device = ctx.device
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         if self.world > 1:

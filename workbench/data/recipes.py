@@ -84,7 +84,7 @@ DEFAULT_SPLIT = 0.05  # held out when data.path is given, an eval task needs hel
 HELD_OUT_TASKS = ("loss", "preference", "reward")
 
 
-def inline_recipe(data_cfg, eval_tasks=(), base_recipe: str | None = None) -> str | None:
+def inline_recipe(data_cfg, eval_tasks=()) -> str | None:
     """The recipe data.path / data.eval_split stand for, as JSON for data.recipe; None when unused."""
     paths = data_cfg.path
     split = data_cfg.eval_split
@@ -113,7 +113,7 @@ def inline_recipe(data_cfg, eval_tasks=(), base_recipe: str | None = None) -> st
                             "format": data_cfg.format})
         spec["sources"] = sources
     else:
-        spec["extends"] = base_recipe or data_cfg.recipe  # a named recipe with a held-out split added
+        spec["extends"] = data_cfg.recipe  # a named recipe with a held-out split added
     if split is not None:
         spec["eval_split"] = _split_value(split)
     return json.dumps(spec)

@@ -36,9 +36,8 @@ NEEDS_SPLIT = {"loss": "sft", "preference": "dpo", "reward": "grpo"}
 def eval_recipe(cfg):
     """The recipe the run trains on, with its held-out view (Recipe.eval_sources)."""
     from workbench.data.recipes import load_recipe
-    from workbench.preflight import sample_recipe
 
-    return load_recipe(sample_recipe(cfg))
+    return load_recipe(cfg.data.recipe)
 
 
 def check(task: str, cfg) -> None:

@@ -3,8 +3,8 @@
     python -m workbench -m optim.lr=1e-4,3e-4 peft.r=8,16 model=tiny
     python -m workbench -m hydra/sweeper=optuna_accuracy          # Optuna, maximise eval accuracy
 
-Under `-m` each job trains in its own sweep subdir (`job_dir`, the `workbench.job_dir` resolver
-that `output_dir` in conf/train.yaml goes through). When the sweep ends, `SweepSummary` (a Hydra
+Under `-m` each job trains in its own sweep subdir (`config.job_dir`, the `workbench.job_dir`
+resolver that `output_dir` in conf/train.yaml goes through). When the sweep ends, `SweepSummary` (a Hydra
 callback registered in conf/train.yaml) writes into the sweep dir:
 
 - sweep_summary.md / sweep_summary.csv: swept overrides -> final train loss and eval metrics,
@@ -29,28 +29,6 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 JOB_FILE = "sweep_job.json"
-
-
-def job_dir(default: str) -> str:
-    """`output_dir` under Hydra: the job's sweep subdir in multirun, else `default`."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-    except ImportError:
-        return default
-    if not HydraConfig.initialized():
-        return default
-    hc = HydraConfig.get()
-    if hc.mode == RunMode.MULTIRUN:
-        out = OmegaConf.select(hc, "runtime.output_dir", default=None)
-        if out:
-            return str(out)
-    return default
-
-
-def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("workbench.job_dir"):
-        OmegaConf.register_new_resolver("workbench.job_dir", job_dir)
 
 
 # -- reading jobs -------------------------------------------------------------------------------

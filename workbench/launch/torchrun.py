@@ -19,26 +19,11 @@ import socket
 import sys
 from pathlib import Path
 
-from workbench.errors import UserError
-
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def check_devices(cfg) -> None:
-    """procs per node cannot exceed the GPUs of this machine."""
-    hw = cfg.hardware
-    if hw.device != "cuda":
-        return
-    import torch
-
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if hw.procs > n:
-        raise UserError(f"hardware.procs={hw.procs} but this machine has {n} GPU(s); "
-                        f"use hardware.procs={max(n, 1)} (one process per GPU)")
 
 
 def worker_args(cfg) -> list[str]:
@@ -68,9 +53,6 @@ def launch_config(cfg):
     from torch.distributed.launcher.api import LaunchConfig
 
     hw = cfg.hardware
-    if hw.nodes > 1 and not hw.rdzv_endpoint:
-        raise UserError(f"hardware.nodes={hw.nodes} needs hardware.rdzv_endpoint=host:port (reachable from "
-                        "every node; start the same command on each node)")
     rdzv_configs: dict = {"join_timeout": 60 * hw.timeout_minutes}
     if hw.node_rank >= 0:
         rdzv_configs["is_host"] = hw.node_rank == 0
@@ -86,12 +68,9 @@ def launch(cfg) -> dict | None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from workbench.config import plugin_module
+    from workbench.resolved import resolve
 
-    check_devices(cfg)
-    backend = plugin_module("backend", cfg.backend.name)
-    if hasattr(backend, "preflight"):  # e.g. deepspeed missing: say so before starting workers
-        backend.preflight(cfg)
+    resolve(cfg)  # the rule table (e.g. deepspeed missing) speaks before any worker starts
     # Presets of the hardware profile (NCCL transport settings and the like) reach every worker;
     # values the user exported already win.
     for key, value in (cfg.hardware.env or {}).items():

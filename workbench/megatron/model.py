@@ -81,21 +81,6 @@ def check_parallel(hf_config, par: Parallel, world_size: int) -> None:
     for field, size, what, n in splits:
         if size < 1 or n % size:
             raise UserError(f"{field}={size} does not divide the model's {n} {what}")
-    if par.sequence_parallel and par.tp == 1:
-        raise UserError("backend.sequence_parallel=true needs backend.tp > 1")
-    if par.sequence_parallel and not _has_fused_norms():
-        raise UserError("backend.sequence_parallel=true needs Transformer Engine or Apex norms (GPU); "
-                        "Megatron-Core's torch RMSNorm refuses sequence parallelism")
-    if par.cp != 1:
-        raise UserError("backend.cp > 1 needs Transformer Engine's attention on a GPU; not built here")
-    if par.recompute not in ("none", "selective", "full"):
-        raise UserError(f"backend.recompute={par.recompute!r} is not one of none, selective, full")
-
-
-def _has_fused_norms() -> bool:
-    import importlib.util
-
-    return any(importlib.util.find_spec(m) is not None for m in ("transformer_engine", "apex"))
 
 
 def rope(hf_config) -> dict:

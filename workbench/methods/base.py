@@ -1,7 +1,9 @@
 """The Method contract: how training batches are made and what the loss is.
 
 A method never calls the model outside `loss()`, and `loss()` is only called by the backend
-(inside `Backend.forward_backward`), which is what lets any method run on any backend.
+(inside `Backend.forward_backward`), which is what lets any method run on any backend. Every
+method class names `Method` as its base, so the optional hooks below come with their defaults:
+the runner calls them, it never probes for them.
 """
 
 from __future__ import annotations
@@ -28,3 +30,11 @@ class Method(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
+
+    def attach(self, backend) -> None:
+        """Once the backend holds the model, before the first step (DPO sets up its reference)."""
+        return None
+
+    def data_report(self) -> dict:
+        """Per data source: rows, skipped, truncated, fingerprint (for the manifest)."""
+        return {}

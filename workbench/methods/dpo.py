@@ -35,9 +35,11 @@ import torch.nn.functional as F
 from workbench.batch import StepBatch
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture
+from workbench.data.overfit import Overfit
 from workbench.data.preference import tokenise_preferences
 from workbench.data.recipes import load_recipe
 from workbench.errors import UserError
+from workbench.methods.base import Method
 
 LOSSES = ("sigmoid", "ipo", "hinge")
 REFERENCES = ("auto", "adapter", "copy", "precomputed")
@@ -46,7 +48,7 @@ REFERENCES = ("auto", "adapter", "copy", "precomputed")
 @dataclass
 class Config:
     name: str = "dpo"
-    recipe: str = "arith_dpo"  # data_recipes/<recipe>.yaml; a data.recipe other than arith_sft wins
+    recipe: str = "arith_dpo"  # data_recipes/<recipe>.yaml when data.recipe is null
     loss_type: str = "sigmoid"  # sigmoid | ipo | hinge
     beta: float = 0.1
     label_smoothing: float = 0.0  # sigmoid only: probability that a pair's label is flipped
@@ -58,8 +60,8 @@ class Config:
     precompute_batch_size: int = 16
 
 
-def check(cfg, peft_kind: str) -> str:
-    """Validate the options; return the reference strategy in force."""
+def check(cfg) -> None:
+    """Validate the options (method.reference=adapter without adapters is rule dpo-adapter-ref-needs-peft)."""
     if cfg.loss_type not in LOSSES:
         raise UserError(f"method.loss_type={cfg.loss_type!r} is not one of {list(LOSSES)}")
     if cfg.reference not in REFERENCES:
@@ -72,13 +74,6 @@ def check(cfg, peft_kind: str) -> str:
         raise UserError(f"method.rpo_alpha must be >= 0 (got {cfg.rpo_alpha})")
     if cfg.label_smoothing and cfg.loss_type != "sigmoid":
         raise UserError("method.label_smoothing applies to loss_type=sigmoid only")
-    ref = cfg.reference
-    if ref == "auto":
-        ref = "copy" if peft_kind == "none" else "adapter"
-    if ref == "adapter" and peft_kind == "none":
-        raise UserError("method.reference=adapter needs adapters (peft=lora|qlora|dora); with peft=none use "
-                        "method.reference=copy or precomputed")
-    return ref
 
 
 def sequence_logps(model, micro: dict) -> torch.Tensor:
@@ -109,13 +104,15 @@ def collate(pairs: list, pad_id: int) -> dict:
     return micro
 
 
-class DPO:
+class DPO(Method):
     name = "dpo"
 
     def __init__(self, cfg, ctx):
         self.cfg = cfg
         self.ctx = ctx
-        self.reference = check(cfg, ctx.cfg.peft.kind)
+        self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
+        check(cfg)
+        self.reference = ctx.run.reference  # workbench/resolved.py
         self.ref_model = None
         self.peft_model = None
         self.ref_logps: list[torch.Tensor] | None = None  # per source: (rows, 2) chosen, rejected
@@ -124,8 +121,7 @@ class DPO:
     # -- data ----------------------------------------------------------------------------
     def prepare(self, ctx) -> None:
         data = ctx.cfg.data
-        name = data.recipe if data.recipe != "arith_sft" else self.cfg.recipe
-        recipe = load_recipe(name)
+        recipe = load_recipe(data.recipe)
         self.sources = [tokenise_preferences(s, ctx.tokenizer, ctx.contract, data) for s in recipe.sources]
         self.mixture = Mixture([len(s.pairs) for s in self.sources], [s.source.weight for s in self.sources],
                                seed=data.shuffle_seed)
@@ -152,7 +148,7 @@ class DPO:
     def _fingerprint(self) -> str:
         c = self.ctx.cfg
         key = {"model": [c.model.name, c.model.hub_id, c.model.path, c.model.init_seed],
-               "quantised": c.peft.kind == "qlora", "precision": c.precision.name,
+               "quantised": self.ctx.run.peft.quantised, "precision": self.ctx.run.precision.name,
                "data": [s.fingerprint for s in self.sources], "sizes": [len(s.pairs) for s in self.sources]}
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
@@ -171,7 +167,7 @@ class DPO:
         out, bs = [], self.cfg.precompute_batch_size
         pad = self.ctx.tokenizer.pad_token_id
         device = self.ctx.device
-        with precision.autocast(self.ctx.policy, device):
+        with precision.autocast(self.ctx.run.precision, device):
             for src in self.sources:
                 vals = []
                 for i in range(0, len(src.pairs), bs):
@@ -193,14 +189,9 @@ class DPO:
 
     def next_batch(self, state, backend) -> StepBatch:
         t = self.ctx.cfg.train
-        world, rank = self.ctx.world_size, self.ctx.rank
+        world, rank = self.ctx.run.layout.dp, self.ctx.run.layout.dp_rank
         per_rank = t.micro_batch_size * t.grad_accum
-        if self.ctx.cfg.debug.overfit_batches:
-            if not hasattr(self, "_overfit"):
-                self._overfit = [self._draw(per_rank * world) for _ in range(self.ctx.cfg.debug.overfit_batches)]
-            drawn = self._overfit[state.step % len(self._overfit)]
-        else:
-            drawn = self._draw(per_rank * world)  # every rank draws the global batch, keeps its slice
+        drawn = self.overfit.take(state.step, lambda: self._draw(per_rank * world))  # every rank draws it all, keeps its slice
         mine = drawn[rank * per_rank:(rank + 1) * per_rank]
         pad = self.ctx.tokenizer.pad_token_id
         micro = []

@@ -24,7 +24,6 @@ generation go to <run_dir>/samples/grpo.jsonl.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from dataclasses import dataclass
@@ -35,9 +34,11 @@ from workbench.batch import StepBatch
 from workbench.data.collate import pad_batch
 from workbench.data.formats import IGNORE, prompt_ids
 from workbench.data.mixing import Mixture
+from workbench.data.overfit import Overfit
 from workbench.data.preference import read_prompts
 from workbench.data.recipes import load_recipe
-from workbench.errors import UserError, missing_package
+from workbench.errors import UserError
+from workbench.methods.base import Method
 from workbench.rollout import advantages, rewards
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
@@ -46,7 +47,7 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 @dataclass
 class Config:
     name: str = "grpo"
-    recipe: str = "arith_grpo"  # data_recipes/<recipe>.yaml (prompt rows); a data.recipe other than arith_sft wins
+    recipe: str = "arith_grpo"  # data_recipes/<recipe>.yaml (prompt rows) when data.recipe is null
     num_generations: int = 4  # completions per prompt (a group); >= 2
     max_new_tokens: int = 8
     temperature: float = 1.0
@@ -80,17 +81,12 @@ class Config:
 
 def check(cfg, root) -> list:
     """Validate options and rewards (before any weights load); return the reward functions."""
-    if cfg.num_generations < 2:
-        raise UserError(f"method.num_generations must be >= 2 (got {cfg.num_generations}): group-relative "
-                        "advantages compare completions of the same prompt")
     if cfg.loss_type not in LOSS_TYPES:
         raise UserError(f"method.loss_type={cfg.loss_type!r} is not one of {list(LOSS_TYPES)}")
     if cfg.scale_rewards not in advantages.SCALES:
         raise UserError(f"method.scale_rewards={cfg.scale_rewards!r} is not one of {list(advantages.SCALES)}")
     if cfg.engine not in ("hf", "vllm"):
         raise UserError(f"method.engine={cfg.engine!r} is not one of ['hf', 'vllm']")
-    if cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise missing_package("vllm", "vllm")
     if cfg.num_iterations < 1 or cfg.max_new_tokens < 1 or cfg.temperature <= 0:
         raise UserError("method.num_iterations and method.max_new_tokens must be >= 1, method.temperature > 0")
     if cfg.beta < 0:
@@ -178,12 +174,13 @@ def policy_loss(logp, old_logp, adv_tok, cfg, ref_logp=None):
     return loss, low, high, kl
 
 
-class GRPO:
+class GRPO(Method):
     name = "grpo"
 
     def __init__(self, cfg, ctx):
         self.cfg = cfg
         self.ctx = ctx
+        self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
         self.reward_fns = check(cfg, ctx.cfg)
         self.engine = None
         self.ref_model = None
@@ -191,17 +188,17 @@ class GRPO:
         self._cached: StepBatch | None = None
         self._uses = 0
         self._step_tokens = 1.0
-        self.shape = batch_shape(cfg, ctx.cfg.train, ctx.world_size)
+        self.shape = batch_shape(cfg, ctx.cfg.train, ctx.run.layout.dp)
         self._stalled = 0  # consecutive steps where most groups carried no signal
 
     # -- data ----------------------------------------------------------------------------
     def prepare(self, ctx) -> None:
         data = ctx.cfg.data
-        recipe = load_recipe(data.recipe if data.recipe != "arith_sft" else self.cfg.recipe)
+        recipe = load_recipe(data.recipe)
         self.sources = [read_prompts(s, ctx.tokenizer, ctx.contract, data) for s in recipe.sources]
         self.mixture = Mixture([len(s.rows) for s in self.sources], [s.source.weight for s in self.sources],
                                seed=data.shuffle_seed)
-        if ctx.rank == 0:
+        if ctx.run.layout.is_main:
             print(self.shape.describe() + (" (dynamic sampling: groups without reward spread are refilled)"
                                            if self.cfg.dynamic_sampling else ""), file=sys.stderr)
 
@@ -210,8 +207,9 @@ class GRPO:
 
     def attach(self, backend) -> None:
         module = backend.unwrapped()
-        if self.cfg.beta:
-            if hasattr(module.inner, "disable_adapter"):
+        reference = self.ctx.run.reference  # none (beta=0) | adapter | copy: workbench/resolved.py
+        if reference != "none":
+            if reference == "adapter":
                 self.peft_model = module.inner
             else:
                 import copy
@@ -241,12 +239,12 @@ class GRPO:
             return generate(model, self.ctx.tokenizer, convs, c.max_new_tokens, self.ctx.contract.end_of_turn_id,
                             do_sample=True, temperature=c.temperature, top_p=c.top_p,
                             num_return_sequences=c.num_generations,
-                            autocast=precision.autocast(self.ctx.policy, self.ctx.device), synced=synced)
+                            autocast=precision.autocast(self.ctx.run.precision, self.ctx.device), synced=synced)
 
     def _draw(self, prompts: int) -> list[dict]:
         """This rank's share of the next `prompts` global prompts. Every rank draws all of them,
         so the data position stays the same on every rank and resumes exactly."""
-        world, rank = self.ctx.world_size, self.ctx.rank
+        world, rank = self.ctx.run.layout.dp, self.ctx.run.layout.dp_rank
         drawn = [self.mixture.next() for _ in range(prompts)]
         k = prompts // world
         return [self.sources[s].rows[r] for s, r in drawn[rank * k:(rank + 1) * k]]
@@ -269,12 +267,13 @@ class GRPO:
                  "per_fn": per_fn[i * G:(i + 1) * G], "total": total[i * G:(i + 1) * G],
                  "signal": bool(total[i * G:(i + 1) * G].std() >= 1e-6)} for i in range(len(rows))]
 
-    def _collect(self, backend) -> tuple[list[dict], dict]:
+    def _collect(self, backend, index: int) -> tuple[list[dict], dict]:
         """The step's groups for this rank, and the signal accounting. With dynamic sampling,
         groups whose rewards do not vary are dropped and refilled from further prompts; every
         rank runs the same number of refill rounds (generation may be a collective)."""
         c, want = self.cfg, self.shape.completions_per_rank // self.cfg.num_generations
-        generated = self._groups(backend, self._draw(self.shape.prompts))
+        # debug.overfit_batches repeats the prompts (refills, below, still draw further ones)
+        generated = self._groups(backend, self.overfit.take(index, lambda: self._draw(self.shape.prompts)))
         if not c.dynamic_sampling:
             return generated, {"generated": generated, "rounds": 0, "dropped": 0}
         kept, rounds = [g for g in generated if g["signal"]], 0
@@ -282,7 +281,7 @@ class GRPO:
             need = _all_max(max(0, want - len(kept)))
             if need == 0:
                 break
-            more = self._groups(backend, self._draw(need * self.ctx.world_size))
+            more = self._groups(backend, self._draw(need * self.ctx.run.layout.dp))
             generated += more
             kept += [g for g in more if g["signal"]]
             rounds += 1
@@ -291,10 +290,10 @@ class GRPO:
         dropped = sum(1 for g in generated if not g["signal"]) - len(fill)
         return (kept + fill)[:want], {"generated": generated, "rounds": rounds, "dropped": dropped}
 
-    def _rollout(self, backend) -> StepBatch:
+    def _rollout(self, backend, index: int) -> StepBatch:
         c, t = self.cfg, self.ctx.cfg.train
         G, tok = c.num_generations, self.ctx.tokenizer
-        groups, acct = self._collect(backend)
+        groups, acct = self._collect(backend, index)
         total = torch.cat([g["total"] for g in groups])
         per_fn = torch.cat([g["per_fn"] for g in groups])
         comp = [ids for g in groups for ids in g["comp"]]
@@ -348,15 +347,21 @@ class GRPO:
         for j, f in enumerate(self.reward_fns):
             info[f"rewards/{f.name}/mean"] = float(per_fn[:, j].mean())
             info[f"rewards/{f.name}/std"] = float(per_fn[:, j].std())
-        self._stalled = self._stalled + 1 if zero > 0.5 else 0
-        if self._stalled and self._stalled % c.stall_warn_steps == 0 and self.ctx.rank == 0:
-            print(f"warning: grpo: {zero:.0%} of groups had no reward spread for {self._stalled} steps in a row "
-                  "(no gradient from them); try method.dynamic_sampling=true, a partial-credit reward, more "
-                  "prompts per step (method.prompts_per_step) or a higher method.temperature", file=sys.stderr)
+        # stalled: most of what the step trains on carries no gradient (with dynamic sampling,
+        # what is left after the refills; without, everything generated)
+        trained = total.numel() // c.num_generations
+        idle = 1.0 - info["signal_groups_trained"] / trained if c.dynamic_sampling else zero
+        self._stalled = self._stalled + 1 if idle > 0.5 else 0
+        if self._stalled and self._stalled % c.stall_warn_steps == 0 and self.ctx.run.layout.is_main:
+            tries = ("more refill rounds (method.max_resample_rounds)" if c.dynamic_sampling
+                     else "method.dynamic_sampling=true")
+            print(f"warning: grpo: {idle:.0%} of the groups trained on had no reward spread for {self._stalled} steps "
+                  f"in a row (no gradient from them); try {tries}, a partial-credit reward, more prompts per step "
+                  "(method.prompts_per_step) or a higher method.temperature", file=sys.stderr)
         return info
 
     def _write_samples(self, texts, prompts, total) -> None:
-        if self.ctx.rank or not self.cfg.log_completions:
+        if not self.ctx.run.layout.is_main or not self.cfg.log_completions:
             return
         path = self.ctx.run_dir / "samples" / "grpo.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -367,7 +372,7 @@ class GRPO:
 
     def next_batch(self, state, backend) -> StepBatch:
         if self._cached is None or self._uses >= self.cfg.num_iterations:
-            self._cached, self._uses = self._rollout(backend), 0
+            self._cached, self._uses = self._rollout(backend, state.step // self.cfg.num_iterations), 0
         self._uses += 1
         return self._cached
 

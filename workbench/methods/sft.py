@@ -17,29 +17,32 @@ import torch.nn.functional as F
 from workbench.batch import StepBatch
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture
+from workbench.data.overfit import Overfit
 from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
+from workbench.methods.base import Method
 
 
 @dataclass
 class Config:
     name: str = "sft"
+    recipe: str = "arith_sft"  # data_recipes/<recipe>.yaml when data.recipe is null
     loss_on: str = "assistant"  # assistant | all
 
 
-class SFT:
+class SFT(Method):
     name = "sft"
 
     def __init__(self, cfg, ctx):
         self.cfg = cfg
         self.ctx = ctx
+        self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
 
     def prepare(self, ctx) -> None:
         recipe = load_recipe(ctx.cfg.data.recipe)
         self.sources = tokenise_recipe(recipe, ctx.tokenizer, ctx.contract, ctx.cfg.data, self.cfg.loss_on)
         self.mixture = Mixture([len(s.examples) for s in self.sources], [s.source.weight for s in self.sources],
                                seed=ctx.cfg.data.shuffle_seed)
-        self._overfit: list | None = None
         self.packer = None
         if ctx.cfg.data.packing:  # rows of seq_len tokens, several examples each (workbench/data/packing.py)
             from workbench.data.packing import Packer
@@ -62,15 +65,11 @@ class SFT:
 
         t = self.ctx.cfg.train
         per_rank = t.micro_batch_size * t.grad_accum
-        n_rows = per_rank * self.ctx.world_size
-        if self.ctx.cfg.debug.overfit_batches:
-            if self._overfit is None:
-                self._overfit = [self.packer.next_rows(n_rows) for _ in range(self.ctx.cfg.debug.overfit_batches)]
-            rows = self._overfit[state.step % len(self._overfit)]
-        else:
-            rows = self.packer.next_rows(n_rows)  # every rank packs the global batch, keeps its rows
+        n_rows = per_rank * self.ctx.run.layout.dp
+        # every rank packs the global batch, keeps its rows
+        rows = self.overfit.take(state.step, lambda: self.packer.next_rows(n_rows))
         layout, mask = attention_layout(self.ctx.cfg.model.attn_implementation)
-        micro, real = packed_micro_batches(rows, lambda x: self.sources[x[0]].examples[x[1]], self.ctx.rank,
+        micro, real = packed_micro_batches(rows, lambda x: self.sources[x[0]].examples[x[1]], self.ctx.run.layout.dp_rank,
                                            per_rank, t.micro_batch_size, self.ctx.tokenizer.pad_token_id,
                                            layout, mask)
         denom = float(sum(int(m["targets"].numel()) for m in micro))
@@ -87,14 +86,9 @@ class SFT:
         if self.packer is not None:
             return self._packed_batch(state)
         t = self.ctx.cfg.train
-        world, rank = self.ctx.world_size, self.ctx.rank
+        world, rank = self.ctx.run.layout.dp, self.ctx.run.layout.dp_rank
         per_rank = t.micro_batch_size * t.grad_accum
-        if self.ctx.cfg.debug.overfit_batches:
-            if self._overfit is None:
-                self._overfit = [self._draw(per_rank * world) for _ in range(self.ctx.cfg.debug.overfit_batches)]
-            examples = self._overfit[state.step % len(self._overfit)]
-        else:
-            examples = self._draw(per_rank * world)  # every rank draws the global batch ...
+        examples = self.overfit.take(state.step, lambda: self._draw(per_rank * world))  # every rank draws the global batch ...
         mine = examples[rank * per_rank:(rank + 1) * per_rank]  # ... and keeps its slice
         pad = self.ctx.tokenizer.pad_token_id
         micro = [pad_batch(mine[i:i + t.micro_batch_size], pad) for i in range(0, per_rank, t.micro_batch_size)]

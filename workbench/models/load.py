@@ -237,23 +237,14 @@ ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "auto")
 
 
 def attention_for(impl: str, device: str) -> str:
-    """The attention kernel to build with; UserError for one this machine cannot run.
+    """The attention kernel to build with. Whether this machine can run the choice is a rule
+    (workbench/rules.py: attention-choice, flash-attn-*).
 
     `auto` picks flash-attention 2 on a CUDA GPU when `flash-attn` is installed (its varlen
     kernel runs padded and packed batches without attending across sequences), else SDPA."""
-    if impl not in ATTENTION:
-        raise UserError(f"model.attn_implementation={impl!r} is not one of {', '.join(ATTENTION)}")
-    has_flash = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
     if impl == "auto":
         cuda = device == "cuda" and torch.cuda.is_available()
         return "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
-    if impl in has_flash:
-        if device != "cuda" or not torch.cuda.is_available():
-            raise UserError(f"model.attn_implementation={impl} needs a CUDA GPU; on CPU use sdpa")
-        if importlib.util.find_spec(has_flash[impl]) is None:
-            from workbench.errors import missing_package
-
-            raise missing_package("flash-attn")
     return impl
 
 

@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
 from pathlib import Path
 
-import torch
-
-from workbench.errors import UserError, missing_package
+from workbench.errors import UserError
 
 # What unsloth 2026.10.9 declares for the libraries around it.
 PINS = {"transformers": "<=5.17.0", "trl": "<=1.15.0", "datasets": "<5"}
@@ -41,23 +38,9 @@ def pin_problems(versions: dict[str, str | None]) -> list[str]:
             if versions.get(pkg) and not SpecifierSet(spec).contains(versions[pkg], prereleases=True)]
 
 
-def check(cfg) -> None:
-    """Every refusal for model.loader=unsloth, cheapest first (preflight calls this)."""
-    if cfg.model.loader != "unsloth":
-        return
-    if cfg.hardware.device != "cuda" or not torch.cuda.is_available():
-        raise UserError("model.loader=unsloth needs a single CUDA GPU; on CPU use model.loader=hf")
-    if cfg.hardware.procs * cfg.hardware.nodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("model.loader=unsloth runs on one GPU only; use model.loader=hf with a "
-                        "multi-GPU backend (e.g. backend=fsdp2)")
-    if cfg.backend.name != "single":
-        raise UserError(f"model.loader=unsloth trains with backend=single only (got backend={cfg.backend.name})")
-    if cfg.kernels != "none":
-        raise UserError("model.loader=unsloth patches in its own kernels; use kernels=none with it")
-    if cfg.peft.kind == "dora":
-        raise UserError("model.loader=unsloth supports peft=lora, qlora or none; use model.loader=hf for dora")
-    if importlib.util.find_spec("unsloth") is None:
-        raise missing_package("unsloth", "unsloth")
+def check_versions() -> None:
+    """The installed versions against unsloth's pins (which combinations are refused is a rule:
+    workbench/rules.py, unsloth-*)."""
     bad = pin_problems({p: _version(p) for p in PINS})
     if bad:
         raise UserError("model.loader=unsloth: installed versions break unsloth's pins: " + ", ".join(bad)
@@ -77,20 +60,20 @@ def _weights_dir(cfg, run_dir: Path) -> str:
     return str(out)
 
 
-def load(cfg, dtype: torch.dtype, run_dir: Path):
+def load(run, run_dir: Path):
     """The model to train: FastLanguageModel weights, with LoRA/QLoRA patched by unsloth."""
-    check(cfg)
+    check_versions()
     from unsloth import FastLanguageModel
 
     from workbench.peft.lora import target_names
 
-    p = cfg.peft
+    cfg, p = run.cfg, run.cfg.peft
     model, _tokenizer = FastLanguageModel.from_pretrained(
-        model_name=_weights_dir(cfg, run_dir), max_seq_length=cfg.data.seq_len, dtype=dtype,
-        load_in_4bit=p.kind == "qlora", full_finetuning=p.kind == "none",
+        model_name=_weights_dir(cfg, run_dir), max_seq_length=cfg.data.seq_len, dtype=run.precision.load_dtype,
+        load_in_4bit=run.peft.quantised, full_finetuning=not run.peft.adapter,
     )
     model.config.use_cache = False
-    if p.kind == "none":
+    if not run.peft.adapter:
         return model
     return FastLanguageModel.get_peft_model(
         model, r=p.r, lora_alpha=p.alpha, lora_dropout=p.dropout, bias="none",

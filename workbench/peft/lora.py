@@ -45,13 +45,13 @@ def check_targets(meta_model: nn.Module, peft_cfg) -> None:
         target_names(meta_model, peft_cfg.target_modules)
 
 
-def quantize_nf4(model: nn.Module, peft_cfg, compute_dtype: torch.dtype) -> nn.Module:
+def quantize_nf4(model: nn.Module, peft_cfg, compute_dtype: torch.dtype, quant_storage: str) -> nn.Module:
     """Replace the decoder blocks' Linear layers by NF4 Linear4bit (weights quantised in place)."""
     try:
         import bitsandbytes as bnb
     except ImportError:
         raise missing_package("bitsandbytes") from None
-    storage = getattr(torch, peft_cfg.quant_storage)
+    storage = getattr(torch, quant_storage)
     device = next(model.parameters()).device
     for full, mod in list(model.named_modules()):
         if not (isinstance(mod, nn.Linear) and BLOCK_PREFIX in full):
@@ -70,18 +70,20 @@ def quantize_nf4(model: nn.Module, peft_cfg, compute_dtype: torch.dtype) -> nn.M
     return model
 
 
-def apply(model: nn.Module, peft_cfg, compute_dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Wrap `model` as the config says; returns the model to train."""
-    if peft_cfg.kind == "none":
+def apply(model: nn.Module, run) -> nn.Module:
+    """Wrap `model` as the resolved run says (workbench/resolved.py); returns the model to train.
+    NF4 layers compute in the policy's compute dtype and store in the resolved storage dtype."""
+    if not run.peft.adapter:
         return model
     from peft import LoraConfig, get_peft_model
 
+    peft_cfg = run.cfg.peft
     targets = target_names(model, peft_cfg.target_modules)
-    if peft_cfg.kind == "qlora":
-        model = quantize_nf4(model, peft_cfg, compute_dtype)
+    if run.peft.quantised:
+        model = quantize_nf4(model, peft_cfg, run.precision.compute_dtype, run.peft.quant_storage)
     config = LoraConfig(
         r=peft_cfg.r, lora_alpha=peft_cfg.alpha, lora_dropout=peft_cfg.dropout,
-        target_modules=targets, use_dora=peft_cfg.kind == "dora", task_type="CAUSAL_LM",
+        target_modules=targets, use_dora=run.peft.dora, task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, config)
     # Adapters train in fp32 whatever the base dtype (their updates are tiny relative to W).

@@ -23,8 +23,10 @@ from __future__ import annotations
 # SHORT: the longest batch that runs the math kernel on CPU
 from workbench.models.head import SHORT
 from workbench.plan.setup import Setup
+from workbench.precision import POLICIES
 
-COMPUTE = {"fp32": 4, "bf16": 2, "bf16-mixed": 2, "fp16": 2, "fp8": 2}
+# bytes per element by precision name, from the policies themselves (workbench/precision.py)
+COMPUTE = {name: pol.bytes("compute") for name, pol in POLICIES.items()}
 LORA_TARGETS = 7  # all-linear on a Llama block: q, k, v, o, gate, up, down
 
 

@@ -40,9 +40,11 @@ from workbench.plan.activations import (
 )
 from workbench.plan.counts import Counts
 from workbench.plan.setup import Setup
+from workbench.precision import POLICIES
 
-TRAINABLE = {"fp32": 4, "bf16": 2, "bf16-mixed": 4, "fp16": 4, "fp8": 4}
-FROZEN = {"fp32": 4, "bf16": 2, "bf16-mixed": 2, "fp16": 2, "fp8": 2}
+# bytes per element by precision name, from the policies themselves (workbench/precision.py)
+TRAINABLE = {name: pol.bytes("trainable") for name, pol in POLICIES.items()}
+FROZEN = {name: pol.bytes("frozen") for name, pol in POLICIES.items()}
 # bitsandbytes NF4, blocksize 64: 4 bits per weight + one absmax per block; double
 # quantisation stores the absmax as 8-bit with an fp32 constant per 256 blocks.
 NF4_BLOCK = 64

@@ -1,8 +1,8 @@
 """What the planner reads from a run config, in one flat record.
 
-Fields owned by other modules (backend stage/offload/parallel sizes, DPO reference strategy,
-GRPO generation settings) are read with `OmegaConf.select` and defaults, so the planner works
-for any backend or method config, including ones it has never seen.
+Precision, peft, the reference strategy and the parallel layout come from the resolved run
+(workbench/resolved.py); fields owned by one backend or method (stage, offload, generations) are
+read by their schema names with defaults, so the planner works for any backend or method config.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from omegaconf import OmegaConf
+
+from workbench.resolved import derive
 
 
 def pick(cfg, keys, default):
@@ -69,40 +71,31 @@ def _flag(value) -> bool:
 
 
 def from_cfg(cfg, devices: int | None = None) -> Setup:
+    """Fields by their schema names (a backend or method without one gets the default)."""
     backend = pick(cfg, "backend.name", "single")
-    stage = int(pick(cfg, ["backend.stage", "backend.zero_stage"], 3 if backend == "fsdp2" else 0))
-    ckpt = pick(cfg, ["backend.activation_checkpointing", "backend.recompute"], None)
+    stage = int(pick(cfg, "backend.stage", 3 if backend == "fsdp2" else 0))
+    ckpt = pick(cfg, "backend.activation_checkpointing" if backend != "megatron" else "backend.recompute", None)
     if ckpt is None or not _flag(ckpt):
         ckpt = "full" if cfg.model.gradient_checkpointing else "none"
     elif ckpt not in ("selective",):
         ckpt = "full"
     method = pick(cfg, "method.name", "sft")
-    use_vllm = pick(cfg, ["method.engine", "method.rollout", "method.generator"], "hf") == "vllm" or \
-        _flag(pick(cfg, "method.use_vllm", False))
-    ref = str(pick(cfg, ["method.reference", "method.ref", "method.ref_strategy"], "auto"))
-    if ref == "auto":
-        ref = "adapter" if cfg.peft.kind != "none" else "copy"
-    if ref.startswith("precompute"):
-        ref = "precompute"
-    beta = float(pick(cfg, "method.beta", 0.0) or 0.0)
-    if method == "grpo" and beta == 0:
-        ref = "none"  # no KL term: GRPO needs no reference
-    elif method == "grpo":
-        ref = "adapter" if cfg.peft.kind != "none" else "copy"
+    use_vllm = method == "grpo" and pick(cfg, "method.engine", "hf") == "vllm"
+    run = derive(cfg)  # precision, peft and the reference strategy, as the run will have them
+    ref = {"precomputed": "precompute"}.get(run.reference, run.reference)
+    host = _flag(pick(cfg, "backend.cpu_offload", False))  # fsdp2: parameters, gradients and optimizer state
     return Setup(
-        method=method, peft=cfg.peft.kind, lora_r=int(pick(cfg, "peft.r", 16)), double_quant=bool(cfg.peft.double_quant),
-        precision=cfg.precision.name, optimizer=cfg.optim.name, backend=backend, stage=stage,
-        offload_optimizer=_flag(pick(cfg, ["backend.offload_optimizer", "backend.cpu_offload"], False)),
-        offload_params=_flag(pick(cfg, ["backend.offload_param", "backend.cpu_offload"], False)),
+        method=method, peft=run.peft.kind, lora_r=int(cfg.peft.r), double_quant=bool(cfg.peft.double_quant),
+        precision=run.precision.name, optimizer=cfg.optim.name, backend=backend, stage=stage,
+        offload_optimizer=host or _flag(pick(cfg, "backend.offload_optimizer", False)),
+        offload_params=host or _flag(pick(cfg, "backend.offload_param", False)),
         devices=devices or cfg.hardware.procs * cfg.hardware.nodes, device=cfg.hardware.device,
-        tp=int(pick(cfg, "backend.tp", 1)), pp=int(pick(cfg, "backend.pp", 1)),
-        cp=int(pick(cfg, "backend.cp", 1)), ep=int(pick(cfg, "backend.ep", 1)),
+        tp=run.layout.tp, pp=run.layout.pp, cp=run.layout.cp, ep=int(pick(cfg, "backend.ep", 1)),
         micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum, seq_len=cfg.data.seq_len,
         checkpointing=ckpt, checkpoint_every=int(pick(cfg, "backend.selective_every", 2)),
         select_fraction=float(pick(cfg, "plan.select_fraction", 1.0)),
         dpo_ref=ref,
-        generations=int(pick(cfg, ["method.num_generations", "method.generations"], 8)),
-        completion_len=int(pick(cfg, ["method.max_new_tokens", "method.max_completion_length"], 256)),
-        vllm_fraction=float(pick(cfg, ["method.vllm_gpu_memory_utilization", "method.vllm_memory_fraction"], 0.3))
-        if use_vllm else 0.0,
+        generations=int(pick(cfg, "method.num_generations", 8)),
+        completion_len=int(pick(cfg, "method.max_new_tokens", 256)),
+        vllm_fraction=float(pick(cfg, "method.vllm_gpu_memory_utilization", 0.3)) if use_vllm else 0.0,
     )

@@ -23,15 +23,12 @@ vllm_enforce_eager (false), vllm_probe_tolerance (0.25, mean |delta log-prob|).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from workbench.errors import UserError, missing_package
 
 PROBE = [{"role": "user", "content": "What is 12 + 30? Answer with the number only."},
          {"role": "assistant", "content": "42"}]
@@ -51,16 +48,6 @@ def options(cfg) -> Options:
     m = cfg.method  # the vllm_* fields of workbench/methods/grpo.py Config
     return Options(m.vllm_gpu_memory_utilization, m.vllm_sleep_level, m.vllm_verify_every,
                    m.vllm_max_model_len or 2 * cfg.data.seq_len, m.vllm_enforce_eager, m.vllm_probe_tolerance)
-
-
-def check(cfg) -> None:
-    """Refusals for method.engine=vllm (preflight and the engine call this)."""
-    if cfg.hardware.device != "cuda" or not torch.cuda.is_available():
-        raise UserError("method.engine=vllm needs a CUDA GPU; on CPU use method.engine=hf")
-    if cfg.peft.kind == "dora":
-        raise UserError("method.engine=vllm syncs lora, qlora or full weights; use method.engine=hf with peft=dora")
-    if importlib.util.find_spec("vllm") is None:
-        raise missing_package("vllm", "vllm")
 
 
 # -- merged weights ---------------------------------------------------------------------------
@@ -91,7 +78,7 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         pass
     for name, mod in lora_layers.items():
         if getattr(mod, "use_dora", {}) and any(mod.use_dora.values()):
-            raise UserError("weight sync merges LoRA adapters; DoRA adapters are not supported")
+            raise RuntimeError("weight sync merges LoRA adapters; DoRA adapters reach here only past rule vllm-dora")
         base = mod.get_base_layer()
         dense = _dense(base.weight)
         w = dense.float()
@@ -147,8 +134,6 @@ class VLLMEngine:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.contract = contract
-        if adapter is None:
-            check(cfg)
         self.opts = options(cfg)
         if adapter is None:
             adapter = _VLLMAdapter(_weights_dir(cfg, tokenizer), self.opts, cfg.train.seed)

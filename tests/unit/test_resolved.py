@@ -1,0 +1,172 @@
+"""The resolved run (workbench/resolved.py) is the one place run-wide decisions are made, and the
+code is held to that: grep-level checks over workbench/, the import layers the README's Layout
+names, a read-only config after validation, and the defects the resolved run replaced.
+
+    OMP_NUM_THREADS=1 python -m pytest -q tests/unit/test_resolved.py
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import ReadonlyConfigError
+
+from tests.conftest import ROOT, compose, train
+from workbench.errors import UserError
+from workbench.resolved import Layout, derive, resolve
+
+PKG = ROOT / "workbench"
+SOURCES = {p.relative_to(ROOT).as_posix(): p.read_text() for p in sorted(PKG.rglob("*.py"))}
+# config.py validates the fields, rules.py refuses combinations before a run is resolved, and
+# resolved.py derives from them: only these read the raw fields.
+READERS = {"workbench/config.py", "workbench/rules.py", "workbench/resolved.py"}
+
+# The import layers, lowest first (README, "Layout"): a module imports only from its own layer or
+# lower ones, lazily inside a function included.
+LAYERS = [
+    {"errors", "imports", "batch", "cache", "state", "distributed"},
+    {"config", "precision", "optim", "data", "models", "peft", "kernels"},
+    {"rules", "resolved", "to_gguf"},
+    {"methods", "backends", "megatron", "rollout", "plan", "flops", "tracking", "trackers", "progress", "plots",
+     "checkpoint", "faults", "manifest", "parity", "hub", "evals"},
+    {"export", "report", "preflight"},
+    {"runner"},
+    {"launch", "cli", "__main__"},
+]
+
+
+def _layer(module: str) -> int | None:
+    parts = module.removesuffix(".__init__").split(".")
+    if parts[0] != "workbench" or len(parts) == 1:
+        return None
+    for i, names in enumerate(LAYERS):
+        if parts[1] in names:
+            return i
+    raise AssertionError(f"{module}: not in any layer of LAYERS (add it, and to the README's Layout)")
+
+
+def test_no_import_runs_upward():
+    upward = []
+    for path, text in SOURCES.items():
+        mine = _layer(path.removesuffix(".py").replace("/", "."))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                theirs = _layer(name)
+                if mine is not None and theirs is not None and theirs > mine:
+                    upward.append(f"{path}:{node.lineno} imports {name}")
+    assert upward == []
+
+
+def test_only_the_resolved_run_reads_peft_kind_and_precision_name():
+    pattern = re.compile(r"\bcfg\.(peft\.kind|precision\.name)\b|\bc\.(peft\.kind|precision\.name)\b")
+    found = [f"{p}:{i}" for p, text in SOURCES.items() if p not in READERS
+             for i, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
+    assert found == []
+
+
+def test_only_the_resolved_run_builds_a_precision_policy():
+    calls = [f"{p}:{i}" for p, text in SOURCES.items() if p not in ("workbench/resolved.py", "workbench/precision.py")
+             for i, line in enumerate(text.splitlines(), 1) if re.search(r"\bpolicy\(", line)]
+    assert calls == []
+
+
+def test_the_runner_never_probes_methods_or_backends():
+    # where Method and Backend objects (and their modules) are held
+    holders = {"workbench/runner.py", "workbench/faults.py", "workbench/preflight.py", "workbench/export.py",
+               "workbench/launch/torchrun.py"} | {p for p in SOURCES if p.startswith(("workbench/methods/",
+                                                                                         "workbench/backends/"))}
+    probe = re.compile(r"\b(hasattr|getattr)\((self\.)?(ctx\.)?(backend|method|backend_module|module)\b")
+    found = [f"{p}:{i}: {line.strip()}" for p, text in SOURCES.items() if p in holders
+             for i, line in enumerate(text.splitlines(), 1) if probe.search(line)]
+    assert found == []
+
+
+def test_the_config_is_read_only_after_validation(tmp_path):
+    cfg = compose([], tmp_path)
+    assert OmegaConf.is_readonly(cfg)
+    with pytest.raises(ReadonlyConfigError):
+        cfg.peft.quant_storage = "bfloat16"
+    # and a run goes through on it: nothing downstream writes to it
+    train(["method=dpo", "train.max_steps=1", "eval=none", "train.export=false"], tmp_path / "dpo")
+
+
+def test_facts(tmp_path):
+    lora = derive(compose(["method=dpo", "precision=bf16-mixed"], tmp_path))
+    assert (lora.reference, lora.peft.adapter, lora.load_dtype) == ("adapter", True, torch.bfloat16)
+    assert lora.precision.compute_dtype == torch.bfloat16 and lora.export_dtype == torch.bfloat16
+    full = derive(compose(["method=dpo", "peft=none", "precision=fp32"], tmp_path))
+    assert (full.reference, full.load_dtype, full.export_dtype) == ("copy", torch.float32, torch.float32)
+    assert derive(compose(["method=grpo"], tmp_path)).reference == "none"  # beta=0: no KL, no reference
+    assert derive(compose(["method=grpo", "method.beta=0.04"], tmp_path)).reference == "adapter"
+    # QLoRA under sharding stores its 4-bit weights in the policy's frozen dtype; the config keeps uint8
+    q = compose(["peft=qlora", "backend=fsdp2", "precision=bf16-mixed"], tmp_path)
+    assert (derive(q).peft.quant_storage, q.peft.quant_storage) == ("bfloat16", "uint8")
+    assert derive(compose(["peft=qlora"], tmp_path)).peft.quant_storage == "uint8"
+    run = derive(compose(["train.micro_batch_size=4", "train.grad_accum=3", "hardware.procs=2"], tmp_path))
+    assert (run.layout.world, run.layout.dp, run.batch.size) == (2, 2, 24)
+
+
+def test_layout_follows_megatrons_rank_order():
+    # tensor fastest, then context, then data, then pipeline (megatron.core's default order)
+    ranks = [Layout(rank=r, world=8, tp=2, pp=2) for r in range(8)]
+    assert [lay.dp for lay in ranks] == [2] * 8
+    assert [lay.dp_rank for lay in ranks] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+def test_resolve_runs_the_rule_table(tmp_path):
+    with pytest.raises(UserError, match=r"^\[fp8-needs-gpu\]"):
+        resolve(compose(["precision=fp8"], tmp_path))
+
+
+# -- the defects ---------------------------------------------------------------------------------
+def test_data_recipe_null_means_the_methods_own(tmp_path):
+    """data.recipe used to default to "arith_sft", which doubled as "not set": asking for
+    arith_sft by name under DPO silently trained on arith_dpo."""
+    assert compose([], tmp_path).data.recipe == "arith_sft"
+    assert compose(["method=dpo"], tmp_path).data.recipe == "arith_dpo"
+    assert compose(["method=grpo"], tmp_path).data.recipe == "arith_grpo"
+    with pytest.raises(UserError, match="not usable here; this method reads format preference"):  # used, refused
+        train(["method=dpo", "data.recipe=arith_sft", "train.max_steps=1"], tmp_path / "named")
+
+
+def test_unknown_optimizer_is_refused_before_weights(tmp_path):
+    with pytest.raises(UserError, match=r"'optim.name' must be one of adamw, sgd"):
+        compose(["optim.name=adamw8bit"], tmp_path)
+
+
+def test_vllm_options_are_in_grpos_schema(tmp_path):
+    from workbench.rollout.vllm_engine import options
+
+    cfg = compose(["method=grpo", "method.vllm_gpu_memory_utilization=0.5", "method.vllm_sleep_level=2"], tmp_path)
+    opts = options(cfg)
+    assert (opts.gpu_memory_utilization, opts.sleep_level, opts.max_model_len) == (0.5, 2, 2 * cfg.data.seq_len)
+
+
+@pytest.mark.parametrize("overfit", [0, 1])
+def test_grpo_honours_overfit_batches(overfit, tmp_path):
+    """GRPO ignored debug.overfit_batches; now it repeats its prompts (completions sampled anew)."""
+    train(["method=grpo", f"debug.overfit_batches={overfit}", "train.max_steps=3", "method.log_completions=1",
+           "eval=none", "train.export=false"], tmp_path)
+    prompts = [json.loads(line)["prompt"] for line in (tmp_path / "samples" / "grpo.jsonl").read_text().splitlines()]
+    assert len(prompts) == 3
+    assert (len(set(prompts)) == 1) == bool(overfit)
+
+
+def test_readme_layout_names_every_layer():
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    for names in LAYERS:
+        for name in names - {"__main__"}:
+            assert re.search(rf"\b{re.escape(name)}\b", layout), name
+    assert "resolved.py" in layout

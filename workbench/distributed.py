@@ -1,0 +1,49 @@
+"""The process group: one place that starts it, whether a launcher started several processes or a
+sharding backend runs on one.
+
+    rank, world = init_distributed("cpu")     # from torchrun's environment; (0, 1) without one
+    ensure_process_group("cpu")               # FSDP2 / Megatron on a single process need a group too
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed(device: str, timeout_minutes: int = 30) -> tuple[int, int]:
+    """Join the launcher's group (torchrun's RANK / WORLD_SIZE); returns (rank, world)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        # The timeout bounds every collective: a dead peer fails the job instead of hanging it.
+        kw = {}
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart and "MASTER_ADDR" in os.environ:
+            # After an elastic restart the rendezvous store still holds the dead attempt's
+            # peer addresses under the same keys; a per-attempt prefix keeps them apart.
+            rank = int(os.environ["RANK"])
+            host_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
+            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                 is_master=host_store, timeout=timedelta(minutes=timeout_minutes))
+            kw = {"store": dist.PrefixStore(f"workbench/attempt_{restart}", base), "rank": rank, "world_size": world}
+        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo",
+                                timeout=timedelta(minutes=timeout_minutes), **kw)
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def ensure_process_group(device: str, timeout_minutes: int = 30) -> None:
+    """A one-process group when none runs (e.g. backend=fsdp2 hardware.procs=1). A file store,
+    not a TCP port: nothing to race for between concurrent single-process runs."""
+    if dist.is_initialized():
+        return
+    fd, path = tempfile.mkstemp(prefix="wb-pg-")
+    os.close(fd)
+    os.unlink(path)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{path}", rank=0,
+                            world_size=1, timeout=timedelta(minutes=timeout_minutes))
