@@ -1,6 +1,7 @@
 """GRPO learning across seeds on the embedded task: the table behind the README's GRPO numbers.
 
     python scripts/grpo_seeds.py --seeds 0 1 2                       # from a 20-step SFT warm start
+    python scripts/grpo_seeds.py --seeds 0 1 2 --sft-precision fp32 precision=fp32   # both in fp32
     python scripts/grpo_seeds.py --seeds 0 1 2 --from-base reward=arith_format
     python scripts/grpo_seeds.py --seeds 0 --steps 60 method.dynamic_sampling=false   # any override
 
@@ -25,7 +26,7 @@ COMMON = ["train.export=false", "train.resume=never", "train.log_every=10", "eva
           "eval.at_end=true", "eval.num_samples=100", "eval.tasks=[arith_add2]"]
 
 
-def one_seed(seed: int, steps: int, from_base: bool, overrides: list[str], out: Path) -> dict:
+def one_seed(seed: int, steps: int, from_base: bool, overrides: list[str], out: Path, sft_precision: str) -> dict:
     from tests.conftest import train
 
     model = []
@@ -33,13 +34,13 @@ def one_seed(seed: int, steps: int, from_base: bool, overrides: list[str], out: 
         merged = out / f"sft{seed}" / "export" / "merged"
         if not (merged / "config.json").exists():  # the warm start depends on the seed only: made once per --work
             train(["train.max_steps=20", f"train.seed={seed}", f"data.shuffle_seed={seed}", "train.resume=never",
-                   "eval=none", "train.export=true"], out / f"sft{seed}", base=[])
+                   "eval=none", "train.export=true", f"precision={sft_precision}"], out / f"sft{seed}", base=[])
         model = [f"model.path={merged}"]
     t = time.perf_counter()
     res = train(["method=grpo", *model, f"train.max_steps={steps}", f"train.seed={seed}", f"data.shuffle_seed={seed}",
                  *COMMON, *overrides],
                 out / f"grpo{seed}-{int(time.time())}", base=[])
-    return {"seed": seed, "from_base": from_base, "steps": steps, "overrides": overrides,
+    return {"seed": seed, "from_base": from_base, "steps": steps, "overrides": overrides, "sft_precision": sft_precision,
             "before": res["eval_start"]["eval/arith_add2/accuracy"],
             "after": res["eval_end"]["eval/arith_add2/accuracy"], "grpo_seconds": round(time.perf_counter() - t)}
 
@@ -49,12 +50,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--from-base", action="store_true", help="start from SmolLM2 itself, no SFT warm start")
+    ap.add_argument("--sft-precision", default="bf16-mixed", help="the warm start's precision (fp32: 5x faster on "
+                    "CPUs without native bf16)")
     ap.add_argument("--work", default="/tmp/grpo_seeds")
     ap.add_argument("--out", default=str(ROOT / "runs" / "grpo_seeds.jsonl"))
     a, overrides = ap.parse_known_args(argv)
     rows = []
     for seed in a.seeds:
-        row = one_seed(seed, a.steps, a.from_base, overrides, Path(a.work) / f"s{seed}")
+        row = one_seed(seed, a.steps, a.from_base, overrides, Path(a.work) / f"s{seed}", a.sft_precision)
         rows.append(row)
         print(json.dumps(row), flush=True)
     gains = [r["after"] - r["before"] for r in rows]

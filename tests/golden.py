@@ -13,6 +13,8 @@ from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent / "assets" / "losses"
 
+GRPO_SHAPE = ["method.num_generations=4", "method.dynamic_sampling=false", "train.grad_accum=1"]
+
 CASES: dict[str, list[str]] = {
     "sft_none": ["method=sft", "peft=none"],
     "sft_lora": ["method=sft", "peft=lora"],
@@ -20,10 +22,12 @@ CASES: dict[str, list[str]] = {
     "dpo_none": ["method=dpo", "peft=none"],
     "dpo_lora": ["method=dpo", "peft=lora"],
     # a reward with spread on the random tiny model's text; KL and two passes per generation batch
+    # the batch shape is pinned (4 completions of one prompt per step, no refills): these curves
+    # check the loss arithmetic, not method=grpo's defaults, which were chosen by measurement
     "grpo_none": ["method=grpo", "peft=none", 'reward.functions=["tests.unit.test_rewards:char_length"]',
-                  "method.beta=0.1", "method.num_iterations=2", "method.loss_type=grpo"],
+                  "method.beta=0.1", "method.num_iterations=2", "method.loss_type=grpo", *GRPO_SHAPE],
     "grpo_lora": ["method=grpo", "peft=lora", 'reward.functions=["tests.unit.test_rewards:char_length"]',
-                  "method.beta=0.1", "method.num_iterations=2"],
+                  "method.beta=0.1", "method.num_iterations=2", *GRPO_SHAPE],
 }
 
 

@@ -222,9 +222,12 @@ def matmul_flops(device: str, dtype, trials: int = 5, seconds: float = 0.1) -> f
     what the device can do, slower trials are other work sharing it."""
     sizes = (1024, 2048) if device == "cpu" else (4096, 8192)
     best = 0.0
+    # A generator of its own: whether and how often this runs depends on the cache and the load,
+    # and drawing from the global one would change what a run samples after it (GRPO rollouts).
+    gen = torch.Generator(device=device).manual_seed(0)
     for n in sizes if trials > 1 else sizes[:1]:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+        b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
         a @ b  # warm-up: first-call allocation, kernel selection
         for _ in range(trials):
             if device == "cuda":

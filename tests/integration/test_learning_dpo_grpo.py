@@ -4,8 +4,10 @@
 
 - DPO (LoRA, the embedded arith pairs, rpo_alpha=1): held-out preference accuracy (chosen
   log-prob above rejected, arith_pref_eval.jsonl) goes from its starting value to >= 90%.
-- GRPO (LoRA, reward=arith_exact, from a 20-step SFT warm start): held-out exact-match
-  accuracy on 2-digit addition rises by >= 10 points over that starting policy, within 15 minutes.
+- GRPO (LoRA, method=grpo's batch defaults, reward=arith_exact, from a 20-step SFT warm start):
+  held-out exact-match accuracy on 2-digit addition rises by >= 15 points over that starting
+  policy, within 15 minutes; and `method=grpo` as shipped (reward=arith_format) from SmolLM2
+  itself (0%) by >= 15 points, within 15 minutes.
 """
 
 from __future__ import annotations
@@ -37,20 +39,41 @@ def test_dpo_moves_preference_accuracy(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_raises_exact_match(tmp_path):
-    """GRPO from a short SFT warm start. SmolLM2-135M-Instruct itself scores 0% here and its
-    sampled answers are almost never a bare correct number (it writes "19 + 24 = 32", "The
-    answer is 154."), so arith_exact rewards are all zero and GRPO has nothing to compare. 20 LoRA
-    SFT steps, merged into the weights, give a starting policy near 30%; GRPO (LoRA on that
-    model) then has to raise it by 10 points within 15 minutes of its own."""
-    sft = train(["train.max_steps=20", "train.resume=never", "eval=none", "train.export=true"],
+    """GRPO with method=grpo's batch defaults (8 generations, 4 prompts per step, dynamic sampling,
+    60 steps) and reward=arith_exact, from a short SFT warm start. SmolLM2-135M-Instruct itself scores 0% here and its
+    sampled answers are almost never a bare correct number ("19 + 24 = 32", "The answer is
+    154."), so arith_exact rewards are all zero; 20 LoRA SFT steps, merged into the weights, give a
+    starting policy near 40%. Both in fp32: on CPUs without native bf16 that is 5x faster.
+
+    One seed with a margin: across seeds 0, 1, 2 (scripts/grpo_seeds.py, README) the gains were
+    +26, +24 and +23 points, 11-12.5 minutes each; this seed must gain 15, 8 points below the
+    lowest seen, the same bar the issue set for the mean."""
+    seed = ["train.seed=0", "data.shuffle_seed=0"]  # seed 0 of the table
+    sft = train(["train.max_steps=20", "precision=fp32", "train.resume=never", "eval=none", "train.export=true", *seed],
                 tmp_path / "sft", base=[])
     t = time.perf_counter()
-    res = train(["method=grpo", f"model.path={sft['export']['merged']}", "method.num_generations=8",
-                 "train.max_steps=100", "eval.tasks=[arith_add2]", *BASE],
-                tmp_path / "grpo", base=[])
+    res = train(["method=grpo", "reward=arith_exact", f"model.path={sft['export']['merged']}", "precision=fp32",
+                 "eval.tasks=[arith_add2]", *seed, *BASE], tmp_path / "grpo", base=[])
     wall = time.perf_counter() - t
     before = res["eval_start"]["eval/arith_add2/accuracy"]
     after = res["eval_end"]["eval/arith_add2/accuracy"]
     print(f"\nGRPO held-out exact match {before:.3f} -> {after:.3f} in {wall:.0f}s")
-    assert after - before >= 0.10
+    assert after - before >= 0.15
+    assert wall <= 15 * 60
+
+
+@pytest.mark.slow
+def test_grpo_default_learns_from_the_base_model(tmp_path):
+    """`python -m workbench method=grpo` as shipped (reward=arith_format: exact match plus 0.2 for a
+    bare number), from SmolLM2 itself, which scores 0%. In fp32 (see above). Across seeds 0, 1, 2
+    the gains were +51, +49 and +54 points (11.5-13.5 minutes); this seed (0) must gain 15 points, the issue's bar for the mean,
+    far below the lowest seen."""
+    t = time.perf_counter()
+    res = train(["method=grpo", "precision=fp32", "eval.tasks=[arith_add2]", "train.seed=0", "data.shuffle_seed=0",
+                 *BASE], tmp_path, base=[])
+    wall = time.perf_counter() - t
+    before = res["eval_start"]["eval/arith_add2/accuracy"]
+    after = res["eval_end"]["eval/arith_add2/accuracy"]
+    print(f"\nGRPO from the base model: held-out exact match {before:.3f} -> {after:.3f} in {wall:.0f}s")
+    assert after - before >= 0.15
     assert wall <= 15 * 60

@@ -32,7 +32,8 @@ def _rows(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-BASE = ["method=grpo", "peft=lora", "method.num_generations=2", "train.micro_batch_size=4", "train.max_steps=1",
+BASE = ["method=grpo", "peft=lora", "method.num_generations=2", "train.micro_batch_size=4", "train.grad_accum=1",
+        "train.max_steps=1",
         "method.max_new_tokens=4", "train.resume=never"]
 
 
@@ -52,7 +53,7 @@ def test_flat_batch_is_refilled_not_stepped_on(tmp_path):
 
 def test_without_dynamic_sampling_a_flat_batch_carries_no_gradient(tmp_path):
     out = tmp_path / "run"
-    train(BASE + ['reward.functions=["tests.unit.test_grpo_signal:always_flat"]'], out)
+    train(BASE + ['reward.functions=["tests.unit.test_grpo_signal:always_flat"]', "method.dynamic_sampling=false"], out)
     (row,) = _rows(out)
     assert row["zero_std_groups"] == 1.0 and row["signal_groups_trained"] == 0
     assert row["grad_norm"] == 0.0 and "entropy" in row

@@ -48,7 +48,7 @@ LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 class Config:
     name: str = "grpo"
     recipe: str = "arith_grpo"  # data_recipes/<recipe>.yaml (prompt rows) when data.recipe is null
-    num_generations: int = 4  # completions per prompt (a group); >= 2
+    num_generations: int = 8  # completions per prompt (a group); >= 2
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -67,7 +67,7 @@ class Config:
     prompts_per_step: int | None = None
     # DAPO's dynamic sampling: drop groups whose rewards do not vary (zero advantage, no
     # signal) and refill from further prompts, at most max_resample_rounds times per step.
-    dynamic_sampling: bool = False
+    dynamic_sampling: bool = True
     max_resample_rounds: int = 4
     stall_warn_steps: int = 3  # warn when most groups carried no signal this many steps in a row
     # the colocated vLLM engine (method.engine=vllm; workbench/rollout/vllm_engine.py)
