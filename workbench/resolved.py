@@ -142,7 +142,7 @@ def sharded(cfg) -> bool:
     """Whether the backend shards parameters (FSDP2, ZeRO-3)."""
     b = _backend(cfg)
     name = b.name if b is not None else "single"
-    return name == "fsdp2" or (name == "deepspeed" and int(b.stage) == 3)
+    return name == "fsdp2" or (name == "deepspeed" and int(b.get("stage", 0)) == 3)
 
 
 def reference(cfg) -> str:

@@ -107,7 +107,9 @@ def _stage(c):
 
 
 def _sharded(c):
-    return _backend(c) == "fsdp2" or (_backend(c) == "deepspeed" and _stage(c) == 3)
+    from workbench.resolved import sharded
+
+    return sharded(c)
 
 
 def _storage_float(c):
@@ -195,8 +197,7 @@ RULES: list[Rule] = [
          "model.loader=unsloth needs unsloth: pip install -e '.[unsloth]' (or use model.loader=hf)"),
     # qlora
     Rule("qlora-sharded-storage", {"peft": "qlora", "backend": "fsdp2, deepspeed stage 3"},
-         lambda c, e: c.peft.kind == "qlora" and (_backend(c) == "fsdp2" or _backend(c) == "deepspeed" and _stage(c) == 3)
-         and c.peft.quant_storage != "uint8" and not _storage_float(c),
+         lambda c, e: c.peft.kind == "qlora" and _sharded(c) and c.peft.quant_storage != "uint8" and not _storage_float(c),
          lambda c, e: f"peft=qlora under {_backend(c)} shards the packed 4-bit weights, which needs a float storage "
                       f"dtype (uint8 is converted for you): set peft.quant_storage=bfloat16, not {c.peft.quant_storage}"),
     Rule("qlora-zero3-checkpointing", {"peft": "qlora", "backend": "deepspeed stage 3", "other": "gradient checkpointing"},
