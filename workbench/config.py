@@ -19,6 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from workbench import catalog
 from workbench.errors import UserError
 
 
@@ -348,7 +349,7 @@ def _own_model_and_data(merged: DictConfig, method_node: dict) -> None:
     name, own = method_node.get("name"), method_node.get("recipe")
     if merged.data.path is not None and list(merged.eval.tasks) == EvalConfig().tasks:
         # Your own data: the default evaluation is on its held-out rows, not the arithmetic task.
-        merged.eval.tasks = [{"dpo": "preference", "grpo": "reward"}.get(name, "loss")]
+        merged.eval.tasks = [catalog.facts(name).eval]
     # data.recipe null: the method's own recipe (arith_sft, arith_dpo, arith_grpo); a data.eval_split
     # then splits that one.
     if own is None and name in importlib.import_module(PLUGGABLE["method"]).CHOICES:

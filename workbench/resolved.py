@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from omegaconf import DictConfig
 
-from workbench import precision
+from workbench import catalog, precision
 
 REFERENCES = ("none", "adapter", "copy", "precomputed")
 
@@ -146,15 +146,16 @@ def sharded(cfg) -> bool:
 
 
 def reference(cfg) -> str:
-    """The reference model a method's loss needs: DPO by method.reference (auto: the adapter-free
-    base under peft, a frozen copy without), GRPO only for its KL term (beta > 0)."""
+    """The reference model a method's loss needs (workbench/catalog.py): DPO and KTO by
+    method.reference (auto: the adapter-free base under peft, a frozen copy without), GRPO only
+    for its KL term (beta > 0), reference-free methods none."""
     m = _method(cfg)
-    name = m.name if m is not None else "sft"
+    need = catalog.facts(m.name if m is not None else "sft").reference
     adapter = cfg.peft.kind != "none"
-    if name == "dpo":
+    if need == "method":
         ref = m.get("reference", "auto")
         return ("adapter" if adapter else "copy") if ref == "auto" else ref
-    if name == "grpo" and m.get("beta", 0.0):
+    if need == "kl" and m.get("beta", 0.0):
         return "adapter" if adapter else "copy"
     return "none"
 

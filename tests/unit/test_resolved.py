@@ -30,7 +30,7 @@ READERS = {"workbench/config.py", "workbench/rules.py", "workbench/resolved.py"}
 # lower ones, lazily inside a function included.
 LAYERS = [
     {"errors", "imports", "batch", "cache", "state", "distributed"},
-    {"config", "precision", "optim", "data", "models", "peft", "kernels"},
+    {"config", "catalog", "precision", "optim", "data", "models", "peft", "kernels"},
     {"rules", "resolved", "to_gguf"},
     {"methods", "backends", "megatron", "rollout", "plan", "flops", "tracking", "trackers", "progress", "plots",
      "checkpoint", "faults", "manifest", "parity", "hub", "evals"},
