@@ -227,6 +227,7 @@ class PlanConfig:
     mfu: float = 0.4  # model-FLOPs utilisation assumed for time and cost
     tokens: float = 0.0  # tokens the run trains on; 0 = max_steps x global batch x seq_len
     select_fraction: float = 1.0  # share of positions with a loss (answer-only SFT needs fewer)
+    teacher_scale: float = 1.0  # method=distill: teacher parameters / student parameters (its frozen copy's memory)
     hardware: list[str] = field(default_factory=list)  # profiles to compare; empty = all
     enforce: bool = True  # refuse a real run whose plan does not fit the configured hardware
 

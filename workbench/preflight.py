@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from workbench import rules
+from workbench import catalog, rules
 from workbench.errors import UserError
 from workbench.evals.hooks import check_tasks
 from workbench.models.load import resolve
@@ -46,13 +46,13 @@ def data_sample(cfg) -> dict:
         where, row = next(iter(iter_rows(src, src.columns or None, src.split)))
     except StopIteration:
         raise UserError(f"{src.label}: the data source is empty") from None
-    method = cfg.method.name
-    if method == "dpo":
+    shape = catalog.facts(cfg.method.name).data
+    if shape == "preference" or shape == "unpaired" and "chosen" in row:  # KTO splits pairs into rows
         from workbench.data.preference import preference_row
 
         prompt, chosen, _rejected = preference_row(row, where)
         ids, labels = formats.tokenize_chat(tokenizer, prompt + chosen, contract)
-    elif method == "grpo" or "prompt" in row and "completion" not in row:
+    elif shape == "prompts" or "prompt" in row and "completion" not in row:
         prompt = row.get("prompt")
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt or [])
         if not msgs:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
+from workbench import catalog
 from workbench.errors import UserError
 
 RUNNABLE_DEVICES = ("cpu", "cuda")
@@ -100,6 +101,10 @@ def _backend(c):
 
 def _method(c):
     return _get(c, "method.name", "sft")
+
+
+def _facts(c):
+    return catalog.facts(_method(c))
 
 
 def _stage(c):
@@ -260,11 +265,12 @@ RULES: list[Rule] = [
          lambda c, e: _sharded(c) and _use_vllm(c),
          "method.engine=vllm loads full weights into vLLM on every rank, which a sharding backend splits; use "
          "method.engine=hf (generates through the sharded model) or backend=deepspeed backend.stage=2"),
-    Rule("sharded-copied-reference", {"backend": "fsdp2, deepspeed stage 3", "method": "dpo / grpo with a copied reference"},
+    Rule("sharded-copied-reference", {"backend": "fsdp2, deepspeed stage 3", "method": "dpo, kto / grpo with a copied reference"},
          lambda c, e: _sharded(c) and _ref(c) == "copy",
          lambda c, e: f"method={_method(c)} keeps a copied reference model, which a sharding backend cannot shard; "
                       + ("use method.reference=precomputed, or peft=lora (its reference is the adapter-free base)"
-                         if _method(c) == "dpo" else "use peft=lora (its reference is the adapter-free base) or method.beta=0")),
+                         if _facts(c).reference == "method"
+                         else "use peft=lora (its reference is the adapter-free base) or method.beta=0")),
     Rule("fsdp2-offload-on-cpu", {"backend": "fsdp2", "offload": "cpu_offload", "hardware": "cpu"},
          lambda c, e: _backend(c) == "fsdp2" and bool(_get(c, "backend.cpu_offload", False)) and _dev(c) == "cpu",
          "backend.cpu_offload moves GPU memory to the host; on hardware=cpu set backend.cpu_offload=false"),
@@ -328,8 +334,8 @@ RULES: list[Rule] = [
     Rule("vllm-dora", {"method": "grpo (vLLM rollouts)", "peft": "dora"},
          lambda c, e: _use_vllm(c) and c.peft.kind == "dora",
          "method.engine=vllm syncs lora, qlora or full weights; use method.engine=hf with peft=dora"),
-    Rule("dpo-adapter-ref-needs-peft", {"method": "dpo (ref=adapter)", "peft": "none"},
-         lambda c, e: _method(c) == "dpo" and _get(c, "method.reference", None) == "adapter"
+    Rule("dpo-adapter-ref-needs-peft", {"method": "dpo, kto (ref=adapter)", "peft": "none"},
+         lambda c, e: _facts(c).reference == "method" and _get(c, "method.reference", None) == "adapter"
          and c.peft.kind == "none",
          "method.reference=adapter uses the model with its adapter disabled as the reference, but peft=none has "
          "no adapter: use peft=lora, or method.reference=copy / method.reference=precomputed"),

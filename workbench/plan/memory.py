@@ -13,8 +13,9 @@
     logits       log-softmax, its gradient and the logits' gradient at the selected positions
     transient    the dense embedding gradient made in backward; the two temporaries of
                  torch's AdamW step (all parameters with foreach on GPU, the largest tensor on CPU)
-    reference    DPO: a frozen reference copy (ref=copy); none for adapter-disabled or precomputed
-    generation   GRPO: KV cache and logits of the generation batch (HF generate)
+    reference    DPO/KTO/GRPO-with-KL: a frozen reference copy (ref=copy); none for adapter-disabled
+                 or precomputed; distillation: the frozen teacher
+    generation   methods that generate (GRPO): KV cache and logits of the generation batch (HF generate)
 
 Peak = weights + master + optimizer + the larger of
   backward:  max(activations + casts + logits + head gradient, gradients + dense embedding gradient)
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workbench.catalog import facts as method_facts  # per-method needs (plan/catalog.py is hardware)
 from workbench.plan.activations import (
     COMPUTE,
     block_bytes,
@@ -78,12 +80,12 @@ class Estimate:
 
 
 def tokens_per_micro(s: Setup) -> int:
-    seqs = s.micro_batch * (2 if s.method == "dpo" else 1)  # DPO: chosen and rejected
+    seqs = s.micro_batch * method_facts(s.method).sequences  # e.g. DPO: chosen and rejected
     return seqs * seq_len(s)
 
 
 def seq_len(s: Setup) -> int:
-    return s.seq_len + (s.completion_len if s.method == "grpo" else 0)
+    return s.seq_len + (s.completion_len if method_facts(s.method).generates else 0)
 
 
 def activation_bytes(arch, s: Setup, tokens: int | None = None, seq: int | None = None) -> float:
@@ -179,11 +181,15 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     opt_tmp = 0.0 if s.backend in ("deepspeed", "megatron") or s.offload_optimizer or not moments else \
         2 * opt_span * state_per
     reference = 0.0
-    if s.method in ("dpo", "grpo") and s.dpo_ref == "copy":
+    if s.dpo_ref == "copy":  # resolved.reference says "copy" only where the method's loss needs one
         reference = per_dev * FROZEN[s.precision] / (dp if stage >= 3 else 1)
+    if method_facts(s.method).teacher:
+        # a frozen teacher held whole on every device, in the frozen dtype; sized like the student
+        # unless plan.teacher_scale says how many times larger it is
+        reference += per_dev * s.teacher_scale * FROZEN[s.precision]
     generation = 0.0
     vllm = 0.0
-    if s.method == "grpo":
+    if method_facts(s.method).generates:
         if s.vllm_fraction:
             vllm = s.vllm_fraction
         else:

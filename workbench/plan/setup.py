@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from omegaconf import OmegaConf
 
+from workbench.catalog import facts as method_facts
 from workbench.resolved import derive
 
 
@@ -47,7 +48,8 @@ class Setup:
     checkpointing: str = "none"  # none | full | selective (every checkpoint_every-th block)
     checkpoint_every: int = 2
     select_fraction: float = 1.0  # share of positions whose logits a loss needs
-    dpo_ref: str = "adapter"  # reference model: adapter | copy | precompute | none (DPO; GRPO with KL)
+    dpo_ref: str = "adapter"  # reference model: adapter | copy | precompute | none (resolved.reference)
+    teacher_scale: float = 1.0  # distillation: teacher parameters / student parameters
     generations: int = 8  # GRPO group size
     completion_len: int = 256
     vllm_fraction: float = 0.0  # GPU memory share reserved by a colocated vLLM engine (0: HF generate)
@@ -80,7 +82,7 @@ def from_cfg(cfg, devices: int | None = None) -> Setup:
     elif ckpt not in ("selective",):
         ckpt = "full"
     method = pick(cfg, "method.name", "sft")
-    use_vllm = method == "grpo" and pick(cfg, "method.engine", "hf") == "vllm"
+    use_vllm = method_facts(method).generates and pick(cfg, "method.engine", "hf") == "vllm"
     run = derive(cfg)  # precision, peft and the reference strategy, as the run will have them
     ref = {"precomputed": "precompute"}.get(run.reference, run.reference)
     host = _flag(pick(cfg, "backend.cpu_offload", False))  # fsdp2: parameters, gradients and optimizer state
@@ -94,7 +96,7 @@ def from_cfg(cfg, devices: int | None = None) -> Setup:
         micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum, seq_len=cfg.data.seq_len,
         checkpointing=ckpt, checkpoint_every=int(pick(cfg, "backend.selective_every", 2)),
         select_fraction=float(pick(cfg, "plan.select_fraction", 1.0)),
-        dpo_ref=ref,
+        dpo_ref=ref, teacher_scale=float(pick(cfg, "plan.teacher_scale", 1.0)),
         generations=int(pick(cfg, "method.num_generations", 8)),
         completion_len=int(pick(cfg, "method.max_new_tokens", 256)),
         vllm_fraction=float(pick(cfg, "method.vllm_gpu_memory_utilization", 0.3)) if use_vllm else 0.0,

@@ -13,13 +13,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workbench.catalog import facts as method_facts
+
 
 def train_flops_per_token(n_active: float, n_trainable: float, peft: str, method: str = "sft",
-                          ref: str = "adapter") -> float:
+                          ref: str = "none") -> float:
     flops = 6.0 * n_active if peft == "none" else 4.0 * n_active + 2.0 * n_trainable
-    if method == "dpo" and ref != "precompute":
+    need = method_facts(method)
+    if ref in ("adapter", "copy"):
         flops += 2.0 * n_active  # the reference model's forward pass
-    if method == "grpo":
+    if need.teacher:
+        flops += 2.0 * n_active  # the teacher's forward pass (a teacher of the student's size)
+    if need.generates:
         flops += 2.0 * n_active  # generating the completion (decode is slower than this)
     return flops
 
