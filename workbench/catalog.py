@@ -24,6 +24,9 @@ class MethodFacts:
     teacher: bool = False  # loads a second (teacher) model, frozen
     scalar_head: bool = False  # a value/reward head on the last hidden state instead of the LM head
     eval: str = "loss"  # the default evaluation on the user's own held-out rows (workbench/evals)
+    # the embedded task's evaluation where the default (eval=arith: exact match of generated
+    # answers) says nothing about the trained model, as for a reward model, which does not generate
+    embedded_eval: str | None = None
 
 
 METHODS: dict[str, MethodFacts] = {
@@ -32,9 +35,9 @@ METHODS: dict[str, MethodFacts] = {
     "kto": MethodFacts(data="unpaired", sequences=2, reference="method", eval="preference"),
     "cpo": MethodFacts(data="preference", sequences=2, eval="preference"),
     "orpo": MethodFacts(data="preference", sequences=2, eval="preference"),
-    "rm": MethodFacts(data="preference", sequences=2, scalar_head=True, eval="reward_accuracy"),
+    "rm": MethodFacts(data="preference", sequences=2, scalar_head=True, eval="reward_accuracy", embedded_eval="arith_rm"),
     "grpo": MethodFacts(data="prompts", reference="kl", generates=True, eval="reward"),
-    "distill": MethodFacts(data="sft", teacher=True),
+    "distill": MethodFacts(data="sft", teacher=True, generates=True),  # on-policy on a share (lmbda) of steps
 }
 
 

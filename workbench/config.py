@@ -351,6 +351,8 @@ def _own_model_and_data(merged: DictConfig, method_node: dict) -> None:
     if merged.data.path is not None and list(merged.eval.tasks) == EvalConfig().tasks:
         # Your own data: the default evaluation is on its held-out rows, not the arithmetic task.
         merged.eval.tasks = [catalog.facts(name).eval]
+    elif list(merged.eval.tasks) == EvalConfig().tasks and catalog.facts(name).embedded_eval:
+        merged.eval.tasks = [catalog.facts(name).embedded_eval]
     # data.recipe null: the method's own recipe (arith_sft, arith_dpo, arith_grpo); a data.eval_split
     # then splits that one.
     if own is None and name in importlib.import_module(PLUGGABLE["method"]).CHOICES:

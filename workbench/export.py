@@ -12,6 +12,13 @@ Adapters are merged into a freshly loaded full-precision base, never into NF4 we
 (merging into 4-bit degrades quality, peft#2321). After writing, the merged model is loaded
 back from disk and its logits compared with the trained model's on a probe batch; the
 difference is recorded in the report.
+
+A reward model (method=rm) is exported as a transformers *ForSequenceClassification instead:
+`export/merged/` holds the decoder (adapters merged) with the trained scalar head as `score`,
+`pad_token_id` in its config, and the tokenizer with its chat template, so
+`AutoModelForSequenceClassification.from_pretrained(<run>/export/merged)` scores a sequence as
+the trained model did; its parity gate compares those scores on held-out preference pairs.
+No adapter directory is written for it: an adapter without the head is not a reward model.
 """
 
 from __future__ import annotations
@@ -99,9 +106,12 @@ def _parity_prompts(cfg) -> list:
 def _export(trained, tokenizer, contract, run, out_dir: Path, results: dict) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    from workbench import catalog
     from workbench.parity import compare, rounding
 
     cfg = run.cfg
+    if catalog.facts(cfg.method.name).scalar_head:
+        return _export_reward_model(trained, tokenizer, run, Path(out_dir), results)
     out_dir = Path(out_dir)
     result: dict = {"parity": {}, "failed": []}
     dtype = run.export_dtype
@@ -148,6 +158,88 @@ def _export(trained, tokenizer, contract, run, out_dir: Path, results: dict) -> 
                                  private=cfg.export.private)
     trained.train()
     return result
+
+
+# The reward model's gate: max |score difference| allowed, relative to max(1, largest |score|),
+# by what the export rounds the weights to (parity.rounding). exact: the same fp32 weights, the
+# sums reordered (SDPA with and without the padding mask, W + BA merged in fp32): a few ulps of
+# the hidden state; 1e-4 leaves ~800 ulps. bf16: measured on SmolLM2-135M (LoRA RM, 2 steps,
+# bf16-mixed, 20 held-out pairs) 1.3e-2; 5e-2 allows 4x that. f16 keeps 3 more mantissa bits
+# (8x finer): 1e-2. A head with its sign flipped, or a dropped one, moves the scores by their own
+# size.
+SCORE_TOLERANCES = {"exact": 1e-4, "f16": 1e-2, "bf16": 5e-2}
+
+
+def _export_reward_model(trained, tokenizer, run, out_dir: Path, results: dict) -> dict:
+    """export/merged/ as a one-label sequence classifier, gated on held-out pair scores."""
+    from transformers import AutoModelForSequenceClassification
+
+    from workbench.models import value_head
+    from workbench.parity import rounding
+
+    cfg, dtype = run.cfg, run.export_dtype
+    result: dict = {"parity": {}, "failed": []}
+    if not cfg.train.export_merged:
+        return result
+    decoder = merged_model(trained, run, torch.float32)  # the adapters merged; its own head is not used
+    head = base_model(trained).lm_head.weight
+    seq = value_head.to_sequence_classifier(decoder, head.float(), tokenizer.pad_token_id, dtype)
+    del decoder
+    merged_dir = out_dir / "merged"
+    seq.save_pretrained(merged_dir, safe_serialization=True)
+    tokenizer.save_pretrained(merged_dir)
+    result["merged"] = str(merged_dir)
+    del seq
+
+    pairs = _parity_pairs(tokenizer, cfg)
+    reloaded = AutoModelForSequenceClassification.from_pretrained(merged_dir, dtype=dtype)
+    gate = compare_scores(_fp32_copy(trained), _fp32_copy(reloaded), pairs, tokenizer.pad_token_id,
+                          rounding(_dtype_name(run.merge_source), _dtype_name(dtype)))
+    result["parity"]["merged"] = gate
+    if cfg.export.card:
+        (merged_dir / "README.md").write_text(model_card(run, results, result))
+    result["failed"] = [k for k, r in result["parity"].items() if not r["passed"]]
+    if cfg.export.push_to_hub and not result["failed"]:
+        from workbench import hub
+
+        result["hub"] = hub.push(merged_dir, cfg.export.push_to_hub, [], private=cfg.export.private)
+    trained.train()
+    return result
+
+
+def _parity_pairs(tokenizer, cfg) -> list:
+    """Held-out preference pairs (the shipped arithmetic ones, never trained on) for the RM gate."""
+    from workbench.data.formats import prompt_ids, setup_tokenizer
+    from workbench.data.preference import Pair, preference_row, tokenise_completion
+    from workbench.evals.hooks import eval_rows
+
+    contract = setup_tokenizer(tokenizer)
+    pairs = []
+    for i, row in enumerate(eval_rows("arith_pref", cfg.export.parity_prompts)):
+        p, c, r = preference_row(row, f"arith_pref_eval.jsonl:{i + 1}")
+        ids = prompt_ids(tokenizer, p)
+        pairs.append(Pair(tokenise_completion(tokenizer, contract, p, c, ids),
+                          tokenise_completion(tokenizer, contract, p, r, ids), len(ids)))
+    return pairs
+
+
+@torch.no_grad()
+def compare_scores(trained, classifier, pairs: list, pad_id: int, kind: str) -> dict:
+    """Scores of the trained model (scalar head, as in training) against the exported classifier
+    read back by transformers, on the same right-padded batch."""
+    from workbench.methods.rm import collate, pair_rewards
+
+    ours = pair_rewards(trained, pairs, pad_id)
+    micro = collate(pairs, pad_id)
+    classifier.eval()
+    theirs = classifier(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits[:, 0]
+    theirs = theirs.float().view(2, -1)
+    diff = float((ours - theirs).abs().max())
+    scale = max(1.0, float(ours.abs().max()))
+    agree = int(((ours[0] > ours[1]) == (theirs[0] > theirs[1])).sum())
+    tol = SCORE_TOLERANCES.get(kind, SCORE_TOLERANCES["bf16"])
+    return {"rounding": kind, "prompts": len(pairs), "score_max_abs_diff": diff, "score_scale": scale,
+            "score_tolerance": tol, "decisions_agree": agree, "passed": bool(diff <= tol * scale)}
 
 
 def _fp32_copy(model):
@@ -202,13 +294,16 @@ def model_card(run, results: dict, export: dict) -> str:
     base = cfg.model.hub_id or cfg.model.path or cfg.model.name
     evals = {k: v for k, v in (results.get("eval_end") or {}).items() if isinstance(v, float)}
     before = results.get("eval_start") or {}
+    what = ("A reward model: a one-label sequence classifier (score at the last non-padding token), adapters "
+            "merged." if export.get("parity", {}).get("merged", {}).get("score_max_abs_diff") is not None else
+            "The adapters are merged; generation_config.json stops on the end-of-turn token the model was "
+            "trained to emit.")
     lines = ["---", f"base_model: {base}", "library_name: transformers", "tags: [workbench, "
              f"{cfg.method.name}{', ' + run.peft.kind if run.peft.adapter else ''}]", "---", "",
              f"# {Path(cfg.output_dir).name}", "",
              f"Fine-tuned from `{base}` with `method={cfg.method.name}` and `peft={run.peft.kind}` "
              f"(`precision={run.precision.name}`, {cfg.train.max_steps} steps of {cfg.train.micro_batch_size} x "
-             f"{cfg.train.grad_accum} per rank). The adapters are merged; generation_config.json stops on the "
-             "end-of-turn token the model was trained to emit.", "",
+             f"{cfg.train.grad_accum} per rank). {what}", "",
              "## Evaluation", ""]
     if evals:
         lines += ["| metric | before | after |", "|---|---|---|"]
@@ -218,6 +313,10 @@ def model_card(run, results: dict, export: dict) -> str:
     lines += ["", "## Export checks", "", "| file | rounding | KL (mean) | greedy equal | stop token | passed |",
               "|---|---|---|---|---|---|"]
     for name, r in export.get("parity", {}).items():
+        if "kl_mean" not in r:  # a reward model's gate compares scores, not next-token distributions
+            lines.append(f"| {name} | {r['rounding']} | max score diff {r['score_max_abs_diff']:.2e} | "
+                         f"{r['decisions_agree']}/{r['prompts']} pairs ordered alike | - | {r['passed']} |")
+            continue
         lines.append(f"| {name} | {r['rounding']} | {r['kl_mean']:.2e} | {r['greedy_equal']}/{r['prompts']} | "
                      f"{r['declared_eos']} | {r['passed']} |")
     lines += ["", "## How it was made", "", "The run directory holds `config.yaml` (the composed config, secrets "

@@ -47,11 +47,16 @@ def data_sample(cfg) -> dict:
     except StopIteration:
         raise UserError(f"{src.label}: the data source is empty") from None
     shape = catalog.facts(cfg.method.name).data
-    if shape == "preference" or shape == "unpaired" and "chosen" in row:  # KTO splits pairs into rows
+    if shape == "preference":
         from workbench.data.preference import preference_row
 
         prompt, chosen, _rejected = preference_row(row, where)
         ids, labels = formats.tokenize_chat(tokenizer, prompt + chosen, contract)
+    elif shape == "unpaired":  # (prompt, completion, label) rows, or pairs split into two such rows
+        from workbench.data.unpaired import unpaired_rows
+
+        prompt, completion, _label = unpaired_rows(row, where)[0]
+        ids, labels = formats.tokenize_chat(tokenizer, prompt + completion, contract)
     elif shape == "prompts" or "prompt" in row and "completion" not in row:
         prompt = row.get("prompt")
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt or [])

@@ -269,7 +269,8 @@ RULES: list[Rule] = [
          lambda c, e: _sharded(c) and _ref(c) == "copy",
          lambda c, e: f"method={_method(c)} keeps a copied reference model, which a sharding backend cannot shard; "
                       + ("use method.reference=precomputed, or peft=lora (its reference is the adapter-free base)"
-                         if _facts(c).reference == "method"
+                         if _facts(c).reference == "method" and _method(c) != "kto"
+                         else "use peft=lora (its reference is the adapter-free base)" if _method(c) == "kto"
                          else "use peft=lora (its reference is the adapter-free base) or method.beta=0")),
     Rule("fsdp2-offload-on-cpu", {"backend": "fsdp2", "offload": "cpu_offload", "hardware": "cpu"},
          lambda c, e: _backend(c) == "fsdp2" and bool(_get(c, "backend.cpu_offload", False)) and _dev(c) == "cpu",
@@ -339,6 +340,18 @@ RULES: list[Rule] = [
          and c.peft.kind == "none",
          "method.reference=adapter uses the model with its adapter disabled as the reference, but peft=none has "
          "no adapter: use peft=lora, or method.reference=copy / method.reference=precomputed"),
+    Rule("distill-needs-teacher", {"method": "distill"},
+         lambda c, e: _method(c) == "distill" and not _get(c, "method.teacher", None),
+         "method=distill needs method.teacher: set it to a model dir, run dir, conf/model name or hub id "
+         "(with model='s tokenizer)"),
+    Rule("distill-packing", {"method": "distill", "data": "packing"},
+         lambda c, e: _method(c) == "distill" and bool(_get(c, "data.packing", False)),
+         "method=distill compares the teacher's and the student's next-token distributions row by row: set "
+         "data.packing=false"),
+    Rule("new-methods-megatron", {"method": "kto, cpo, orpo, rm, distill", "backend": "megatron"},
+         lambda c, e: _backend(c) == "megatron" and _method(c) in ("kto", "cpo", "orpo", "rm", "distill"),
+         lambda c, e: f"method={_method(c)} is tested on backend=single, fsdp2 and deepspeed; with "
+                      "backend=megatron use method=sft, dpo or grpo, or backend=fsdp2"),
     # model x data x kernels
     Rule("seq-exceeds-context", {"data": "seq_len", "model": "max_position"},
          lambda c, e: c.data.seq_len > c.model.arch.max_position,

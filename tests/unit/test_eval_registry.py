@@ -63,7 +63,7 @@ def test_builtins_check_the_run_before_weights_load(chat_file):
 
     with pytest.raises(UserError, match="needs held-out rows; set data.eval_split"):
         preflight.check(compose(["eval.tasks=[loss]"]))  # a named recipe has no split unless asked
-    with pytest.raises(UserError, match="is for method=sft; with method=dpo use 'preference'"):
+    with pytest.raises(UserError, match="is for method=sft, distill; with method=dpo use 'preference'"):
         preflight.check(compose([f"data.path={chat_file}", "data.eval_split=4", "method=dpo", "eval.tasks=[loss]"]))
     with pytest.raises(UserError, match="needs eval.prompts"):
         preflight.check(compose(["eval.tasks=[generate]"]))

@@ -20,6 +20,7 @@ line; a file with nothing else is refused.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ def _common_prefix(a: list[dict], b: list[dict]) -> int:
 def preference_row(row: dict, where: str) -> tuple[list[dict], list[dict], list[dict]]:
     """(prompt messages, chosen messages, rejected messages) of one row, checked."""
     if "chosen" not in row or "rejected" not in row:
-        raise UserError(f"{where}: not a preference row (keys: {sorted(row)}); method=dpo accepts: "
+        raise UserError(f"{where}: not a preference row (keys: {sorted(row)}); a preference method accepts: "
                         f"{PREFERENCE_SCHEMAS}")
     if "prompt" in row:
         prompt = _messages(row["prompt"], where, "prompt", "user")
@@ -89,6 +90,17 @@ class Pair:
     chosen: tuple[list[int], list[int]]  # (input_ids, labels)
     rejected: tuple[list[int], list[int]]
     prompt_len: int
+    margin: float | None = None  # the row's optional `margin` column (method=rm)
+
+
+def _margin(row: dict, where: str) -> float | None:
+    """The row's optional `margin`: how far chosen should beat rejected (method=rm reads it)."""
+    m = row.get("margin")
+    if m is None:
+        return None
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m):
+        raise UserError(f"{where}: 'margin' must be a finite number (got {m!r})")
+    return float(m)
 
 
 @dataclass
@@ -120,6 +132,7 @@ def tokenise_preferences(source: Source, tokenizer, contract, data_cfg) -> Prefe
     for where, row in iter_rows(source):
         try:
             prompt, chosen, rejected = preference_row(row, where)
+            margin = _margin(row, where)
         except UserError as exc:
             if data_cfg.on_bad_row == "skip":
                 out.skipped += 1
@@ -140,7 +153,7 @@ def tokenise_preferences(source: Source, tokenizer, contract, data_cfg) -> Prefe
         if seqs[0] == seqs[1]:
             out.identical += 1
             continue
-        out.pairs.append(Pair(seqs[0], seqs[1], len(p_ids)))
+        out.pairs.append(Pair(seqs[0], seqs[1], len(p_ids), margin))
         if source.max_samples and len(out.pairs) >= source.max_samples:
             break
     if not out.pairs and out.identical:
@@ -179,3 +192,16 @@ def read_prompts(source: Source, tokenizer, contract, data_cfg) -> PromptSource:
     if not rows:
         raise UserError(f"{source.label}: no prompt rows; accepted: {PROMPT_SCHEMAS}")
     return PromptSource(source, rows, _fingerprint(source, tokenizer, contract, data_cfg.seq_len))
+
+
+def pairs_from_rows(rows: list[dict], tokenizer, contract) -> list[Pair]:
+    """Pairs of in-memory preference rows (the embedded held-out pairs), tokenised as in training."""
+    from workbench.data.formats import prompt_ids
+
+    out = []
+    for i, row in enumerate(rows):
+        p, c, r = preference_row(row, f"row {i}")
+        ids = prompt_ids(tokenizer, p)
+        out.append(Pair(tokenise_completion(tokenizer, contract, p, c, ids),
+                        tokenise_completion(tokenizer, contract, p, r, ids), len(ids)))
+    return out

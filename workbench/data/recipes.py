@@ -81,7 +81,7 @@ SPLIT_SEED = 20240601  # fixed: the held-out rows depend only on the file's rows
 
 
 DEFAULT_SPLIT = 0.05  # held out when data.path is given, an eval task needs held-out rows and no split is set
-HELD_OUT_TASKS = ("loss", "preference", "reward")
+HELD_OUT_TASKS = ("loss", "preference", "reward", "reward_accuracy")
 
 
 def inline_recipe(data_cfg, eval_tasks=()) -> str | None:

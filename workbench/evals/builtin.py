@@ -1,8 +1,10 @@
-"""The built-in evaluation tasks on the run's own data: `loss`, `preference`, `reward`, `generate`.
+"""The built-in evaluation tasks on the run's own data: `loss`, `preference`, `reward`,
+`reward_accuracy`, `generate`.
 
     python -m workbench data.path=chat.jsonl data.eval_split=0.05 eval.tasks=[loss] eval.every_n_steps=50
     python -m workbench method=dpo data.path=pairs.jsonl data.eval_split=200 eval.tasks=[preference]
     python -m workbench method=grpo data.path=prompts.jsonl data.eval_split=0.1 eval.tasks=[reward]
+    python -m workbench method=rm data.path=pairs.jsonl data.eval_split=200 eval.tasks=[reward_accuracy]
     python -m workbench eval.tasks=[generate] eval.prompts='[Write a haiku about rain]'
 
 - `loss` (SFT): mean token loss and perplexity on the held-out rows (data.eval_split), the same
@@ -13,6 +15,8 @@
   training); without one only the policy's log-prob accuracy is reported;
 - `reward` (GRPO): the mean reward of greedy completions of held-out prompts, scored with the
   run's own reward functions;
+- `reward_accuracy` (RM): on held-out pairs, the share where the reward model scores chosen above
+  rejected, the mean margin and the mean chosen / rejected rewards;
 - `generate`: greedy completions of `eval.prompts` (a list, or a .txt / .jsonl file), kept for the
   report so a person can read what training changed.
 
@@ -28,9 +32,12 @@ from pathlib import Path
 
 import torch
 
+from workbench import catalog
 from workbench.errors import UserError
 
-NEEDS_SPLIT = {"loss": "sft", "preference": "dpo", "reward": "grpo"}
+# the built-ins that read held-out rows of the run's own data; each fits the methods whose
+# default evaluation (workbench/catalog.py `eval`) it is
+NEEDS_SPLIT = ("loss", "preference", "reward", "reward_accuracy")
 
 
 def eval_recipe(cfg):
@@ -44,10 +51,11 @@ def check(task: str, cfg) -> None:
     """Preflight: the task fits the method and has held-out data (UserError otherwise)."""
     if task in NEEDS_SPLIT:
         method = cfg.method.name
-        if method != NEEDS_SPLIT[task]:
-            fits = {v: k for k, v in NEEDS_SPLIT.items()}.get(method)
-            raise UserError(f"eval.tasks: {task!r} is for method={NEEDS_SPLIT[task]}; with method={method} use "
-                            f"{fits!r}" + (" (or generate, or your own module:function)" if fits else ""))
+        fits = catalog.facts(method).eval
+        if task != fits:
+            users = ", ".join(n for n, f in catalog.METHODS.items() if f.eval == task)
+            raise UserError(f"eval.tasks: {task!r} is for method={users}; with method={method} use {fits!r} "
+                            "(or generate, or your own module:function)")
         if not eval_recipe(cfg).eval_sources:
             raise UserError(f"eval.tasks: {task!r} needs held-out rows; set data.eval_split (a fraction such as "
                             "0.05, a row count, or a file)")
@@ -200,6 +208,20 @@ def reward(ctx) -> dict:
     return out
 
 
+def reward_accuracy(ctx) -> dict:
+    """Held-out pair accuracy of the reward model (method=rm): chosen scored above rejected."""
+    from workbench.data.preference import tokenise_preferences
+    from workbench.methods.rm import pair_rewards
+    from workbench.models import value_head
+
+    if not value_head.is_attached(ctx.model):
+        raise UserError("eval.tasks: 'reward_accuracy' needs a reward model (method=rm); this model has no scalar head")
+    rows = ctx.cached("reward_accuracy/pairs", lambda: _held_out(ctx, lambda s, *a: tokenise_preferences(s, *a).pairs))
+    r = pair_rewards(ctx.model, rows, ctx.tokenizer.pad_token_id, ctx.eval_cfg.batch_size, autocast=ctx.autocast)
+    return {"accuracy": float((r[0] > r[1]).float().mean()), "margin": float((r[0] - r[1]).mean()),
+            "chosen_reward": float(r[0].mean()), "rejected_reward": float(r[1].mean()), "n": len(rows)}
+
+
 def generate(ctx) -> dict:
     """Greedy completions of eval.prompts, for the report (before / after training)."""
     convs = prompts(ctx.eval_cfg)
@@ -211,4 +233,5 @@ def generate(ctx) -> dict:
             "_generations": [{"prompt": c[-1]["content"], "completion": t} for c, t in zip(convs, texts)]}
 
 
-TASKS = {"loss": loss, "preference": preference, "reward": reward, "generate": generate}
+TASKS = {"loss": loss, "preference": preference, "reward": reward, "reward_accuracy": reward_accuracy,
+         "generate": generate}

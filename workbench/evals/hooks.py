@@ -11,7 +11,8 @@ A registry, like the reward functions (workbench/rollout/rewards.py). A task is 
   (completions of `eval.prompts` for the report);
 - the embedded arithmetic tasks: `arith_add2`, `arith_add3`, `arith_mul1` (held-out exact-match
   accuracy, greedy, answer-only prompt; data_recipes/data/arith_<task>_eval.jsonl) and
-  `arith_pref` (share of held-out pairs whose chosen completion has the higher log-prob);
+  `arith_pref` (share of held-out pairs whose chosen completion has the higher log-prob),
+  `arith_rm` (a reward model's accuracy on the same pairs: chosen scored above rejected);
 - `lm_eval:<task>` or `lm_eval:<task.yaml>`: an lm-evaluation-harness task, in-process on the
   model in memory (workbench/evals/lm_eval_task.py; the optional extra `.[eval]`);
 - `package.module:function`, your own: called as `function(ctx)` with an `EvalContext`
@@ -38,8 +39,8 @@ from workbench.data.recipes import RECIPES_DIR
 from workbench.errors import UserError
 from workbench.rollout.generate import generate
 
-ARITH = ("arith_add2", "arith_add3", "arith_mul1", "arith_pref")
-TASKS = ARITH + ("loss", "preference", "reward", "generate")
+ARITH = ("arith_add2", "arith_add3", "arith_mul1", "arith_pref", "arith_rm")
+TASKS = ARITH + ("loss", "preference", "reward", "reward_accuracy", "generate")
 
 
 class EvalHookError(UserError):
@@ -142,6 +143,13 @@ def _arith(ctx: EvalContext, task: str) -> dict:
         rows = eval_rows(task, ctx.eval_cfg.num_samples)
         return {"accuracy": preference_accuracy(ctx.model, ctx.tokenizer, ctx.contract, rows, autocast=ctx.autocast),
                 "n": len(rows)}
+    if task == "arith_rm":
+        from workbench.data.preference import pairs_from_rows
+        from workbench.methods.rm import pair_rewards
+
+        pairs = pairs_from_rows(eval_rows("arith_pref", ctx.eval_cfg.num_samples), ctx.tokenizer, ctx.contract)
+        r = pair_rewards(ctx.model, pairs, ctx.tokenizer.pad_token_id, ctx.eval_cfg.batch_size, autocast=ctx.autocast)
+        return {"accuracy": float((r[0] > r[1]).float().mean()), "margin": float((r[0] - r[1]).mean()), "n": len(pairs)}
     res = exact_match(ctx.model, ctx.tokenizer, ctx.contract, task, ctx.eval_cfg, ctx.autocast)
     out = {k.rsplit("/", 1)[-1]: v for k, v in res.items() if k != "samples"}
     out["_samples"] = res["samples"][task]

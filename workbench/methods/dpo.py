@@ -245,16 +245,10 @@ class DPO(Method):
 @torch.no_grad()
 def preference_accuracy(model, tokenizer, contract, rows: list[dict], batch_size: int = 16, autocast=None) -> float:
     """Share of held-out pairs where the model's log-prob of `chosen` beats `rejected` (model: HF/PEFT)."""
-    from workbench.data.formats import prompt_ids
-    from workbench.data.preference import Pair, preference_row, tokenise_completion
+    from workbench.data.preference import pairs_from_rows
     from workbench.models.head import SelectiveLM
 
-    pairs = []
-    for i, row in enumerate(rows):
-        p, c, r = preference_row(row, f"row {i}")
-        ids = prompt_ids(tokenizer, p)
-        pairs.append(Pair(tokenise_completion(tokenizer, contract, p, c, ids),
-                          tokenise_completion(tokenizer, contract, p, r, ids), len(ids)))
+    pairs = pairs_from_rows(rows, tokenizer, contract)
     lm = SelectiveLM(model)
     was = model.training
     model.eval()

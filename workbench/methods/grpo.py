@@ -4,17 +4,22 @@
     python -m workbench method=grpo reward=arith_format method.num_generations=8
     python -m workbench method=grpo method.loss_type=dr_grpo method.scale_rewards=none   # Dr. GRPO
     python -m workbench method=grpo method.beta=0.04                 # KL to the reference (k3 estimator)
+    python -m workbench method=gspo                                  # sequence-level ratio (GSPO)
+    python -m workbench method=rloo                                  # leave-one-out baseline, KL in the reward
+    python -m workbench method=grpo method.loss_type=cispo method.epsilon_high=5.0   # or loss_type=sapo
 
 Every `num_iterations` steps, `next_batch` samples `num_generations` completions per prompt with
 the backend's current weights (HF `generate` with the KV cache, or vLLM with
 `method.engine=vllm`), scores them with the reward functions (workbench/rollout/rewards.py,
-weighted sum), and turns rewards into group-normalised advantages. The loss is the clipped
-ratio objective min(r A, clip(r, 1-eps_low, 1+eps_high) A) per completion token, r = pi/pi_old,
-plus beta * KL(pi || ref) per token (k3 estimator, times the ratio unless
-kl_importance_correction=false), normalised as `loss_type` says:
-grpo (mean over each completion's tokens, then over completions), dapo (over all completion
-tokens of the step), dr_grpo (over completions x max_new_tokens). Log-probs use logits divided
-by the sampling temperature.
+weighted sum), and turns rewards into advantages (workbench/rollout/advantages.py: group-
+normalised, or RLOO's leave-one-out baseline). The loss is the clipped ratio objective
+min(r A, clip(r, 1-eps_low, 1+eps_high) A) per completion token, r = pi/pi_old per token or per
+completion (GSPO), or CISPO's / SAPO's surrogate (workbench/rollout/objectives.py), plus
+beta * KL(pi || ref) per token (k3 estimator, times the ratio unless
+kl_importance_correction=false; or, kl_in_reward=true, subtracted from the reward as RLOO does),
+normalised as `loss_type` says: grpo and sapo (mean over each completion's tokens, then over
+completions), dapo and cispo (over all completion tokens of the step), dr_grpo (over
+completions x max_new_tokens). Log-probs use logits divided by the sampling temperature.
 
 The global batch is train.micro_batch_size x grad_accum x ranks completions, i.e. that divided
 by num_generations prompts; each rank generates and scores its own whole groups. Logged: reward
@@ -39,9 +44,7 @@ from workbench.data.preference import read_prompts
 from workbench.data.recipes import load_recipe
 from workbench.errors import UserError
 from workbench.methods.base import Method
-from workbench.rollout import advantages, rewards
-
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+from workbench.rollout import advantages, objectives, rewards
 
 
 @dataclass
@@ -52,13 +55,19 @@ class Config:
     max_new_tokens: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
-    loss_type: str = "dapo"  # grpo | dapo | dr_grpo
-    scale_rewards: str = "group"  # group | batch | none (Dr. GRPO)
+    loss_type: str = "dapo"  # grpo | dapo | dr_grpo | cispo | sapo (workbench/rollout/objectives.py)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO) | sequence_sum (RLOO)
+    advantage: str = "group"  # group | rloo (leave-one-out baseline)
+    scale_rewards: str = "group"  # advantage=group: group | batch | none (Dr. GRPO)
+    normalize_advantages: bool = False  # advantage=rloo: centre and scale over the batch
     epsilon: float = 0.2
-    epsilon_high: float | None = None  # None: same as epsilon (DAPO suggests 0.28)
+    epsilon_high: float | None = None  # None: same as epsilon (DAPO suggests 0.28); cispo: the weight cap
+    sapo_temperature_pos: float = 1.0  # loss_type=sapo: gate temperature where A > 0
+    sapo_temperature_neg: float = 1.05  # ... and where A <= 0
     beta: float = 0.0  # KL coefficient; > 0 needs a reference (adapter disabled, or a frozen copy)
     # weight the per-token KL by pi/pi_old: the samples come from pi_old (TRL's default too)
     kl_importance_correction: bool = True
+    kl_in_reward: bool = False  # subtract beta x summed k1 KL from each reward (RLOO) instead of the loss
     num_iterations: int = 1  # optimisation steps per generation batch
     engine: str = "hf"  # hf | vllm
     log_completions: int = 3
@@ -81,10 +90,17 @@ class Config:
 
 def check(cfg, root) -> list:
     """Validate options and rewards (before any weights load); return the reward functions."""
-    if cfg.loss_type not in LOSS_TYPES:
-        raise UserError(f"method.loss_type={cfg.loss_type!r} is not one of {list(LOSS_TYPES)}")
+    objectives.check(cfg)
     if cfg.scale_rewards not in advantages.SCALES:
         raise UserError(f"method.scale_rewards={cfg.scale_rewards!r} is not one of {list(advantages.SCALES)}")
+    if cfg.advantage not in advantages.KINDS:
+        raise UserError(f"method.advantage={cfg.advantage!r} is not one of {list(advantages.KINDS)}")
+    if cfg.advantage == "rloo" and cfg.scale_rewards != "none":  # no option is silently ignored
+        raise UserError("method.scale_rewards applies to method.advantage=group; with advantage=rloo set "
+                        "method.scale_rewards=none (method.normalize_advantages=true scales over the batch)")
+    if cfg.advantage == "group" and cfg.normalize_advantages:
+        raise UserError("method.normalize_advantages applies to method.advantage=rloo; with advantage=group use "
+                        "method.scale_rewards")
     if cfg.engine not in ("hf", "vllm"):
         raise UserError(f"method.engine={cfg.engine!r} is not one of ['hf', 'vllm']")
     if cfg.num_iterations < 1 or cfg.max_new_tokens < 1 or cfg.temperature <= 0:
@@ -155,23 +171,6 @@ def token_logps(model, micro: dict, temperature: float, entropy: bool = False):
     with torch.no_grad():
         ent = -(logp.exp() * logp).sum(-1)
     return picked, ent
-
-
-def policy_loss(logp, old_logp, adv_tok, cfg, ref_logp=None):
-    """Per-token loss and (low, high) clip indicators. All inputs flat over completion tokens."""
-    ratio = torch.exp(logp - old_logp)
-    eps_hi = cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high
-    clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + eps_hi)
-    loss = -torch.min(ratio * adv_tok, clipped * adv_tok)
-    kl = None
-    if cfg.beta:
-        kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1
-        if cfg.kl_importance_correction:
-            kl = kl * ratio
-        loss = loss + cfg.beta * kl
-    low = (ratio < 1 - cfg.epsilon) & (adv_tok < 0)
-    high = (ratio > 1 + eps_hi) & (adv_tok > 0)
-    return loss, low, high, kl
 
 
 class GRPO(Method):
@@ -298,7 +297,6 @@ class GRPO(Method):
         per_fn = torch.cat([g["per_fn"] for g in groups])
         comp = [ids for g in groups for ids in g["comp"]]
         convs = [g["conv"] for g in groups]
-        adv = advantages.group_advantages(total, G, c.scale_rewards)
 
         # sequences: prompt + completion (+ end-of-turn when the completion stopped by itself)
         eot = self.ctx.contract.end_of_turn_id
@@ -311,19 +309,34 @@ class GRPO(Method):
         micro = []
         for i in range(0, per_rank, t.micro_batch_size):
             m = pad_batch(seqs[i:i + t.micro_batch_size], tok.pad_token_id)
-            m["advantages"] = adv[i:i + t.micro_batch_size]
             m["n_tokens"] = m["select"].sum(dim=1)
             micro.append({k: v.to(self.ctx.device) for k, v in m.items()})
-        if c.num_iterations > 1:  # ratios are taken against the policy that generated the batch
+        kl_in_reward = c.beta and c.kl_in_reward
+        if c.num_iterations > 1 or kl_in_reward:  # ratios (and the reward's KL) use the generating policy
             module = backend.unwrapped()
             with torch.no_grad():
                 for m in micro:
                     m["old_logps"] = token_logps(module, m, c.temperature).detach()
+        shaped = total
+        if kl_in_reward:
+            kl = torch.cat([self._sequence_kl(backend.unwrapped(), m) for m in micro]).cpu()
+            shaped = total - c.beta * kl
+        if c.advantage == "rloo":
+            adv = advantages.rloo_advantages(shaped, G, c.normalize_advantages)
+        else:
+            adv = advantages.group_advantages(shaped, G, c.scale_rewards)
+        for j, m in enumerate(micro):
+            m["advantages"] = adv[j * t.micro_batch_size:(j + 1) * t.micro_batch_size].to(self.ctx.device)
+            if kl_in_reward and c.num_iterations == 1:  # on-policy: the loss's ratio is 1 by logp.detach()
+                del m["old_logps"]
         info = self._signal_info(acct, total, per_fn, comp)
+        if kl_in_reward:  # per completion token, as TRL logs it
+            info["kl"] = float(kl.sum()) / float(sum(int(m["n_tokens"].sum()) for m in micro))
         self._write_samples([x for g in groups for x in g["texts"]], [g["conv"] for g in groups for _ in range(G)],
                             total)
         n_tok = float(sum(int(m["n_tokens"].sum()) for m in micro))
-        denom = {"grpo": float(per_rank), "dapo": n_tok, "dr_grpo": float(per_rank * c.max_new_tokens)}[c.loss_type]
+        denom = {"grpo": float(per_rank), "sapo": float(per_rank), "dapo": n_tok, "cispo": n_tok,
+                 "dr_grpo": float(per_rank * c.max_new_tokens)}[c.loss_type]
         tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))
         self._step_tokens = n_tok
         return StepBatch(micro=micro, denom=denom, tokens=tokens, info=info)
@@ -384,19 +397,26 @@ class GRPO(Method):
             with self.peft_model.disable_adapter():
                 return token_logps(model, micro, self.cfg.temperature)
 
+    def _sequence_kl(self, model, micro):
+        """Per completion of the micro-batch, the summed k1 KL of the generating policy to the
+        reference (no gradient): what kl_in_reward takes off the reward."""
+        rows = micro["select"].nonzero()[:, 0]
+        return objectives.sequence_kl(micro["old_logps"], self._ref_logps(model, micro), rows,
+                                      micro["input_ids"].shape[0])
+
     def loss(self, model, micro: dict):
         c = self.cfg
-        ref = self._ref_logps(model, micro) if c.beta else None
+        ref = self._ref_logps(model, micro) if c.beta and not c.kl_in_reward else None
         logp, entropy = token_logps(model, micro, c.temperature, entropy=True)
         old = micro["old_logps"] if "old_logps" in micro else logp.detach()
         rows = micro["select"].nonzero()[:, 0]
         adv_tok = micro["advantages"][rows]
-        per_tok, low, high, kl = policy_loss(logp, old, adv_tok, c, ref)
-        if c.loss_type == "grpo":  # each completion's token mean
+        per_tok, flags, kl = objectives.policy_loss(logp, old, adv_tok, c, rows, micro["n_tokens"], ref)
+        if c.loss_type in ("grpo", "sapo"):  # each completion's token mean
             per_tok = per_tok / micro["n_tokens"][rows].clamp(min=1)
         k = self._step_tokens
-        metrics = {"clip/low": float(low.float().sum()) / k, "clip/high": float(high.float().sum()) / k,
-                   "clip/region": float((low | high).float().sum()) / k, "entropy": float(entropy.sum()) / k}
+        metrics = {name: float(f.float().sum()) / k for name, f in flags.items()}
+        metrics["entropy"] = float(entropy.sum()) / k
         if kl is not None:
             metrics["kl"] = float(kl.detach().sum()) / k
         return per_tok.sum(), metrics

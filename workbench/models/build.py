@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench import kernels, precision
+from workbench import catalog, kernels, precision
 from workbench.models.load import load_model
 from workbench.peft import lora
 
@@ -26,6 +26,10 @@ def build_model(run, train: bool = True) -> torch.nn.Module:
             if run.peft.adapter:
                 model.enable_input_require_grads()
     model = lora.apply(model, run)
+    if catalog.facts(cfg.method.name).scalar_head:  # method=rm: a one-output head replaces lm_head
+        from workbench.models import value_head
+
+        value_head.attach(model)
     precision.cast_params(model, run.precision)
     if train and run.precision.fp8:
         precision.apply_fp8(model, run.precision)

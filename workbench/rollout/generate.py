@@ -1,7 +1,24 @@
 """Batched generation with HF `generate` (KV cache), left-padded, with the model's end-of-turn.
 
-Used by evaluation hooks and GRPO rollouts. The model is switched to eval mode with the KV
-cache on for the call and restored afterwards.
+Used by evaluation hooks and GRPO rollouts (`generate(..., num_return_sequences=G)`). The model
+is switched to eval mode with the KV cache on for the call and restored afterwards.
+
+Shared prefill (`dedup=True`, the default): HF's own path repeats every prompt G times before
+the prefill, so a GRPO rollout pays for G identical prefills per prompt. Here each distinct
+prompt is prefilled once (all but its last token), the KV cache is expanded to the G
+continuations, and HF `generate` continues from that cache: its first forward feeds just the
+last prompt token of every row. The rows, their order (prompt i's continuations are rows
+i*G .. i*G+G-1, as in HF's expansion) and the random draws are the same as on the plain path;
+the logits can differ from it only by rounding (other batch shapes), which the Gumbel-max draw
+below is stable under, so the sampled completions are the same under a fixed seed.
+`dedup=False` selects the plain path (tests/unit/test_generate_dedup.py compares the two).
+Under sharded weights (synced=True) every rank still makes one prefill forward, so the
+ranks' collectives stay matched.
+
+Stopping: HF stops the loop as soon as every row has produced the end-of-turn (the
+`eos_token_id` stopping criterion), so short completions do not run to max_new_tokens. A
+static KV cache (`cache_implementation="static"`) was slower on CPU for these short rollouts
+and is not used.
 
 Sampling draws each token by the Gumbel-max rule (argmax of the warped logits plus Gumbel
 noise), which picks token i with exactly probability softmax(logits)_i, like HF's own
@@ -35,21 +52,48 @@ def gumbel_max():
     return LogitsProcessorList([GumbelMax()])
 
 
-@torch.no_grad()
-def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, eot_id: int,
-             do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-             num_return_sequences: int = 1, autocast=None, synced: bool = False) -> list[list[int]]:
-    """Completion token ids (end-of-turn and padding stripped) for each conversation.
-
-    synced: every rank keeps stepping until all ranks are done (parameters sharded over ranks)."""
-    prompts = [prompt_ids(tokenizer, c) for c in conversations]
-    width = max(len(p) for p in prompts)
-    pad = tokenizer.pad_token_id
+def _left_pad(prompts: list[list[int]], width: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     attn = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         attn[i, width - len(p):] = 1
+    return ids, attn
+
+
+def _shared_prefill(model, ids: torch.Tensor, attn: torch.Tensor, rows: torch.Tensor):
+    """KV cache of all but the last column of the distinct prompts `ids`, expanded so that
+    row j of the result is prompt rows[j]. Position ids follow HF generate's rule (count of
+    real tokens so far; padding at 0) so the cache holds what HF's own prefill would."""
+    ids, attn = ids[:, :-1], attn[:, :-1]
+    pos = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)
+    cache = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True).past_key_values
+    cache.reorder_cache(rows.to(ids.device))  # index_select on the batch dim of every layer
+    return cache
+
+
+@torch.no_grad()
+def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, eot_id: int,
+             do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+             num_return_sequences: int = 1, autocast=None, synced: bool = False,
+             dedup: bool = True) -> list[list[int]]:
+    """Completion token ids (end-of-turn and padding stripped) for each conversation; with
+    num_return_sequences=G, G per conversation, conversation i's at [i*G, (i+1)*G).
+
+    synced: every rank keeps stepping until all ranks are done (parameters sharded over ranks).
+    dedup: prefill each distinct prompt once and share its KV cache (see the module docstring);
+    False: HF's plain path, which prefills every one of the len(conversations) x G rows."""
+    import contextlib
+
+    prompts = [prompt_ids(tokenizer, c) for c in conversations]
+    width = max(len(p) for p in prompts)
+    pad = tokenizer.pad_token_id
+    G = num_return_sequences
+    ids, attn = _left_pad(prompts, width, pad)
+    # distinct prompts, and for every output row the distinct prompt it continues
+    first: dict[tuple, int] = {}
+    owner = [first.setdefault(tuple(p), len(first)) for p in prompts]
+    shared = dedup and width > 1 and len(first) < len(prompts) * G
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -58,15 +102,20 @@ def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: 
     if cfg is not None:
         cfg.use_cache = True
     try:
-        import contextlib
-
         with (autocast or contextlib.nullcontext()):
+            extra = {}
+            if shared:
+                distinct = [list(k) for k in first]  # in order of first appearance
+                u_ids, u_attn = _left_pad(distinct, width, pad)  # same width: same positions and masks
+                rows = torch.tensor([owner[i] for i in range(len(prompts)) for _ in range(G)])
+                extra["past_key_values"] = _shared_prefill(model, u_ids.to(device), u_attn.to(device), rows)
+                ids, attn, G = ids.repeat_interleave(G, dim=0), attn.repeat_interleave(G, dim=0), 1
             out = model.generate(
                 input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
                 do_sample=do_sample, temperature=temperature if do_sample else None,
                 top_p=top_p if do_sample else None, top_k=None,
-                num_return_sequences=num_return_sequences, eos_token_id=eot_id, pad_token_id=pad,
-                synced_gpus=synced, logits_processor=gumbel_max() if do_sample else None,
+                num_return_sequences=G, eos_token_id=eot_id, pad_token_id=pad,
+                synced_gpus=synced, logits_processor=gumbel_max() if do_sample else None, **extra,
             )
     finally:
         if cfg is not None:

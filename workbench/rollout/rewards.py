@@ -2,6 +2,7 @@
 
     python -m workbench method=grpo reward=arith_exact        # conf/reward/arith_exact.yaml
     python -m workbench method=grpo reward=arith_format       # exact match + format, weighted
+    python -m workbench method=grpo reward=model reward.path=runs/<rm run>   # a trained reward model
 
 The `reward` config node is `{functions: [{name: arith_exact, weight: 1.0}, "format", ...]}`.
 Every function is called once per generation batch as
@@ -9,7 +10,8 @@ Every function is called once per generation batch as
     fn(prompts=[messages...], completions=[str...], completion_ids=[[int...]...], **columns) -> [float...]
 
 where `columns` are the prompt rows' other fields (e.g. `answer`), one list entry per
-completion. A function that raises, returns the wrong number of values, or returns NaN / None
+completion. The name `model` is a trained reward model (workbench/rollout/reward_model.py), read
+from the node's `path`. A function that raises, returns the wrong number of values, or returns NaN / None
 stops the run with one line naming the function and the sample.
 """
 
@@ -65,11 +67,15 @@ class RewardFn:
     weight: float
 
 
-def _lookup(name: str) -> Callable:
+def _lookup(name: str, spec) -> Callable:
+    if name == "model":  # a reward model directory, checked now; its weights load at the first call
+        from workbench.rollout.reward_model import ModelReward
+
+        return ModelReward.from_spec(spec)
     if name in REGISTRY:
         return REGISTRY[name]
     if ":" not in name:
-        raise UserError(f"reward: unknown reward function {name!r}; built-ins are {sorted(REGISTRY)}, "
+        raise UserError(f"reward: unknown reward function {name!r}; built-ins are {sorted(REGISTRY)} and 'model', "
                         "or name your own as 'package.module:function'")
     from workbench.imports import user_function
 
@@ -95,7 +101,7 @@ def resolve(spec) -> list[RewardFn]:
             weight = float(weight)
         except (TypeError, ValueError):
             raise UserError(f"reward.functions[{i}].weight: not a number: {weight!r}") from None
-        out.append(RewardFn(name, _lookup(name), weight))
+        out.append(RewardFn(name, _lookup(name, spec), weight))
     return out
 
 

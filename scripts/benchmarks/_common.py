@@ -1,0 +1,97 @@
+"""Helpers shared by the side-by-side benchmarks (scripts/benchmarks/dpo.py, grpo.py).
+
+Not a benchmark itself (bench.py skips names starting with "_"). What they share:
+  model_dir(name)           the packaged model as an HF directory, for TRL (no hub download)
+  workbench_rows(ov, out)   the per-step metrics rows of an in-process `python -m workbench` run
+  StepTimer                 a TrainerCallback timing each TRL optimizer step
+  alternate(rounds, sides)  run every side once per round, in turn, keeping steps after the first
+  summary(per)              median seconds per step of each side
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "data_recipes" / "data"
+
+
+def model_dir(model: str) -> str:
+    """The packaged model converted to an HF directory in the workbench cache (offline)."""
+    os.environ.setdefault("WORKBENCH_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from workbench.models.load import materialise, resolve, zoo_entry
+
+    entry = zoo_entry(model)
+    return str(materialise(entry, resolve(entry)).path)
+
+
+def jsonl(name: str, n: int | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in (DATA / name).open()]
+    return rows if n is None else rows[:n]
+
+
+def compose(overrides: list[str], out: Path):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from workbench.config import validate
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = hydra_compose("train", overrides=[*overrides, "eval=none", "train.export=false", "train.resume=never",
+                                                f"output_dir={out}"])
+    return validate(cfg)
+
+
+def workbench_rows(overrides: list[str], out: Path) -> list[dict]:
+    """Metrics rows (training steps only) of an in-process workbench run."""
+    from workbench.runner import Runner
+
+    Runner(compose(overrides, out)).run()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "eval" not in r]
+
+
+def step_timer(times: list[float]):
+    """A TrainerCallback appending each optimizer step's wall seconds to `times` (the step
+    includes everything the trainer does for it: TRL's GRPO generates inside the step)."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t)
+
+    return StepTimer()
+
+
+def alternate(rounds: int, sides: dict[str, Callable[[int], list[float]]]) -> dict[str, list[float]]:
+    """Each side runs once per round, in turn, in this process; the first step of every run
+    (compilation, allocator and cache warm-up) is dropped. Alternating spreads the load other
+    processes put on a shared machine over both sides instead of onto whichever ran second."""
+    per: dict[str, list[float]] = {k: [] for k in sides}
+    for r in range(rounds):
+        for name, fn in sides.items():
+            per[name] += fn(r)[1:]
+    return per
+
+
+def summary(per: dict[str, list[float]]) -> dict[str, float]:
+    """Median seconds per step of each side (NaN when a side kept no steps: --steps 1)."""
+    return {k: statistics.median(v) if v else float("nan") for k, v in per.items()}
+
+
+def trl_tokenizer(path: str):
+    """The model's tokenizer with its end-of-turn as EOS, as the workbench's contract uses it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.eos_token = "<|im_end|>"
+    return tok

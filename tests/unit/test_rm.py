@@ -1,0 +1,276 @@
+"""method=rm and reward=model: loss and gradients equal TRL's RewardTrainer; export round trip;
+a trained reward model as GRPO's reward; margins from data; errors.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/test_rm.py
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.conftest import ROOT, compose, train
+from tests.tolerances import LOSS_RTOL, grad_atol
+from workbench.data.formats import prompt_ids
+from workbench.data.preference import Pair, preference_row, tokenise_completion, tokenise_preferences
+from workbench.data.recipes import Source
+from workbench.errors import UserError
+from workbench.methods import rm
+from workbench.models import value_head
+
+PAIRS = ROOT / "data_recipes" / "data" / "arith_dpo_train.jsonl"
+HELD_OUT = ROOT / "data_recipes" / "data" / "arith_pref_eval.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny causal LM saved to a directory (TRL loads it from there), its tokenizer and contract."""
+    from workbench.data.formats import setup_tokenizer
+    from workbench.models.load import load_model, load_tokenizer
+
+    cfg = compose(["method=rm", "peft=none"])
+    tok = load_tokenizer(cfg.model)
+    contract = setup_tokenizer(tok)
+    path = tmp_path_factory.mktemp("tiny_model")
+    load_model(cfg.model).save_pretrained(path)
+    tok.save_pretrained(path)
+    return SimpleNamespace(cfg=cfg, tok=tok, contract=contract, path=path)
+
+
+def _pairs(tiny, path=PAIRS, n=4, margins=None) -> list[Pair]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()][:n]
+    out = []
+    for i, row in enumerate(rows):
+        p, c, r = preference_row(row, f"row {i}")
+        ids = prompt_ids(tiny.tok, p)
+        out.append(Pair(tokenise_completion(tiny.tok, tiny.contract, p, c, ids),
+                        tokenise_completion(tiny.tok, tiny.contract, p, r, ids), len(ids),
+                        margins[i] if margins else None))
+    return out
+
+
+@pytest.mark.parametrize("margin,center", [(False, 0.0), (True, 0.0), (False, 0.3), (True, 0.3)])
+def test_loss_and_grads_equal_trl(tiny, tmp_path, margin, center):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import RewardConfig, RewardTrainer
+
+    from workbench.models.head import SelectiveLM
+
+    # pairs of different lengths, so padding and the pooled position are exercised
+    margins = [0.5, -0.25, 1.5, 0.0] if margin else None
+    pairs = _pairs(tiny, margins=margins)
+    assert len({len(p.chosen[0]) for p in pairs} | {len(p.rejected[0]) for p in pairs}) > 1
+    # TRL: its own trainer on the saved model (a LlamaForSequenceClassification with a fresh
+    # `score`), its collator on our token ids, its loss and metrics.
+    args = RewardConfig(output_dir=str(tmp_path / "trl"), center_rewards_coefficient=center or None, report_to=[],
+                        use_cpu=True, bf16=False, max_length=None, per_device_train_batch_size=len(pairs),
+                        dataset_num_proc=None)
+    row = {"prompt": [{"role": "user", "content": "1+1?"}], "chosen": [{"role": "assistant", "content": "2"}],
+           "rejected": [{"role": "assistant", "content": "3"}]}
+    trainer = RewardTrainer(model=str(tiny.path), args=args, train_dataset=Dataset.from_list([row]),
+                            processing_class=tiny.tok)
+    examples = [{"chosen_ids": p.chosen[0], "rejected_ids": p.rejected[0], **({"margin": p.margin} if margin else {})}
+                for p in pairs]
+    batch = trainer.data_collator(examples)
+    trainer.model.train()
+    trl_loss = trainer.compute_loss(trainer.model, batch)
+    trl_loss.backward()
+    trl_grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    # Ours: the causal LM with the scalar head (TRL's initial `score` copied in), the method's
+    # loss through SelectiveLM, divided by the pair count as the backend does.
+    model = AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32)
+    value_head.attach(model)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(trainer.model.score.weight)
+    cfg = copy.deepcopy(tiny.cfg.method)
+    OmegaConf.set_readonly(cfg, False)
+    cfg.center_rewards_coefficient = center
+    method = rm.RewardModel(cfg, SimpleNamespace(cfg=tiny.cfg))
+    method._pairs_in_step = float(len(pairs))
+    micro = rm.collate(pairs, tiny.tok.pad_token_id)
+    assert torch.equal(micro["input_ids"], batch["input_ids"])  # same rows, same padding
+    loss_sum, metrics = method.loss(SelectiveLM(model).train(), micro)
+    loss = loss_sum / len(pairs)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(float(trl_loss.detach()), rel=LOSS_RTOL)
+    ours = {("score.weight" if n == "lm_head.weight" else n): p.grad for n, p in model.named_parameters()
+            if p.grad is not None}
+    assert set(ours) == set(trl_grads) and "score.weight" in ours and len(ours) > 10
+    for n, g in ours.items():
+        # the same fp32 sums in another order (SDPA with / without the padding mask): tests/tolerances.py
+        torch.testing.assert_close(g, trl_grads[n], rtol=LOSS_RTOL, atol=grad_atol(trl_grads[n]))
+    assert metrics["rewards/accuracies"] == pytest.approx(trl_metrics["accuracy"])
+    assert metrics["rewards/margins"] == pytest.approx(trl_metrics["margin"], rel=LOSS_RTOL, abs=1e-7)
+
+
+def test_loss_formula_by_hand():
+    r_c, r_r, m = torch.tensor([1.0, -0.5]), torch.tensor([0.25, 0.5]), torch.tensor([0.5, 0.0])
+    want = -torch.log(torch.sigmoid(r_c - r_r - m)) + 0.1 * (r_c + r_r) ** 2
+    torch.testing.assert_close(rm.rm_loss(r_c, r_r, m, 0.1), want)
+
+
+def test_pool_is_the_last_non_pad_token():
+    ids = torch.tensor([[5, 6, 7, 0, 0], [5, 6, 7, 8, 9], [0, 5, 0, 0, 0]])
+    assert value_head.pool(ids, 0).nonzero()[:, 1].tolist() == [2, 4, 1]
+
+
+@pytest.fixture(scope="module")
+def rm_run(tmp_path_factory):
+    """A 2-step method=rm run on the tiny model with LoRA, exported, evaluated on 8 held-out pairs."""
+    from workbench.runner import Runner
+
+    out = tmp_path_factory.mktemp("rm_run")
+    cfg = compose(["method=rm", "peft=lora", "train.max_steps=2", "train.export=true", "train.resume=never",
+                   "eval=heldout", "eval.tasks=[reward_accuracy]", "data.eval_split=8", "optim.lr=1e-2"], out)
+    runner = Runner(cfg)
+    results = runner.run()
+    return SimpleNamespace(dir=out, results=results, runner=runner, cfg=cfg)
+
+
+def test_rm_trains_with_lora_head_trainable_and_checkpointed(rm_run):
+    from safetensors.torch import load_file
+
+    losses = rm_run.results["losses"]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses) and losses[0] != losses[1]
+    head = rm_run.runner.model.get_base_model().lm_head
+    assert head.weight.shape == (1, 64) and head.weight.requires_grad
+    lora = sum(p.numel() for n, p in rm_run.runner.model.named_parameters() if "lora_" in n)
+    assert rm_run.results["n_trainable"] == lora + 64
+    saved = load_file(str(rm_run.dir / "checkpoints" / "step-00000002" / "model.safetensors"))
+    key = next(k for k in saved if k.endswith("lm_head.weight"))
+    torch.testing.assert_close(saved[key], head.weight.detach())
+    rows = [json.loads(x) for x in (rm_run.dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "eval" not in r]
+    assert len(steps) == 2 and all({"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"}
+                                   <= set(r) for r in steps)
+
+
+def test_rm_trains_full_fine_tuning(tmp_path):
+    res = train(["method=rm", "peft=none", "train.max_steps=2", "method.center_rewards_coefficient=0.01"], tmp_path)
+    assert len(res["losses"]) == 2 and all(math.isfinite(v) for v in res["losses"])
+    assert res["losses"][0] != res["losses"][1]
+
+
+def _classifier_scores(clf, pairs, pad_id) -> torch.Tensor:
+    micro = rm.collate(pairs, pad_id)
+    with torch.no_grad():
+        return clf(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits[:, 0].view(2, -1)
+
+
+def test_export_is_a_sequence_classifier_with_the_same_scores(rm_run, tiny):
+    from transformers import AutoModelForSequenceClassification
+
+    merged = rm_run.dir / "export" / "merged"
+    clf = AutoModelForSequenceClassification.from_pretrained(merged, dtype=torch.float32)
+    assert type(clf).__name__ == "LlamaForSequenceClassification" and clf.config.num_labels == 1
+    assert clf.config.pad_token_id == tiny.tok.pad_token_id
+    pairs = _pairs(tiny, HELD_OUT, n=12)
+    ours = rm.pair_rewards(rm_run.runner.model, pairs, tiny.tok.pad_token_id)  # the trained PEFT model
+    theirs = _classifier_scores(clf, pairs, tiny.tok.pad_token_id)
+    assert float(ours.std()) > 0
+    # fp32 weights, adapters merged (W + BA reordered): tests/tolerances.py
+    torch.testing.assert_close(theirs, ours, rtol=LOSS_RTOL, atol=grad_atol(ours))
+    gate = rm_run.results["export"]["parity"]["merged"]
+    assert gate["passed"] and gate["rounding"] == "exact"
+    # the gate fails when the head did not make it into the file
+    from workbench.export import compare_scores
+
+    with torch.no_grad():
+        clf.score.weight.mul_(-1.0)
+    assert not compare_scores(rm_run.runner.model, clf, pairs, tiny.tok.pad_token_id, "exact")["passed"]
+
+
+def test_reward_accuracy_eval_matches_the_exported_classifier(rm_run, tiny):
+    from transformers import AutoModelForSequenceClassification
+
+    from workbench.evals.builtin import eval_recipe
+
+    end = rm_run.results["eval_end"]
+    assert end["eval/reward_accuracy/n"] == 8
+    held = [p for s in eval_recipe(rm_run.cfg).eval_sources
+            for p in tokenise_preferences(s, tiny.tok, tiny.contract, rm_run.cfg.data).pairs]
+    clf = AutoModelForSequenceClassification.from_pretrained(rm_run.dir / "export" / "merged", dtype=torch.float32)
+    r = _classifier_scores(clf, held, tiny.tok.pad_token_id)
+    assert end["eval/reward_accuracy/accuracy"] == pytest.approx(float((r[0] > r[1]).float().mean()))
+    assert end["eval/reward_accuracy/margin"] == pytest.approx(float((r[0] - r[1]).mean()), rel=1e-4, abs=1e-6)
+
+
+def test_reward_model_scores_grpo_rollouts(rm_run, tiny, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    res = train(["method=grpo", "reward=model", f"reward.path={rm_run.dir}", "train.max_steps=2",
+                 "train.micro_batch_size=8", "train.grad_accum=1", "method.num_generations=4",
+                 "method.max_new_tokens=4", "train.resume=never"], tmp_path)
+    assert len(res["losses"]) == 2 and all(math.isfinite(v) for v in res["losses"])
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
+    assert all("rewards/model/mean" in r and r["rewards/model/std"] > 0 for r in rows)
+    # every logged sample's reward is the exported classifier's score of the prompt + completion,
+    # rendered here independently: the chat template's text up to the completion's end-of-turn
+    clf = AutoModelForSequenceClassification.from_pretrained(rm_run.dir / "export" / "merged", dtype=torch.float32)
+    samples = [json.loads(x) for x in (tmp_path / "samples" / "grpo.jsonl").read_text().splitlines()]
+    assert samples
+    eot = tiny.contract.end_of_turn_id
+    for s in samples:
+        conv = [{"role": "user", "content": s["prompt"]}, {"role": "assistant", "content": s["completion"]}]
+        ids = tiny.tok.apply_chat_template(conv, tokenize=True, return_dict=False)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        ids = ids[:len(ids) - ids[::-1].index(eot)]
+        with torch.no_grad():
+            want = float(clf(input_ids=torch.tensor([ids])).logits[0, 0])
+        assert s["reward"] == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_reward_path_errors_before_the_policy_loads(tmp_path, tiny, monkeypatch):
+    import workbench.runner
+
+    def no_weights(*_a, **_k):
+        raise AssertionError("the policy's weights were loaded before the reward path was checked")
+
+    monkeypatch.setattr(workbench.runner, "build_model", no_weights)
+    base = ["method=grpo", "reward=model", "train.max_steps=1"]
+    with pytest.raises(UserError, match="reward=model needs reward.path"):
+        train(base, tmp_path / "a")
+    with pytest.raises(UserError, match=r"reward.path=.*nowhere: not found"):
+        train(base + [f"reward.path={tmp_path / 'nowhere'}"], tmp_path / "b")
+    with pytest.raises(UserError, match=r"not a reward model.*LlamaForCausalLM.*causal LM"):
+        train(base + [f"reward.path={tiny.path}"], tmp_path / "c")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("method: {name: rm}\n")
+    with pytest.raises(UserError, match="has no export/merged"):
+        train(base + [f"reward.path={run_dir}"], tmp_path / "d")
+
+
+def test_margin_column_is_read_and_checked(tiny, tmp_path):
+    row = {"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5"}
+    f = tmp_path / "m.jsonl"
+    f.write_text(json.dumps({**row, "margin": 1.5}) + "\n" + json.dumps(row) + "\n")
+    data = SimpleNamespace(on_bad_row="error", seq_len=256)
+    got = tokenise_preferences(Source("m", f, format="auto"), tiny.tok, tiny.contract, data).pairs
+    assert [p.margin for p in got] == [1.5, None]
+    assert rm.collate(got, tiny.tok.pad_token_id)["margin"].tolist() == [1.5, 0.0]
+    f.write_text(json.dumps({**row, "margin": "big"}) + "\n")
+    with pytest.raises(UserError, match=r"m.jsonl:1: 'margin' must be a finite number"):
+        tokenise_preferences(Source("m", f, format="auto"), tiny.tok, tiny.contract, data)
+
+
+def test_bad_rm_options(tmp_path):
+    with pytest.raises(UserError, match="center_rewards_coefficient"):
+        train(["method=rm", "method.center_rewards_coefficient=-1", "train.max_steps=1"], tmp_path)
+    from workbench.evals import builtin
+
+    dpo_cfg = compose(["method=dpo", "eval=heldout", "eval.tasks=[reward_accuracy]", "data.eval_split=8"])
+    with pytest.raises(UserError, match="'reward_accuracy' is for method=rm"):
+        builtin.check("reward_accuracy", dpo_cfg)  # preflight
+    with pytest.raises(UserError, match="'reward_accuracy' needs a reward model"):
+        train(["method=dpo", "eval=heldout", "eval.tasks=[reward_accuracy]", "data.eval_split=8",
+               "train.max_steps=1"], tmp_path)  # the task itself, when preflight was skipped

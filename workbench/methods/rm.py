@@ -1,0 +1,164 @@
+"""method=rm: a reward model trained on (prompt, chosen, rejected) pairs (Bradley-Terry).
+
+    python -m workbench method=rm                                   # LoRA RM of SmolLM2-135M, arith pairs
+    python -m workbench method=rm peft=none method.center_rewards_coefficient=0.01
+    python -m workbench method=rm data.path=pairs.jsonl data.eval_split=0.05   # rows may carry "margin"
+    python -m workbench method=grpo reward=model reward.path=runs/<rm run>     # use it as GRPO's reward
+
+The model is the causal LM with a scalar head in place of its vocabulary head
+(workbench/models/value_head.py), read at each sequence's last non-padding token. Per pair,
+with r_c and r_r the chosen and rejected sequences' rewards and m the row's optional `margin`
+column (0 without one):
+
+    loss = -log sigmoid(r_c - r_r - m) + center_rewards_coefficient * (r_c + r_r)^2
+
+The second term (Eisenstein et al. 2023, TRL's center_rewards_coefficient) keeps the rewards
+centred on zero. The step's loss is the sum over pairs divided by the global number of pairs
+(StepBatch.denom), so it equals TRL's RewardTrainer's batch mean. Chosen and rejected sequences
+share one micro-batch (rows [chosen..., rejected...], as DPO's `collate`), tokenised exactly as
+DPO's: prompt through the chat template, then the assistant reply and its end-of-turn token.
+
+With peft the head trains beside the adapters (it is created after PEFT froze the base). The
+export (workbench/export.py) is a transformers *ForSequenceClassification with the adapters
+merged: `AutoModelForSequenceClassification.from_pretrained(<run>/export/merged)` scores as the
+trained model did.
+
+Logged metrics (means over this rank's batch): rewards/chosen, rewards/rejected,
+rewards/margins (r_c - r_r), rewards/accuracies (r_c > r_r).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workbench.batch import StepBatch
+from workbench.data.mixing import Mixture
+from workbench.data.overfit import Overfit
+from workbench.data.preference import tokenise_preferences
+from workbench.data.recipes import load_recipe
+from workbench.errors import UserError
+from workbench.methods import dpo
+from workbench.methods.base import Method
+from workbench.models import value_head
+
+
+@dataclass
+class Config:
+    name: str = "rm"
+    recipe: str = "arith_dpo"  # data_recipes/<recipe>.yaml when data.recipe is null
+    # weight of the mean squared summed reward (r_c + r_r)^2 added to the loss; 0: off
+    center_rewards_coefficient: float = 0.0
+
+
+def check(cfg) -> None:
+    if cfg.center_rewards_coefficient < 0:
+        raise UserError(f"method.center_rewards_coefficient must be >= 0 (got {cfg.center_rewards_coefficient})")
+
+
+def collate(pairs: list, pad_id: int) -> dict:
+    """One micro-batch: rows [chosen_0..chosen_n-1, rejected_0..rejected_n-1], `select` at each
+    row's scored position, `margin` per pair (0 where the row has none)."""
+    micro = dpo.collate(pairs, pad_id)
+    micro["select"] = value_head.pool(micro["input_ids"], pad_id)
+    del micro["targets"], micro["n_tokens"]
+    micro["margin"] = torch.tensor([p.margin or 0.0 for p in pairs], dtype=torch.float32)
+    return micro
+
+
+def rm_loss(r_c: torch.Tensor, r_r: torch.Tensor, margin: torch.Tensor, center: float) -> torch.Tensor:
+    """Per-pair loss (see the module docstring)."""
+    loss = -F.logsigmoid(r_c - r_r - margin)
+    if center:
+        loss = loss + center * (r_c + r_r) ** 2
+    return loss
+
+
+class RewardModel(Method):
+    name = "rm"
+
+    def __init__(self, cfg, ctx):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
+        check(cfg)
+        self._pairs_in_step = 1.0
+
+    # -- data ----------------------------------------------------------------------------
+    def prepare(self, ctx) -> None:
+        data = ctx.cfg.data
+        recipe = load_recipe(data.recipe)
+        self.sources = [tokenise_preferences(s, ctx.tokenizer, ctx.contract, data) for s in recipe.sources]
+        self.mixture = Mixture([len(s.pairs) for s in self.sources], [s.source.weight for s in self.sources],
+                               seed=data.shuffle_seed)
+
+    def data_report(self) -> dict:
+        return {s.source.name: {"pairs": len(s.pairs), "skipped": s.skipped, "truncated": s.truncated,
+                                "fingerprint": s.fingerprint} for s in self.sources}
+
+    def attach(self, backend) -> None:
+        """The scalar head comes from build_model (catalog facts: scalar_head); without it the
+        loss would read a vocabulary logit as a reward."""
+        if not value_head.is_attached(backend.unwrapped().inner):
+            raise RuntimeError("method=rm: the model has no scalar head; build_model attaches it for methods "
+                               "whose catalog facts say scalar_head=True")
+
+    # -- batches -------------------------------------------------------------------------
+    def next_batch(self, state, backend) -> StepBatch:
+        t = self.ctx.cfg.train
+        world, rank = self.ctx.run.layout.dp, self.ctx.run.layout.dp_rank
+        per_rank = t.micro_batch_size * t.grad_accum
+        # every rank draws the whole global batch and keeps its slice: the data position is the same everywhere
+        drawn = self.overfit.take(state.step, lambda: [self.mixture.next() for _ in range(per_rank * world)])
+        mine = drawn[rank * per_rank:(rank + 1) * per_rank]
+        pad = self.ctx.tokenizer.pad_token_id
+        micro = []
+        for i in range(0, per_rank, t.micro_batch_size):
+            m = collate([self.sources[s].pairs[r] for s, r in mine[i:i + t.micro_batch_size]], pad)
+            micro.append({k: v.to(self.ctx.device) for k, v in m.items()})
+        self._pairs_in_step = float(len(mine))
+        tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))
+        return StepBatch(micro=micro, denom=float(len(mine)), tokens=tokens)
+
+    def loss(self, model, micro: dict):
+        r_c, r_r = value_head.scores(model, micro).chunk(2)
+        per_pair = rm_loss(r_c, r_r, micro["margin"], self.cfg.center_rewards_coefficient)
+        with torch.no_grad():
+            k = self._pairs_in_step
+            metrics = {"rewards/chosen": float(r_c.sum()) / k, "rewards/rejected": float(r_r.sum()) / k,
+                       "rewards/margins": float((r_c - r_r).sum()) / k,
+                       "rewards/accuracies": float((r_c > r_r).float().sum()) / k}
+        return per_pair.sum(), metrics
+
+    def state_dict(self) -> dict:
+        return {"mixture": self.mixture.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mixture.load_state_dict(state["mixture"])
+
+
+@torch.no_grad()
+def pair_rewards(model, pairs: list, pad_id: int, batch_size: int = 16, autocast=None) -> torch.Tensor:
+    """(2, pairs) rewards of chosen and rejected with a model that carries the scalar head (HF or
+    PEFT, not wrapped); used by the reward_accuracy evaluation and the export's parity gate."""
+    import contextlib
+
+    from workbench.models.head import SelectiveLM
+
+    lm = SelectiveLM(model)
+    was = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for i in range(0, len(pairs), batch_size):
+        micro = {k: v.to(device) for k, v in collate(pairs[i:i + batch_size], pad_id).items()}
+        with autocast or contextlib.nullcontext():
+            out.append(value_head.scores(lm, micro).cpu().view(2, -1))
+    model.train(was)
+    return torch.cat(out, dim=1)
+
+
+def build(cfg, ctx) -> RewardModel:
+    return RewardModel(cfg, ctx)
