@@ -159,6 +159,34 @@ def test_dpo_reference_and_grpo_generation_terms():
     assert vllm.generation == 0 and vllm.vllm_fraction == 0.3
 
 
+def test_each_method_is_counted_as_the_catalog_says():
+    """workbench/catalog.py: pair methods put two sequences through the model, KTO keeps a copied
+    reference without peft (CPO/ORPO/RM none), distillation holds its teacher (sized by
+    plan.teacher_scale), and methods that generate keep a KV cache; the resolved run decides the
+    reference, so a config without one plans none."""
+    kw = dict(peft="none", precision="bf16-mixed", micro_batch=2, seq_len=1024)
+    sft = _est("llama3-8b", method="sft", **kw)[2]
+    for pair in ("kto", "cpo", "orpo", "rm"):
+        assert _est("llama3-8b", method=pair, dpo_ref="none", **kw)[2].activations == pytest.approx(2 * sft.activations)
+    assert _est("llama3-8b", method="kto", dpo_ref="copy", **kw)[2].reference > 0
+    one = _est("llama3-8b", method="distill", dpo_ref="none", **kw)[2]
+    big = _est("llama3-8b", method="distill", dpo_ref="none", teacher_scale=8.0, **kw)[2]
+    assert one.reference > 0 and big.reference == pytest.approx(8 * one.reference) and one.generation > 0
+    for name, ref in (("kto", "copy"), ("cpo", "none"), ("orpo", "none"), ("rm", "none"), ("distill", "none")):
+        assert setup_from(["method=" + name, "peft=none"]).dpo_ref == ref, name
+    n = 8e9
+    assert train_flops_per_token(n, n, "none", "distill") == 10 * n  # + the teacher's forward + generation
+    assert train_flops_per_token(n, n, "none", "kto", "copy") == 8 * n  # + the reference's forward
+    assert train_flops_per_token(n, n, "none", "cpo") == 6 * n
+
+
+def setup_from(overrides):
+    from workbench.plan.setup import from_cfg
+
+    extra = ["method.teacher=tiny"] if "method=distill" in overrides else []
+    return from_cfg(compose([*overrides, *extra]))
+
+
 def test_worked_example_70b_1t_tokens_256_h100():
     h100 = catalog.profiles()["h100-80gb"]
     fpt = train_flops_per_token(70e9, 70e9, "none")
