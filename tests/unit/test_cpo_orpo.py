@@ -76,7 +76,7 @@ def _our_loss_and_grads(module, method_name, tiny, pairs, **options):
     for k, v in options.items():
         setattr(mcfg, k, v)
     method = module.build(mcfg, SimpleNamespace(cfg=cfg, run=derive(cfg)))
-    assert method.ref_model is None and derive(cfg).reference == "none"
+    assert not hasattr(method, "ref") and derive(cfg).reference == "none"
     stream = method.stream
     stream.measure(pairs, pairs)  # a one-rank step of these pairs, as PairStream.step records it
     micro = stream.collate(pairs, tiny.tok.pad_token_id)

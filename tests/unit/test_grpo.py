@@ -18,6 +18,7 @@ from workbench.data.collate import pad_batch
 from workbench.data.formats import IGNORE, prompt_ids
 from workbench.errors import UserError
 from workbench.methods import grpo
+from workbench.methods.reference import Reference
 from workbench.rollout.advantages import group_advantages
 
 G, MAX_NEW = 4, 8
@@ -102,7 +103,7 @@ def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu):  # noq
     cfg.loss_type, cfg.temperature, cfg.beta, cfg.epsilon, cfg.epsilon_high = loss_type, temperature, beta, eps, eps_high
     cfg.max_new_tokens = MAX_NEW
     method = grpo.GRPO.__new__(grpo.GRPO)
-    method.cfg, method.ref_model, method.peft_model = cfg, SelectiveLM(ref_model).eval(), None
+    method.cfg, method.ref = cfg, Reference.frozen(SelectiveLM(ref_model).eval())
     seqs = [(p_ids[i // G] + c, [IGNORE] * len(p_ids[i // G]) + c) for i, c in enumerate(comps)]
     micro = pad_batch(seqs, pad)
     micro["advantages"], micro["n_tokens"] = adv, micro["select"].sum(dim=1)

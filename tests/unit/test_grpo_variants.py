@@ -26,6 +26,7 @@ from workbench.data.collate import pad_batch
 from workbench.data.formats import IGNORE, prompt_ids
 from workbench.errors import UserError
 from workbench.methods import grpo
+from workbench.methods.reference import Reference
 from workbench.rollout.advantages import group_advantages, rloo_advantages
 
 TEMPERATURE, BETA = 0.7, 0.05
@@ -73,7 +74,7 @@ def _ours(saved, overrides: dict, ref_model):
     for k, v in overrides.items():
         setattr(cfg, k, v)
     method = grpo.GRPO.__new__(grpo.GRPO)
-    method.cfg, method.ref_model, method.peft_model = cfg, SelectiveLM(ref_model).eval(), None
+    method.cfg, method.ref = cfg, Reference.frozen(SelectiveLM(ref_model).eval())
     p_ids, comps = _batch(saved)[:2]
     seqs = [(p_ids[i // G] + c, [IGNORE] * len(p_ids[i // G]) + c) for i, c in enumerate(comps)]
     micro = pad_batch(seqs, saved.tok.pad_token_id)

@@ -175,7 +175,6 @@ class CPO(Method):
         self.cfg = cfg
         self.ctx = ctx
         self.stream = PairStream(ctx)
-        self.ref_model = None  # reference-free: nothing to set up in attach()
 
     def prepare(self, ctx) -> None:
         self.stream.prepare(ctx)

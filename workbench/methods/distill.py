@@ -42,7 +42,6 @@ in attach(), frozen, in eval mode, on the run's device, in the precision's froze
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 from dataclasses import dataclass
@@ -59,6 +58,7 @@ from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
 from workbench.errors import UserError
 from workbench.methods.base import Method
+from workbench.rollout.generate import generate_ids
 
 
 @dataclass
@@ -180,42 +180,6 @@ def prompt_length(labels: list[int]) -> int:
 
 
 @torch.no_grad()
-def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: int, pad_id: int,
-                 temperature: float, autocast=None, synced: bool = False) -> list[list[int]]:
-    """Sampled completions (end-of-turn and padding stripped) of token-id prompts, left-padded,
-    with the KV cache on and the Gumbel-max draw of workbench/rollout/generate.py."""
-    from workbench.rollout.generate import gumbel_max
-
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        attn[i, width - len(p):] = 1
-    device = next(model.parameters()).device
-    was_training, cfg = model.training, getattr(model, "config", None)
-    old_cache = getattr(cfg, "use_cache", None)
-    model.eval()
-    if cfg is not None:
-        cfg.use_cache = True
-    try:
-        with (autocast or contextlib.nullcontext()):
-            out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
-                                 max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature,
-                                 top_p=1.0, top_k=None, eos_token_id=eot_id, pad_token_id=pad_id,
-                                 synced_gpus=synced, logits_processor=gumbel_max())
-    finally:
-        if cfg is not None:
-            cfg.use_cache = old_cache
-        model.train(was_training)
-    completions = []
-    for row in out[:, width:].tolist():
-        if eot_id in row:
-            row = row[: row.index(eot_id)]
-        completions.append([t for t in row if t != pad_id])
-    return completions
-
-
 class Distill(Method):
     name = "distill"
 
@@ -293,8 +257,9 @@ class Distill(Method):
         c, tok, eot = self.cfg, self.ctx.tokenizer, self.ctx.contract.end_of_turn_id
         prompts = [ids[:prompt_length(labels)] for ids, labels in examples]
         with backend.generation() as (model, synced):
-            comp = generate_ids(model, prompts, c.max_new_tokens, eot, tok.pad_token_id, c.temperature,
-                                autocast=precision.autocast(self.ctx.run.precision, self.ctx.device), synced=synced)
+            comp = generate_ids(model, prompts, c.max_new_tokens, eot, tok.pad_token_id, do_sample=True,
+                                temperature=c.temperature, synced=synced,
+                                autocast=precision.autocast(self.ctx.run.precision, self.ctx.device))
         rows = []
         for p, ids in zip(prompts, comp):
             # end-of-turn is trained when the completion stopped by itself (as GKD keeps its EOS)

@@ -24,7 +24,6 @@ log-ratios), rewards/margins, rewards/accuracies, logps/chosen, logps/rejected, 
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from workbench.data.preference import tokenise_preferences
 from workbench.data.recipes import load_recipe
 from workbench.errors import UserError
 from workbench.methods.base import Method
+from workbench.methods.reference import Reference
 
 LOSSES = ("sigmoid", "ipo", "hinge")
 REFERENCES = ("auto", "adapter", "copy", "precomputed")
@@ -113,8 +113,7 @@ class DPO(Method):
         self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
         check(cfg)
         self.reference = ctx.run.reference  # workbench/resolved.py
-        self.ref_model = None
-        self.peft_model = None
+        self.ref: Reference | None = None  # adapter / copy (workbench/methods/reference.py)
         self.ref_logps: list[torch.Tensor] | None = None  # per source: (rows, 2) chosen, rejected
         self._pairs_in_step = 1.0
 
@@ -134,16 +133,10 @@ class DPO(Method):
     def attach(self, backend) -> None:
         """Set up the reference once the backend holds the model (before any step)."""
         module = backend.unwrapped()
-        if self.reference == "adapter":
-            self.peft_model = module.inner
-            if not hasattr(self.peft_model, "disable_adapter"):
-                raise UserError("method.reference=adapter: the model has no PEFT adapters to disable")
-        elif self.reference == "copy":
-            self.ref_model = copy.deepcopy(module).eval()
-            for p in self.ref_model.parameters():
-                p.requires_grad_(False)
-        else:
+        if self.reference == "precomputed":
             self.ref_logps = self._precompute(module)
+        else:
+            self.ref = Reference(self.reference, module)
 
     def _fingerprint(self) -> str:
         c = self.ctx.cfg
@@ -209,13 +202,7 @@ class DPO(Method):
     def _reference(self, model, micro) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ref_logps is not None:
             return micro["ref_chosen"], micro["ref_rejected"]
-        with torch.no_grad():
-            if self.ref_model is not None:
-                lp = sequence_logps(self.ref_model, micro)
-            else:
-                with self.peft_model.disable_adapter():
-                    lp = sequence_logps(model, micro)
-        return lp.chunk(2)
+        return self.ref.logps(sequence_logps, model, micro).chunk(2)
 
     def loss(self, model, micro: dict):
         ref_c, ref_r = self._reference(model, micro)

@@ -44,6 +44,7 @@ from workbench.data.preference import read_prompts
 from workbench.data.recipes import load_recipe
 from workbench.errors import UserError
 from workbench.methods.base import Method
+from workbench.methods.reference import Reference
 from workbench.rollout import advantages, objectives, rewards
 
 
@@ -182,8 +183,7 @@ class GRPO(Method):
         self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
         self.reward_fns = check(cfg, ctx.cfg)
         self.engine = None
-        self.ref_model = None
-        self.peft_model = None
+        self.ref: Reference | None = None  # only for the KL term (workbench/methods/reference.py)
         self._cached: StepBatch | None = None
         self._uses = 0
         self._step_tokens = 1.0
@@ -208,14 +208,7 @@ class GRPO(Method):
         module = backend.unwrapped()
         reference = self.ctx.run.reference  # none (beta=0) | adapter | copy: workbench/resolved.py
         if reference != "none":
-            if reference == "adapter":
-                self.peft_model = module.inner
-            else:
-                import copy
-
-                self.ref_model = copy.deepcopy(module).eval()
-                for p in self.ref_model.parameters():
-                    p.requires_grad_(False)
+            self.ref = Reference(reference, module)
         if self.cfg.engine == "vllm":
             from workbench.rollout.vllm_engine import VLLMEngine
 
@@ -391,11 +384,7 @@ class GRPO(Method):
 
     # -- loss ----------------------------------------------------------------------------
     def _ref_logps(self, model, micro):
-        with torch.no_grad():
-            if self.ref_model is not None:
-                return token_logps(self.ref_model, micro, self.cfg.temperature)
-            with self.peft_model.disable_adapter():
-                return token_logps(model, micro, self.cfg.temperature)
+        return self.ref.logps(lambda m, x: token_logps(m, x, self.cfg.temperature), model, micro)
 
     def _sequence_kl(self, model, micro):
         """Per completion of the micro-batch, the summed k1 KL of the generating policy to the

@@ -46,7 +46,6 @@ ones, rewards/margins (their difference), where rewards are b * r.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +59,7 @@ from workbench.data.unpaired import Unpaired, tokenise_unpaired
 from workbench.errors import UserError
 from workbench.methods.base import Method
 from workbench.methods.dpo import REFERENCES, sequence_logps
+from workbench.methods.reference import Reference
 
 LOSSES = ("kto", "apo_zero_unpaired")
 
@@ -134,8 +134,7 @@ class KTO(Method):
         self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
         check(cfg, ctx.cfg.train)
         self.reference = ctx.run.reference  # workbench/resolved.py (auto -> adapter / copy)
-        self.ref_model = None
-        self.peft_model = None
+        self.ref: Reference | None = None  # adapter / copy (workbench/methods/reference.py)
         self.kl = cfg.loss_type == "kto"
         self._counts = (1.0, 1.0, 1.0)  # examples, desirable, undesirable in this rank's step
 
@@ -154,22 +153,10 @@ class KTO(Method):
     # -- reference -----------------------------------------------------------------------
     def attach(self, backend) -> None:
         """The reference, as DPO sets up adapter / copy (workbench/methods/dpo.py DPO.attach)."""
-        module = backend.unwrapped()
-        if self.reference == "adapter":
-            self.peft_model = module.inner
-            if not hasattr(self.peft_model, "disable_adapter"):
-                raise UserError("method.reference=adapter: the model has no PEFT adapters to disable")
-        else:
-            self.ref_model = copy.deepcopy(module).eval()
-            for p in self.ref_model.parameters():
-                p.requires_grad_(False)
+        self.ref = Reference(self.reference, backend.unwrapped())
 
-    @torch.no_grad()
     def _reference(self, model, rows: dict) -> torch.Tensor:
-        if self.ref_model is not None:
-            return sequence_logps(self.ref_model, rows)
-        with self.peft_model.disable_adapter():
-            return sequence_logps(model, rows)
+        return self.ref.logps(sequence_logps, model, rows)
 
     # -- batches -------------------------------------------------------------------------
     def next_batch(self, state, backend) -> StepBatch:

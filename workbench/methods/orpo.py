@@ -101,7 +101,6 @@ class ORPO(Method):
             self.stream = PairStream(ctx, nll_tokens=sequence_tokens, collate_fn=collate_whole_chosen)
         else:
             self.stream = PairStream(ctx, nll_tokens=completion_tokens)
-        self.ref_model = None  # reference-free: nothing to set up in attach()
 
     def prepare(self, ctx) -> None:
         self.stream.prepare(ctx)

@@ -83,11 +83,21 @@ def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: 
     synced: every rank keeps stepping until all ranks are done (parameters sharded over ranks).
     dedup: prefill each distinct prompt once and share its KV cache (see the module docstring);
     False: HF's plain path, which prefills every one of the len(conversations) x G rows."""
+    prompts = [prompt_ids(tokenizer, c) for c in conversations]
+    return generate_ids(model, prompts, max_new_tokens, eot_id, tokenizer.pad_token_id, do_sample=do_sample,
+                        temperature=temperature, top_p=top_p, num_return_sequences=num_return_sequences,
+                        autocast=autocast, synced=synced, dedup=dedup)
+
+
+@torch.no_grad()
+def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: int, pad: int,
+                 do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+                 num_return_sequences: int = 1, autocast=None, synced: bool = False,
+                 dedup: bool = True) -> list[list[int]]:
+    """`generate` on prompts already tokenised (distillation's on-policy completions)."""
     import contextlib
 
-    prompts = [prompt_ids(tokenizer, c) for c in conversations]
     width = max(len(p) for p in prompts)
-    pad = tokenizer.pad_token_id
     G = num_return_sequences
     ids, attn = _left_pad(prompts, width, pad)
     # distinct prompts, and for every output row the distinct prompt it continues
