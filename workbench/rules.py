@@ -182,6 +182,10 @@ RULES: list[Rule] = [
          lambda c, e: int(c.hardware.nodes) > 1 and not c.hardware.rdzv_endpoint,
          "hardware.nodes > 1 needs a rendezvous: set hardware.rdzv_endpoint=host:port (the same on every node)"),
     # unsloth
+    Rule("unsloth-scalar-head", {"loader": "unsloth", "method": "rm"},
+         lambda c, e: c.model.loader == "unsloth" and _facts(c).scalar_head,
+         lambda c, e: f"method={_method(c)} puts a scalar head on the model, which unsloth's loader does not build; "
+                      "use model.loader=hf"),
     Rule("unsloth-needs-cuda", {"hardware": "cpu", "loader": "unsloth"},
          lambda c, e: c.model.loader == "unsloth" and _dev(c) != "cuda",
          "model.loader=unsloth needs a single CUDA GPU; on CPU use model.loader=hf"),

@@ -125,6 +125,7 @@ CASES = [
     ("sharded-copied-reference", {"method": {"name": "kto", "reference": "auto"}, "peft.kind": "none",
                                   "backend": {"name": "fsdp2"}}, CPU, "use peft=lora"),
     ("new-methods-megatron", {"method": {"name": "kto"}, "backend": {"name": "megatron"}}, CPU, "backend=fsdp2"),
+    ("unsloth-scalar-head", {"method": {"name": "rm"}, "model.loader": "unsloth"}, CPU, "model.loader=hf"),
     ("distill-needs-teacher", {"method": {"name": "distill"}}, CPU, "needs method.teacher: set it"),
     ("distill-packing", {"method": {"name": "distill", "teacher": "tiny"}, "data.packing": True}, CPU,
      "data.packing=false"),

@@ -179,7 +179,6 @@ def prompt_length(labels: list[int]) -> int:
     return max(start, 0)
 
 
-@torch.no_grad()
 class Distill(Method):
     name = "distill"
 
