@@ -114,7 +114,7 @@ DATA_CASES = [
     ("pc-completion-int", T({"prompt": "q", "completion": 3}), [], r"rows.jsonl:1: .*completion"),
     ("text-empty", T({"text": ""}), [], r"rows.jsonl:1: 'text' is empty"),
     ("text-int", T({"text": 5}), [], r"rows.jsonl:1: 'text' must be a string"),
-    ("preference-row-for-sft", T(PAIR), [], r"rows.jsonl:1: format preference rows are for method=dpo/grpo"),
+    ("preference-row-for-sft", T(PAIR), [], r"rows.jsonl:1: format preference rows are for method=dpo/kto/grpo"),
     # DPO
     ("dpo-content-int", T({"prompt": [{"role": U, "content": 5}], "chosen": "2", "rejected": "3"}), ["method=dpo"],
      r"rows.jsonl:1: prompt\[0\]\.content must be a string"),

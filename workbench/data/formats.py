@@ -212,6 +212,7 @@ FORMATS = {
     "messages": ("messages",),
     "sharegpt": ("conversations",),
     "preference": ("prompt", "chosen", "rejected"),
+    "unpaired": ("prompt", "completion", "label"),  # KTO (workbench/data/unpaired.py)
     "alpaca": ("instruction", "output"),
     "prompt_completion": ("prompt", "completion"),
     "prompt_only": ("prompt",),
@@ -228,6 +229,7 @@ EXPECTED = {
     "prompt_completion": '{"prompt": ..., "completion": ...} (strings or message lists)',
     "text": '{"text": ...}',
     "preference": '{"prompt": ..., "chosen": ..., "rejected": ...}',
+    "unpaired": '{"prompt": ..., "completion": ..., "label": true|false}',
     "prompt_only": '{"prompt": ..., "answer": ... (optional)}',
 }
 
@@ -322,8 +324,8 @@ def to_messages(row: dict, fmt: str, where: str) -> list[dict] | str:
         if not text.strip():
             raise UserError(f"{where}: 'text' is empty")
         return text
-    elif fmt in ("preference", "prompt_only"):
-        raise UserError(f"{where}: format {fmt} rows are for method=dpo/grpo, not supervised fine-tuning; "
+    elif fmt in ("preference", "prompt_only", "unpaired"):
+        raise UserError(f"{where}: format {fmt} rows are for method=dpo/kto/grpo, not supervised fine-tuning; "
                         f"SFT formats: {', '.join(SFT_FORMATS)}")
     else:
         raise UserError(f"{where}: unknown format {fmt!r}; choose one of {', '.join(FORMATS)} or auto")
