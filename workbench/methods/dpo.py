@@ -4,6 +4,7 @@
     python -m workbench method=dpo method.loss_type=ipo method.beta=0.5
     python -m workbench method=dpo peft=none                         # full fine-tuning, frozen copy as reference
     python -m workbench method=dpo method.reference=precomputed      # reference log-probs computed once, cached
+    python -m workbench method=dpo method.share_prompt=false         # two rows per pair (chosen, rejected)
 
 Losses on the reference-relative log-ratio difference d = (pi_c - ref_c) - (pi_r - ref_r):
 `sigmoid` -(1-e) log s(b d) - e log s(-b d) (e = label_smoothing, conservative DPO), `ipo`
@@ -11,6 +12,13 @@ Losses on the reference-relative log-ratio difference d = (pi_c - ref_c) - (pi_r
 `rpo_alpha` > 0, that times the chosen completion's per-token NLL (RPO). Log-probs are summed over
 completion tokens only (SelectiveLM's `select`). The step's loss is the sum over pairs divided
 by the global number of pairs (StepBatch.denom).
+
+Layout: with `share_prompt` (the default) a pair is one row, the prompt once and the chosen and
+rejected completions as two branches that cannot see each other (workbench/data/pair_tree.py):
+the decoder reads each prompt once and rows are no longer padded to the longest of 2N. The
+log-probs are those of two rows per pair (`collate`, `sequence_logps`) up to rounding. Models
+that cannot take that layout (no split head, an attention kernel without 4-D masks, a short
+sliding window: pair_tree.tree_unsupported) keep two rows per pair, with a note on stderr.
 
 Reference: `adapter` (the PEFT model with adapters disabled; no second copy; the default with
 peft), `copy` (a frozen copy of the initial model; the default without peft), `precomputed`
@@ -26,6 +34,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +45,7 @@ from workbench.batch import StepBatch
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture
 from workbench.data.overfit import Overfit
+from workbench.data.pair_tree import tree_batch, tree_unsupported
 from workbench.data.preference import tokenise_preferences
 from workbench.data.recipes import load_recipe
 from workbench.errors import UserError
@@ -58,6 +69,9 @@ class Config:
     rpo_alpha: float = 0.0
     reference: str = "auto"  # auto (adapter with peft, copy without) | adapter | copy | precomputed
     precompute_batch_size: int = 16
+    # one row per pair, the prompt shared by both completions (workbench/data/pair_tree.py);
+    # false, or a model that cannot take it, gives two rows per pair
+    share_prompt: bool = True
 
 
 def check(cfg) -> None:
@@ -82,6 +96,21 @@ def sequence_logps(model, micro: dict) -> torch.Tensor:
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
     rows = micro["select"].nonzero()[:, 0]
     return torch.zeros(micro["input_ids"].shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
+
+
+def tree_logps(model, micro: dict) -> torch.Tensor:
+    """sequence_logps of a pair_tree.tree_batch micro-batch: shape (2N,), chosen then rejected."""
+    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                   position_ids=micro["position_ids"], select=micro["select"])
+    # The last shared position's row is read twice (first chosen and first rejected token).
+    logp = torch.log_softmax(logits.float(), dim=-1)[micro["head_slot"], micro["targets"]]
+    return torch.zeros(micro["n_tokens"].shape[0], dtype=logp.dtype, device=logp.device).index_add(
+        0, micro["logp_rows"], logp)
+
+
+def pair_logps(model, micro: dict) -> torch.Tensor:
+    """Per-row log-probs (2N,) of either layout: tree rows (tree_batch) or two rows per pair (collate)."""
+    return tree_logps(model, micro) if "head_slot" in micro else sequence_logps(model, micro)
 
 
 def dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg, n_c=None, n_r=None) -> torch.Tensor:
@@ -116,6 +145,7 @@ class DPO(Method):
         self.ref: Reference | None = None  # adapter / copy (workbench/methods/reference.py)
         self.ref_logps: list[torch.Tensor] | None = None  # per source: (rows, 2) chosen, rejected
         self._pairs_in_step = 1.0
+        self.tree = False  # one row per pair (set in attach, once the model is known)
 
     # -- data ----------------------------------------------------------------------------
     def prepare(self, ctx) -> None:
@@ -133,16 +163,34 @@ class DPO(Method):
     def attach(self, backend) -> None:
         """Set up the reference once the backend holds the model (before any step)."""
         module = backend.unwrapped()
+        self.tree = self.cfg.share_prompt and self._tree_fits(module)
         if self.reference == "precomputed":
             self.ref_logps = self._precompute(module)
         else:
             self.ref = Reference(self.reference, module)
+
+    def _tree_fits(self, module) -> bool:
+        reason = tree_unsupported(module, self.ctx.cfg.data.seq_len)
+        if reason and int(os.environ.get("RANK", "0")) == 0:
+            print(f"note: method.share_prompt: {reason}; using two rows per pair", file=sys.stderr)
+        return reason is None
+
+    def _collate(self, pairs: list) -> dict:
+        """A micro-batch in this run's layout; real_tokens: the input tokens the model reads."""
+        pad = self.ctx.tokenizer.pad_token_id
+        if self.tree:
+            return tree_batch(pairs, pad)
+        micro = collate(pairs, pad)
+        micro["real_tokens"] = int(micro["attention_mask"].sum())
+        return micro
 
     def _fingerprint(self) -> str:
         c = self.ctx.cfg
         key = {"model": [c.model.name, c.model.hub_id, c.model.path, c.model.init_seed],
                "quantised": self.ctx.run.peft.quantised, "precision": self.ctx.run.precision.name,
                "data": [s.fingerprint for s in self.sources], "sizes": [len(s.pairs) for s in self.sources]}
+        if self.tree:  # equal to the two-row values up to rounding; kept apart so a cache is one layout's
+            key["layout"] = "tree"
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
 
     @torch.no_grad()
@@ -158,15 +206,16 @@ class DPO(Method):
         was = module.training
         module.eval()
         out, bs = [], self.cfg.precompute_batch_size
-        pad = self.ctx.tokenizer.pad_token_id
         device = self.ctx.device
         with precision.autocast(self.ctx.run.precision, device):
             for src in self.sources:
                 vals = []
                 for i in range(0, len(src.pairs), bs):
                     chunk = src.pairs[i:i + bs]
-                    micro = {k: v.to(device) for k, v in collate(chunk, pad).items()}
-                    lp = sequence_logps(module, micro).float().cpu()
+                    micro = self._collate(chunk)
+                    micro.pop("real_tokens")
+                    micro = {k: v.to(device) for k, v in micro.items()}
+                    lp = pair_logps(module, micro).float().cpu()
                     vals.append(torch.stack(lp.chunk(2), dim=1))
                 out.append(torch.cat(vals))
         module.train(was)
@@ -186,27 +235,26 @@ class DPO(Method):
         per_rank = t.micro_batch_size * t.grad_accum
         drawn = self.overfit.take(state.step, lambda: self._draw(per_rank * world))  # every rank draws it all, keeps its slice
         mine = drawn[rank * per_rank:(rank + 1) * per_rank]
-        pad = self.ctx.tokenizer.pad_token_id
-        micro = []
+        micro, tokens = [], 0
         for i in range(0, per_rank, t.micro_batch_size):
             idx = mine[i:i + t.micro_batch_size]
-            m = collate([self.sources[s].pairs[r] for s, r in idx], pad)
+            m = self._collate([self.sources[s].pairs[r] for s, r in idx])
+            tokens += m.pop("real_tokens")
             if self.ref_logps is not None:
                 ref = torch.stack([self.ref_logps[s][r] for s, r in idx])
                 m["ref_chosen"], m["ref_rejected"] = ref[:, 0], ref[:, 1]
             micro.append({k: v.to(self.ctx.device) for k, v in m.items()})
         self._pairs_in_step = float(len(mine))
-        tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))
         return StepBatch(micro=micro, denom=float(len(mine)), tokens=tokens)
 
     def _reference(self, model, micro) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ref_logps is not None:
             return micro["ref_chosen"], micro["ref_rejected"]
-        return self.ref.logps(sequence_logps, model, micro).chunk(2)
+        return self.ref.logps(pair_logps, model, micro).chunk(2)
 
     def loss(self, model, micro: dict):
         ref_c, ref_r = self._reference(model, micro)
-        pi_c, pi_r = sequence_logps(model, micro).chunk(2)
+        pi_c, pi_r = pair_logps(model, micro).chunk(2)
         n_c, n_r = micro["n_tokens"].chunk(2)
         per_pair = dpo_loss(pi_c, pi_r, ref_c.float(), ref_r.float(), self.cfg, n_c, n_r)
         nll = -pi_c / n_c.clamp(min=1)
@@ -240,11 +288,15 @@ def preference_accuracy(model, tokenizer, contract, rows: list[dict], batch_size
     was = model.training
     model.eval()
     device = next(model.parameters()).device
+    longest = max((max(len(p.chosen[0]), len(p.rejected[0])) for p in pairs), default=0)
+    tree = tree_unsupported(lm, longest) is None
     wins = 0
     for i in range(0, len(pairs), batch_size):
-        micro = {k: v.to(device) for k, v in collate(pairs[i:i + batch_size], tokenizer.pad_token_id).items()}
+        chunk, pad = pairs[i:i + batch_size], tokenizer.pad_token_id
+        micro = tree_batch(chunk, pad) if tree else collate(chunk, pad)
+        micro = {k: v.to(device) for k, v in micro.items() if isinstance(v, torch.Tensor)}
         with (autocast or contextlib.nullcontext()):
-            c, r = sequence_logps(lm, micro).chunk(2)
+            c, r = pair_logps(lm, micro).chunk(2)
         wins += int((c > r).sum())
     model.train(was)
     return wins / max(1, len(pairs))

@@ -1,0 +1,131 @@
+"""Preference pairs as one row each: the shared prompt once, then both completions as branches.
+
+    micro = tree_batch(pairs, pad_id)        # N rows: [prefix | chosen rest | rejected rest]
+    reason = tree_unsupported(lm, seq_len)   # None, or why a model must keep two rows per pair
+
+`dpo.collate` makes 2N rows (every chosen, then every rejected), so the decoder reads each
+prompt twice and every row is padded to the longest of the 2N. Here a pair is one row:
+
+    tokens     p0 .. p(P-1) | c(P) .. c(Lc-1) | r(P) .. r(Lr-1) | pad
+    positions  0  .. P-1    | P    .. Lc-1    | P    .. Lr-1    | 0, 1, ..
+    sees       prefix,      | prefix and      | prefix and      | earlier padding
+               causally     | earlier chosen  | earlier rejected|
+
+P is the length of the longest common prefix of the two token sequences (the prompt, plus any
+completion tokens the two share), so every token sees exactly the tokens and position ids it
+sees in its own unshared row, and the hidden states are the unshared ones up to rounding.
+The mask is a boolean B x 1 x T x T tensor that transformers hands to SDPA as is (the layout
+of collate.pack_rows(mask="4d")). Padding attends to earlier padding only, so no query row is
+fully masked (SDPA would return NaN there) and no real token reads it.
+
+The head runs once per position some branch reads (`select`, a boolean mask, as SelectiveLM
+takes it). The last shared position predicts both the first chosen and the first rejected
+token: its one log-softmax row is read twice, through `head_slot` (which selected position
+each target reads) and `targets`. `logp_rows` says which of the 2N sums (chosen 0..N-1, then
+rejected 0..N-1) each target goes to, in the order dpo.collate's rows produce them, so the
+sums add the same terms in the same order as the two-row layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workbench.data.formats import IGNORE
+
+# Attention kernels that apply a boolean 4-D mask as given (eager adds the mask to the scores,
+# flash-attention takes no mask at all).
+MASKED_KERNELS = ("sdpa",)
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _branch(ids: list[int], labels: list[int], prefix: int, offset: int):
+    """(row columns, targets) of one completion: positions t whose next label is trained."""
+    lab = torch.as_tensor(labels)
+    t = (lab[1:] != IGNORE).nonzero()[:, 0]
+    # Positions inside the shared prefix stay where they are; the rest of a branch is shifted
+    # by `offset` columns (0 for chosen, which follows the prefix directly).
+    cols = torch.where(t < prefix, t, t + offset)
+    return cols, lab[1:][t]
+
+
+def tree_batch(pairs: list, pad_id: int) -> dict:
+    """One micro-batch of N rows (one per pair); see the module docstring for the keys."""
+    n = len(pairs)
+    prefixes = [shared_prefix(p.chosen[0], p.rejected[0]) for p in pairs]
+    lengths = [len(p.chosen[0]) + len(p.rejected[0]) - s for p, s in zip(pairs, prefixes)]
+    width = max(lengths)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    pos = torch.zeros((n, width), dtype=torch.long)
+    seg = torch.full((n, width), -1, dtype=torch.long)  # 0 prefix, 1 chosen, 2 rejected, -1 padding
+    branch_cols: list[list[torch.Tensor]] = [[], []]  # per side (chosen, rejected): per pair
+    branch_targets: list[list[torch.Tensor]] = [[], []]
+    n_tokens = torch.zeros(2 * n, dtype=torch.long)
+    for b, (p, s, end) in enumerate(zip(pairs, prefixes, lengths)):
+        (c_ids, c_lab), (r_ids, r_lab) = p.chosen, p.rejected
+        lc = len(c_ids)
+        ids[b, :lc] = torch.as_tensor(c_ids)
+        ids[b, lc:end] = torch.as_tensor(r_ids[s:], dtype=torch.long)
+        pos[b, :lc] = torch.arange(lc)
+        pos[b, lc:end] = torch.arange(s, len(r_ids))
+        pos[b, end:] = torch.arange(width - end)
+        seg[b, :s], seg[b, s:lc], seg[b, lc:end] = 0, 1, 2
+        for side, (x, lab, offset) in enumerate(((c_ids, c_lab, 0), (r_ids, r_lab, lc - s))):
+            cols, tgt = _branch(x, lab, s, offset)
+            branch_cols[side].append(cols)
+            branch_targets[side].append(tgt)
+            n_tokens[side * n + b] = len(tgt)
+
+    # Targets in dpo.collate's order: chosen rows 0..N-1, then rejected rows, each by position.
+    rows = torch.cat([torch.full_like(c, b) for side in branch_cols for b, c in enumerate(side)])
+    cols = torch.cat([c for side in branch_cols for c in side])
+    targets = torch.cat([t for side in branch_targets for t in side])
+    logp_rows = torch.cat([torch.full_like(c, side * n + b) for side in (0, 1)
+                           for b, c in enumerate(branch_cols[side])])
+
+    select = torch.zeros((n, width), dtype=torch.bool)
+    select[rows, cols] = True
+    # The head's output rows are the selected positions in row-major order; slot[b, t] is the
+    # output row of position (b, t).
+    slot = (select.flatten().cumsum(0) - 1).view(n, width)
+
+    q, k = seg.unsqueeze(2), seg.unsqueeze(1)  # B x T x 1, B x 1 x T
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    # Same segment (prefix, one branch, or padding), or a prefix key seen by a real token.
+    mask = causal & ((q == k) | ((k == 0) & (q >= 0)))
+    return {"input_ids": ids, "attention_mask": mask.unsqueeze(1), "position_ids": pos, "select": select,
+            "head_slot": slot[rows, cols], "targets": targets, "logp_rows": logp_rows, "n_tokens": n_tokens,
+            "real_tokens": int((seg >= 0).sum())}
+
+
+def tree_unsupported(module, seq_len: int) -> str | None:
+    """Why `module` cannot take tree rows (None when it can).
+
+    Needs a SelectiveLM that splits decoder and head, an attention kernel that applies a 4-D
+    boolean mask as given (MASKED_KERNELS), and no sliding window that could bite: transformers
+    applies a custom 4-D mask as is on every layer, so a window shorter than `seq_len` (the
+    longest sequence a pair can have) would be dropped.
+    """
+    from workbench.models.head import SelectiveLM
+    from workbench.peft.lora import base_model
+
+    if not isinstance(module, SelectiveLM):
+        return f"the backend's model is a {type(module).__name__}, not a SelectiveLM"
+    if not module._split:
+        return "this model family computes its logits in its own forward (no separate decoder and head)"
+    config = getattr(base_model(module.inner), "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in MASKED_KERNELS:
+        return f"attention {impl!r} does not take a 4-D mask (needs one of {list(MASKED_KERNELS)})"
+    layer_types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None)
+    sliding = "sliding_attention" in layer_types or (
+        not layer_types and window and getattr(config, "use_sliding_window", True))
+    if sliding and window and window < seq_len:
+        return f"sliding-window attention ({window} tokens) shorter than the sequences ({seq_len})"
+    return None
