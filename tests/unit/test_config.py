@@ -46,8 +46,11 @@ def test_model_70b_alias_resolves_to_llama3_70b():
 def test_group_files_map_to_modules():
     from workbench import backends, methods
 
-    plugin_methods = {n for n in choices("method") if n not in ("lora", "qlora")}  # aliases of sft
+    aliases = {"lora": "sft", "qlora": "sft", "simpo": "cpo", "gspo": "grpo", "rloo": "grpo"}
+    plugin_methods = {n for n in choices("method") if n not in aliases}
     assert plugin_methods == set(methods.CHOICES)
+    for alias, name in aliases.items():  # an alias is its method with other options
+        assert compose([f"method={alias}"], validate=False).method.name == name, alias
     assert set(choices("backend")) == set(backends.CHOICES)
 
 
