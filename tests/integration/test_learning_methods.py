@@ -17,7 +17,8 @@ across seeds, each test runs seed 0.
   the reward model over-scores, truncated text it never saw), so the test is a strict xfail that
   reports when a better reward model makes it pass.
 - method=kto and method=simpo: held-out preference accuracy (`arith_pref`: the chosen completion's
-  log-prob above the rejected one's) rises by >= 15 points.
+  log-prob above the rejected one's) rises by >= 15 points. Seeds 0 and 1: SimPO +21, +23; KTO
+  +19, +9 (seed 1 falls short, so the KTO test's seed 0 is not the whole story).
 - method=distill from a 60-step SFT teacher into SmolLM2 itself: the student closes at least half
   of the teacher-student gap in held-out exact match.
 """
