@@ -6,7 +6,7 @@ TRL's side is its own trainer class (trl.experimental.cpo.CPOTrainer, trl.experi
 on the tiny model saved to a directory: its collator pads our token ids, its compute_loss runs
 the model and the loss. Ours is the method's loss on the same pairs divided by the pair count, as
 the backend does. The NLL terms are matched exactly, not on chosen rows of equal length: both
-sides average it over every NLL token of the batch (workbench/methods/cpo.py, PairStream), and
+sides average it over every NLL token of the batch (workbench/methods/pairs.py, PairStream), and
 the pairs below have chosen completions of different lengths and prompts of different lengths,
 so a per-pair mean would fail the comparison. Both trainers score completions with full logits
 and selective_log_softmax, so the Triton log-prob shim of tests/unit/test_dpo.py is not needed.

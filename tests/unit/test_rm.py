@@ -95,7 +95,7 @@ def test_loss_and_grads_equal_trl(tiny, tmp_path, margin, center):
     OmegaConf.set_readonly(cfg, False)
     cfg.center_rewards_coefficient = center
     method = rm.RewardModel(cfg, SimpleNamespace(cfg=tiny.cfg))
-    method._pairs_in_step = float(len(pairs))
+    method.stream.pairs = float(len(pairs))
     micro = rm.collate(pairs, tiny.tok.pad_token_id)
     assert torch.equal(micro["input_ids"], batch["input_ids"])  # same rows, same padding
     loss_sum, metrics = method.loss(SelectiveLM(model).train(), micro)

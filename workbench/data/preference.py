@@ -38,7 +38,8 @@ PREFERENCE_SCHEMAS = (
 PROMPT_SCHEMAS = '{"prompt": str | [messages], ...extra columns for rewards (e.g. "answer")}'
 
 
-def _messages(value, where: str, what: str, role: str) -> list[dict]:
+def messages(value, where: str, what: str, role: str) -> list[dict]:
+    """A string as one `role` message, or a checked list of {role, content} messages."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
     if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m and "content" in m
@@ -60,12 +61,12 @@ def preference_row(row: dict, where: str) -> tuple[list[dict], list[dict], list[
         raise UserError(f"{where}: not a preference row (keys: {sorted(row)}); a preference method accepts: "
                         f"{PREFERENCE_SCHEMAS}")
     if "prompt" in row:
-        prompt = _messages(row["prompt"], where, "prompt", "user")
-        chosen = _messages(row["chosen"], where, "chosen", "assistant")
-        rejected = _messages(row["rejected"], where, "rejected", "assistant")
+        prompt = messages(row["prompt"], where, "prompt", "user")
+        chosen = messages(row["chosen"], where, "chosen", "assistant")
+        rejected = messages(row["rejected"], where, "rejected", "assistant")
     else:
-        full_c = _messages(row["chosen"], where, "chosen", "assistant")
-        full_r = _messages(row["rejected"], where, "rejected", "assistant")
+        full_c = messages(row["chosen"], where, "chosen", "assistant")
+        full_r = messages(row["rejected"], where, "rejected", "assistant")
         n = _common_prefix(full_c, full_r)
         if n == 0 or n == len(full_c) or n == len(full_r):
             raise UserError(f"{where}: chosen and rejected conversations need a shared prompt and must differ "
@@ -126,19 +127,28 @@ def _check_format(source: Source, wanted: str, schemas: str) -> None:
                         f"format {wanted} (or auto): {schemas}")
 
 
+def checked_rows(source: Source, parse, out, data_cfg):
+    """parse(row, where) for each row of `source`; a row whose parse raises a UserError stops the
+    run, or with data.on_bad_row=skip is counted in out.skipped / out.bad."""
+    for where, row in iter_rows(source):
+        try:
+            parsed = parse(row, where)
+        except UserError as exc:
+            if data_cfg.on_bad_row != "skip":
+                raise
+            out.skipped += 1
+            out.bad.append(str(exc))
+            continue
+        yield parsed
+
+
 def tokenise_preferences(source: Source, tokenizer, contract, data_cfg) -> PreferenceSource:
     _check_format(source, "preference", PREFERENCE_SCHEMAS)
     out = PreferenceSource(source, [])
-    for where, row in iter_rows(source):
-        try:
-            prompt, chosen, rejected = preference_row(row, where)
-            margin = _margin(row, where)
-        except UserError as exc:
-            if data_cfg.on_bad_row == "skip":
-                out.skipped += 1
-                out.bad.append(str(exc))
-                continue
-            raise
+    def parse(row, where):
+        return (*preference_row(row, where), _margin(row, where))
+
+    for prompt, chosen, rejected, margin in checked_rows(source, parse, out, data_cfg):
         p_ids = formats.prompt_ids(tokenizer, prompt)
         seqs = []
         for turns in (chosen, rejected):
@@ -183,7 +193,7 @@ def read_prompts(source: Source, tokenizer, contract, data_cfg) -> PromptSource:
             hint = " (this looks like SFT data)" if "messages" in row else ""
             raise UserError(f"{where}: not a prompt row{hint} (keys: {sorted(row)}); method=grpo accepts: "
                             f"{PROMPT_SCHEMAS}")
-        prompt = _messages(row["prompt"], where, "prompt", "user")
+        prompt = messages(row["prompt"], where, "prompt", "user")
         if prompt[-1]["role"] == "assistant":
             raise UserError(f"{where}: the prompt ends with an assistant turn; GRPO generates that turn")
         rows.append({**row, "prompt": prompt, "_where": where})

@@ -27,8 +27,8 @@ import hashlib
 from dataclasses import dataclass, field
 
 from workbench.data import formats
-from workbench.data.preference import PREFERENCE_SCHEMAS, preference_row, tokenise_completion
-from workbench.data.readers import fingerprint_parts, iter_rows
+from workbench.data.preference import PREFERENCE_SCHEMAS, checked_rows, messages, preference_row, tokenise_completion
+from workbench.data.readers import fingerprint_parts
 from workbench.data.recipes import Source
 from workbench.errors import UserError
 
@@ -36,15 +36,6 @@ UNPAIRED_SCHEMAS = (
     '{"prompt": str | [messages], "completion": str | [assistant messages], "label": true | false}; '
     "or preference rows, each split into a desirable and an undesirable row: " + PREFERENCE_SCHEMAS
 )
-
-
-def _turns(value, where: str, what: str, role: str) -> list[dict]:
-    """A string as one `role` message, or a checked list of {role, content} messages."""
-    if isinstance(value, str):
-        return [{"role": role, "content": value}]
-    if isinstance(value, list) and value and all(isinstance(m, dict) and "role" in m for m in value):
-        return formats.check_messages(value, what, where)
-    raise UserError(f"{where}: '{what}' must be a string or a non-empty list of {{role, content}} messages")
 
 
 def unpaired_rows(row: dict, where: str) -> list[tuple[list[dict], list[dict], bool]]:
@@ -58,8 +49,8 @@ def unpaired_rows(row: dict, where: str) -> list[tuple[list[dict], list[dict], b
         if not isinstance(row["label"], bool):
             raise UserError(f"{where}: 'label' must be true (desirable) or false (undesirable), "
                             f"got {row['label']!r:.40}")
-        prompt = _turns(row["prompt"], where, "prompt", "user")
-        completion = _turns(row["completion"], where, "completion", "assistant")
+        prompt = messages(row["prompt"], where, "prompt", "user")
+        completion = messages(row["completion"], where, "completion", "assistant")
         if completion[-1]["role"] != "assistant":
             raise UserError(f"{where}: 'completion' must end with an assistant turn")
         return [(prompt, completion, row["label"])]
@@ -113,15 +104,7 @@ def tokenise_unpaired(source: Source, tokenizer, contract, data_cfg) -> Unpaired
                         f"auto (or preference): {UNPAIRED_SCHEMAS}")
     out = UnpairedSource(source, [])
     seq_len = data_cfg.seq_len
-    for where, row in iter_rows(source):
-        try:
-            items = unpaired_rows(row, where)
-        except UserError as exc:
-            if data_cfg.on_bad_row == "skip":
-                out.skipped += 1
-                out.bad.append(str(exc))
-                continue
-            raise
+    for items in checked_rows(source, unpaired_rows, out, data_cfg):
         p_ids = formats.prompt_ids(tokenizer, items[0][0])
         for prompt, turns, label in items:
             ids, labels = tokenise_completion(tokenizer, contract, prompt, turns, p_ids)

@@ -14,7 +14,7 @@ The NLL is TRL's ORPOTrainer's: a mean over tokens of the chosen sequences, prom
 (`nll_on_prompt=true`: every token but the first, as a causal LM loss on the whole sequence),
 or over the chosen completion only (`nll_on_prompt=false`). Like TRL's it is a mean over every
 such token of the step (all micro-batches, all ranks), entering the pair-normalised step loss
-as each micro-batch's token sum times pairs / tokens (workbench/methods/cpo.py, PairStream).
+as each micro-batch's token sum times pairs / tokens (workbench/methods/pairs.py, PairStream).
 
 Logged metrics (means over this rank's batch): rewards/chosen, rewards/rejected (beta times the
 mean log-probs), rewards/margins, rewards/accuracies, logps/chosen, logps/rejected (per-token
@@ -34,8 +34,8 @@ from workbench.batch import StepBatch
 from workbench.data.preference import Pair
 from workbench.errors import UserError
 from workbench.methods.base import Method
-from workbench.methods.cpo import PairStream, completion_tokens, preference_metrics
 from workbench.methods.dpo import collate
+from workbench.methods.pairs import PairStream, completion_tokens, preference_metrics
 
 
 @dataclass

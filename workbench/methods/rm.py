@@ -35,13 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from workbench.batch import StepBatch
-from workbench.data.mixing import Mixture
-from workbench.data.overfit import Overfit
-from workbench.data.preference import tokenise_preferences
-from workbench.data.recipes import load_recipe
 from workbench.errors import UserError
 from workbench.methods import dpo
 from workbench.methods.base import Method
+from workbench.methods.pairs import PairStream
 from workbench.models import value_head
 
 
@@ -82,21 +79,14 @@ class RewardModel(Method):
     def __init__(self, cfg, ctx):
         self.cfg = cfg
         self.ctx = ctx
-        self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
         check(cfg)
-        self._pairs_in_step = 1.0
+        self.stream = PairStream(ctx, collate_fn=collate)  # workbench/methods/pairs.py
 
-    # -- data ----------------------------------------------------------------------------
     def prepare(self, ctx) -> None:
-        data = ctx.cfg.data
-        recipe = load_recipe(data.recipe)
-        self.sources = [tokenise_preferences(s, ctx.tokenizer, ctx.contract, data) for s in recipe.sources]
-        self.mixture = Mixture([len(s.pairs) for s in self.sources], [s.source.weight for s in self.sources],
-                               seed=data.shuffle_seed)
+        self.stream.prepare(ctx)
 
     def data_report(self) -> dict:
-        return {s.source.name: {"pairs": len(s.pairs), "skipped": s.skipped, "truncated": s.truncated,
-                                "fingerprint": s.fingerprint} for s in self.sources}
+        return self.stream.data_report()
 
     def attach(self, backend) -> None:
         """The scalar head comes from build_model (catalog facts: scalar_head); without it the
@@ -105,38 +95,24 @@ class RewardModel(Method):
             raise RuntimeError("method=rm: the model has no scalar head; build_model attaches it for methods "
                                "whose catalog facts say scalar_head=True")
 
-    # -- batches -------------------------------------------------------------------------
     def next_batch(self, state, backend) -> StepBatch:
-        t = self.ctx.cfg.train
-        world, rank = self.ctx.run.layout.dp, self.ctx.run.layout.dp_rank
-        per_rank = t.micro_batch_size * t.grad_accum
-        # every rank draws the whole global batch and keeps its slice: the data position is the same everywhere
-        drawn = self.overfit.take(state.step, lambda: [self.mixture.next() for _ in range(per_rank * world)])
-        mine = drawn[rank * per_rank:(rank + 1) * per_rank]
-        pad = self.ctx.tokenizer.pad_token_id
-        micro = []
-        for i in range(0, per_rank, t.micro_batch_size):
-            m = collate([self.sources[s].pairs[r] for s, r in mine[i:i + t.micro_batch_size]], pad)
-            micro.append({k: v.to(self.ctx.device) for k, v in m.items()})
-        self._pairs_in_step = float(len(mine))
-        tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))
-        return StepBatch(micro=micro, denom=float(len(mine)), tokens=tokens)
+        return self.stream.step(state)
 
     def loss(self, model, micro: dict):
         r_c, r_r = value_head.scores(model, micro).chunk(2)
         per_pair = rm_loss(r_c, r_r, micro["margin"], self.cfg.center_rewards_coefficient)
         with torch.no_grad():
-            k = self._pairs_in_step
+            k = self.stream.pairs
             metrics = {"rewards/chosen": float(r_c.sum()) / k, "rewards/rejected": float(r_r.sum()) / k,
                        "rewards/margins": float((r_c - r_r).sum()) / k,
                        "rewards/accuracies": float((r_c > r_r).float().sum()) / k}
         return per_pair.sum(), metrics
 
     def state_dict(self) -> dict:
-        return {"mixture": self.mixture.state_dict()}
+        return self.stream.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.mixture.load_state_dict(state["mixture"])
+        self.stream.load_state_dict(state)
 
 
 @torch.no_grad()

@@ -1,0 +1,93 @@
+"""Preference pairs for the methods without a reference (CPO/SimPO, ORPO, the reward model).
+
+`PairStream` reads the recipe's pairs, mixes the sources, draws each step's global batch on every
+rank (each keeps its slice, so the data position and the global counts need no communication) and
+collates micro-batches with the method's own collate; `preference_metrics` turns a micro-batch's
+rewards and log-probs into the step means DPO also logs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from workbench.batch import StepBatch
+from workbench.data.formats import IGNORE
+from workbench.data.mixing import Mixture
+from workbench.data.overfit import Overfit
+from workbench.data.preference import Pair, tokenise_preferences
+from workbench.data.recipes import load_recipe
+from workbench.methods.dpo import collate
+
+
+def completion_tokens(pair: Pair) -> int:
+    """Trained positions of the chosen completion (a label predicted from the token before it)."""
+    return sum(1 for y in pair.chosen[1][1:] if y != IGNORE)
+
+
+class PairStream:
+    """Preference pairs for a method without a reference: data, mixture, overfit, step batches.
+
+    `nll_tokens(pair)` counts the tokens a method's NLL term averages over; `step()` records (`measure`),
+    for the step it makes, `pairs` (this rank's, the divisor of its metrics), `nll_scale` (global
+    pairs / global NLL tokens: a micro-batch's NLL token sum times it, summed and divided by the
+    global pair count, is the step's token-mean NLL) and `nll_tokens_rank` (this rank's count).
+    Every rank draws the whole global step and keeps its slice, so the global counts need no
+    communication.
+    """
+
+    def __init__(self, ctx, nll_tokens: Callable[[Pair], int] = completion_tokens,
+                 collate_fn: Callable[[list, int], dict] = collate):
+        self.ctx = ctx
+        self.nll_tokens = nll_tokens
+        self.collate = collate_fn
+        self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
+        self.pairs, self.nll_scale, self.nll_tokens_rank = 1.0, 1.0, 1.0
+
+    def prepare(self, ctx) -> None:
+        data = ctx.cfg.data
+        recipe = load_recipe(data.recipe)
+        self.sources = [tokenise_preferences(s, ctx.tokenizer, ctx.contract, data) for s in recipe.sources]
+        self.mixture = Mixture([len(s.pairs) for s in self.sources], [s.source.weight for s in self.sources],
+                               seed=data.shuffle_seed)
+
+    def data_report(self) -> dict:
+        return {s.source.name: {"pairs": len(s.pairs), "skipped": s.skipped, "truncated": s.truncated,
+                                "fingerprint": s.fingerprint} for s in self.sources}
+
+    def step(self, state) -> StepBatch:
+        t = self.ctx.cfg.train
+        world, rank = self.ctx.run.layout.dp, self.ctx.run.layout.dp_rank
+        per_rank = t.micro_batch_size * t.grad_accum
+        drawn = self.overfit.take(state.step, lambda: [self.mixture.next() for _ in range(per_rank * world)])
+        pairs = [self.sources[s].pairs[r] for s, r in drawn]
+        mine = pairs[rank * per_rank:(rank + 1) * per_rank]
+        self.measure(pairs, mine)
+        pad = self.ctx.tokenizer.pad_token_id
+        micro = []
+        for i in range(0, per_rank, t.micro_batch_size):
+            m = self.collate(mine[i:i + t.micro_batch_size], pad)
+            micro.append({k: v.to(self.ctx.device) for k, v in m.items()})
+        tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))
+        return StepBatch(micro=micro, denom=float(len(mine)), tokens=tokens)
+
+    def measure(self, pairs: list[Pair], mine: list[Pair]) -> None:
+        """Record the step's divisors: `pairs` drawn by all ranks, `mine` this rank's slice."""
+        self.pairs = float(len(mine))
+        self.nll_scale = len(pairs) / max(1, sum(self.nll_tokens(p) for p in pairs))
+        self.nll_tokens_rank = float(max(1, sum(self.nll_tokens(p) for p in mine)))
+
+    def state_dict(self) -> dict:
+        return {"mixture": self.mixture.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.mixture.load_state_dict(state["mixture"])
+
+
+def preference_metrics(rc, rr, pi_c, pi_r, nll_sum, stream: PairStream) -> dict[str, float]:
+    """The DPO-style metrics of one micro-batch, as sums that add up to this rank's step means."""
+    k = stream.pairs
+    return {"rewards/chosen": float(rc.sum()) / k, "rewards/rejected": float(rr.sum()) / k,
+            "rewards/margins": float((rc - rr).sum()) / k,
+            "rewards/accuracies": float((rc > rr).float().sum()) / k,
+            "logps/chosen": float(pi_c.sum()) / k, "logps/rejected": float(pi_r.sum()) / k,
+            "nll/chosen": float(nll_sum) / stream.nll_tokens_rank}
