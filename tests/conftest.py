@@ -54,3 +54,20 @@ def _threads():
     # Deterministic CPU kernels and no oversubscription when tests run beside other work.
     torch.use_deterministic_algorithms(True, warn_only=True)
     yield
+
+
+def saved_tiny(tmp_path_factory, overrides: list[str]):
+    """The tiny model saved to a directory (TRL's trainers load it from there), with its tokenizer
+    and chat contract, and the composed config of `overrides`."""
+    from types import SimpleNamespace
+
+    from workbench.data.formats import setup_tokenizer
+    from workbench.models.load import load_model, load_tokenizer
+
+    cfg = compose(overrides)
+    tok = load_tokenizer(cfg.model)
+    contract = setup_tokenizer(tok)
+    path = tmp_path_factory.mktemp("tiny_model")
+    load_model(cfg.model).save_pretrained(path)
+    tok.save_pretrained(path)
+    return SimpleNamespace(cfg=cfg, tok=tok, contract=contract, path=path)

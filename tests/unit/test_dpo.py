@@ -13,10 +13,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.conftest import ROOT, compose, train
+from tests.conftest import ROOT, saved_tiny, train
 from tests.tolerances import LOSS_RTOL, grad_atol
-from workbench.data.formats import prompt_ids
-from workbench.data.preference import Pair, preference_row, tokenise_completion, tokenise_preferences
+from workbench.data.preference import Pair, pairs_from_rows, tokenise_preferences
 from workbench.data.recipes import Source
 from workbench.errors import UserError
 from workbench.methods import dpo
@@ -59,30 +58,14 @@ def trl_on_cpu(monkeypatch):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny model saved to a directory (TRL loads it from there) plus its tokenizer and contract."""
-    from workbench.data.formats import setup_tokenizer
-    from workbench.models.load import load_model, load_tokenizer
-
-    cfg = compose(["method=dpo", "peft=none"])
-    tok = load_tokenizer(cfg.model)
-    contract = setup_tokenizer(tok)
-    path = tmp_path_factory.mktemp("tiny_model")
-    load_model(cfg.model).save_pretrained(path)
-    tok.save_pretrained(path)
-    return SimpleNamespace(cfg=cfg, tok=tok, contract=contract, path=path)
+    return saved_tiny(tmp_path_factory, ["method=dpo", "peft=none"])
 
 
 def _pairs(tiny, n=3, two_digit_chosen=False) -> list[Pair]:
     rows = [json.loads(line) for line in PAIRS.read_text().splitlines()]
     if two_digit_chosen:  # equal chosen lengths: TRL's batch token-mean NLL = our mean of per-pair means
         rows = [r for r in rows if len(r["chosen"]) == 2]
-    rows = rows[:n]
-    out = []
-    for i, row in enumerate(rows):
-        p, c, r = preference_row(row, f"row {i}")
-        ids = prompt_ids(tiny.tok, p)
-        out.append(Pair(tokenise_completion(tiny.tok, tiny.contract, p, c, ids),
-                        tokenise_completion(tiny.tok, tiny.contract, p, r, ids), len(ids)))
-    return out
+    return pairs_from_rows(rows[:n], tiny.tok, tiny.contract)
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "rpo"])

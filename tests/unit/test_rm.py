@@ -9,16 +9,16 @@ from __future__ import annotations
 import copy
 import json
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.conftest import ROOT, compose, train
+from tests.conftest import ROOT, compose, saved_tiny, train
 from tests.tolerances import LOSS_RTOL, grad_atol
-from workbench.data.formats import prompt_ids
-from workbench.data.preference import Pair, preference_row, tokenise_completion, tokenise_preferences
+from workbench.data.preference import Pair, pairs_from_rows, tokenise_preferences
 from workbench.data.recipes import Source
 from workbench.errors import UserError
 from workbench.methods import rm
@@ -30,29 +30,13 @@ HELD_OUT = ROOT / "data_recipes" / "data" / "arith_pref_eval.jsonl"
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """The tiny causal LM saved to a directory (TRL loads it from there), its tokenizer and contract."""
-    from workbench.data.formats import setup_tokenizer
-    from workbench.models.load import load_model, load_tokenizer
-
-    cfg = compose(["method=rm", "peft=none"])
-    tok = load_tokenizer(cfg.model)
-    contract = setup_tokenizer(tok)
-    path = tmp_path_factory.mktemp("tiny_model")
-    load_model(cfg.model).save_pretrained(path)
-    tok.save_pretrained(path)
-    return SimpleNamespace(cfg=cfg, tok=tok, contract=contract, path=path)
+    return saved_tiny(tmp_path_factory, ["method=rm", "peft=none"])
 
 
 def _pairs(tiny, path=PAIRS, n=4, margins=None) -> list[Pair]:
     rows = [json.loads(line) for line in path.read_text().splitlines()][:n]
-    out = []
-    for i, row in enumerate(rows):
-        p, c, r = preference_row(row, f"row {i}")
-        ids = prompt_ids(tiny.tok, p)
-        out.append(Pair(tokenise_completion(tiny.tok, tiny.contract, p, c, ids),
-                        tokenise_completion(tiny.tok, tiny.contract, p, r, ids), len(ids),
-                        margins[i] if margins else None))
-    return out
+    pairs = pairs_from_rows(rows, tiny.tok, tiny.contract)
+    return [replace(p, margin=margins[i]) for i, p in enumerate(pairs)] if margins else pairs
 
 
 @pytest.mark.parametrize("margin,center", [(False, 0.0), (True, 0.0), (False, 0.3), (True, 0.3)])
