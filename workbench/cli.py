@@ -136,7 +136,7 @@ def run_job(cfg: DictConfig) -> dict | None:
         from workbench.plan import render, to_json
 
         if cfg.plan.json:  # machine-readable: the plan plus what preflight found
-            print(to_json({k: v for k, v in facts.items() if k != "run"}))
+            print(to_json({k: v for k, v in facts.items() if k not in ("run", "tokenizer")}))
             return facts
         print(f"preflight ok: model={cfg.model.name} ({facts['n_params']:,} parameters, weights from "
               f"{facts['model_source']}), method={cfg.method.name}, peft={facts['resolved']['peft']}, "
@@ -152,7 +152,7 @@ def run_job(cfg: DictConfig) -> dict | None:
         return remote
     from workbench.runner import Runner
 
-    return Runner(cfg, facts["run"]).run()
+    return Runner(cfg, facts["run"], facts.get("tokenizer")).run()
 
 
 

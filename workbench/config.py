@@ -144,8 +144,9 @@ class OptimConfig:
 @dataclass
 class PrecisionConfig:
     # fp32 | bf16 (pure bf16 weights and optimizer) | bf16-mixed (fp32 master weights,
-    # bf16 autocast) | fp16 (fp16 autocast with dynamic loss scaling) | fp8 (GPU only)
-    name: str = "bf16-mixed"
+    # bf16 autocast) | fp16 (fp16 autocast with dynamic loss scaling) | fp8 (GPU only) | auto
+    # (bf16-mixed where the device has bf16 arithmetic, else fp32: precision.choose)
+    name: str = "auto"
 
 
 @dataclass
@@ -400,8 +401,8 @@ def _check_values(cfg: DictConfig) -> None:
         ("peft.r", cfg.peft.r >= 1, "must be >= 1"),
         ("hardware.procs", cfg.hardware.procs >= 1, "must be >= 1"),
         ("peft.kind", cfg.peft.kind in ("none", "lora", "qlora", "dora"), "must be one of none, lora, qlora, dora"),
-        ("precision.name", cfg.precision.name in ("fp32", "bf16", "bf16-mixed", "fp16", "fp8"),
-         "must be one of fp32, bf16, bf16-mixed, fp16, fp8"),
+        ("precision.name", cfg.precision.name in ("auto", "fp32", "bf16", "bf16-mixed", "fp16", "fp8"),
+         "must be one of auto, fp32, bf16, bf16-mixed, fp16, fp8"),
         ("optim.name", cfg.optim.name in ("adamw", "sgd"), "must be one of adamw, sgd"),
         ("optim.scheduler", cfg.optim.scheduler in ("constant", "linear", "cosine"),
          "must be one of constant, linear, cosine"),

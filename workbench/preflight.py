@@ -32,15 +32,22 @@ def _machine_checks_apply(cfg) -> bool:
     return rules.runs_here(cfg) and not cfg.dry_run
 
 
-def data_sample(cfg) -> dict:
+def tokenizer(cfg) -> tuple:
+    """The run's tokenizer and its chat contract, loaded once: preflight renders the first row
+    with them and hands them to the runner (facts["tokenizer"])."""
+    from workbench.data import formats
+    from workbench.models.load import load_tokenizer
+
+    tok = load_tokenizer(cfg.model)
+    return tok, formats.setup_tokenizer(tok, cfg.data.chat_template)
+
+
+def data_sample(cfg, tokenizer, contract) -> dict:
     """Render the first row of the run's data through the template and the loss mask."""
     from workbench.data import formats
     from workbench.data.readers import iter_rows
     from workbench.data.recipes import load_recipe
-    from workbench.models.load import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.model)
-    contract = formats.setup_tokenizer(tokenizer, cfg.data.chat_template)
     src = load_recipe(cfg.data.recipe).sources[0]
     try:
         where, row = next(iter(iter_rows(src, src.columns or None, src.split)))
@@ -116,7 +123,8 @@ def check(cfg, env: rules.Env | None = None) -> dict:
         warnings.append(str(exc))
     if facts["model_source"] in ("tiny", "local", "hf_cache", "converted", "gguf") or cfg.model.tokenizer:
         try:
-            facts["sample"] = data_sample(cfg)
+            facts["tokenizer"] = tokenizer(cfg)
+            facts["sample"] = data_sample(cfg, *facts["tokenizer"])
         except UserError as exc:
             if not cfg.dry_run or "weights not found" not in str(exc):
                 raise

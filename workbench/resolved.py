@@ -123,7 +123,8 @@ class Run:
                 "load_dtype": _name(self.load_dtype), "export_dtype": _name(self.export_dtype), "peft": self.peft.kind,
                 "quant_storage": self.peft.quant_storage if self.peft.quantised else None, "reference": self.reference,
                 "world": self.layout.world, "dp": self.layout.dp, "tp": self.layout.tp, "pp": self.layout.pp,
-                "cp": self.layout.cp, "global_batch": self.batch.size}
+                "cp": self.layout.cp, "global_batch": self.batch.size,
+                **({"precision_auto": precision.choose(self.device)[1]} if self.cfg.precision.name == "auto" else {})}
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -166,8 +167,15 @@ def quant_storage(cfg) -> str:
     frozen dtype unless a float one was chosen."""
     storage = cfg.peft.quant_storage
     if cfg.peft.kind == "qlora" and sharded(cfg) and storage not in ("float32", "bfloat16", "float16"):
-        return _name(precision.spec(cfg.precision.name).frozen_dtype)
+        return _name(precision.spec(precision_name(cfg)).frozen_dtype)
     return storage
+
+
+def precision_name(cfg) -> str:
+    """The precision the run trains in: the configured one, or for `precision=auto` what the
+    run's device does fastest (precision.choose)."""
+    name = cfg.precision.name
+    return precision.choose(cfg.hardware.device)[0] if name == "auto" else name
 
 
 def layout(cfg, rank: int | None = None, world: int | None = None) -> Layout:
@@ -196,7 +204,8 @@ def derive(cfg: DictConfig, rank: int | None = None, world: int | None = None, h
     """The facts alone, no rules: the planner sizes whatever it is asked about. `here`: the run
     trains in this process (fp8 picks its library)."""
     lay = layout(cfg, rank, world)
-    pol = precision.policy(cfg.precision.name) if here else precision.spec(cfg.precision.name)
+    name = precision_name(cfg)
+    pol = precision.policy(name) if here else precision.spec(name)
     return Run(cfg=cfg, device=cfg.hardware.device, precision=pol, peft=Peft(cfg.peft.kind, quant_storage(cfg)),
                reference=reference(cfg), layout=lay,
                batch=GlobalBatch(cfg.train.micro_batch_size, cfg.train.grad_accum, lay.dp))

@@ -58,8 +58,9 @@ class Context:
 
 
 class Runner:
-    def __init__(self, cfg: DictConfig, run: Run | None = None):
-        """`run`: the resolved run preflight made in this process, if any (else resolved here)."""
+    def __init__(self, cfg: DictConfig, run: Run | None = None, tokenizer: tuple | None = None):
+        """`run`, `tokenizer`: the resolved run and the (tokenizer, chat contract) preflight made in
+        this process, if any (else made here)."""
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir)
         self.device = cfg.hardware.device
@@ -76,13 +77,16 @@ class Runner:
         self.backend = None  # build() sets model, method, backend
         self._best = None  # train.keep_best's keeper, made at the first evaluation
         self._eval_cache: dict = {}  # eval data tokenised once per run
+        self._tokenizer = tokenizer
         seed_everything(cfg.train.seed)
 
     # -- build ---------------------------------------------------------------------------
     def build(self) -> None:
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.model)
-        self.contract = setup_tokenizer(self.tokenizer, cfg.data.chat_template)
+        if self._tokenizer is None:
+            tok = load_tokenizer(cfg.model)
+            self._tokenizer = tok, setup_tokenizer(tok, cfg.data.chat_template)
+        self.tokenizer, self.contract = self._tokenizer
         self.ctx = Context(self.run_facts, self.tokenizer, self.contract, self.run_dir)
         self.method = plugin_module("method", cfg.method.name).build(cfg.method, self.ctx)
         self.method.prepare(self.ctx)  # data errors surface here, before any weights load
@@ -270,6 +274,7 @@ class Runner:
         data = self.method.data_report()
         man = manifest.build(OmegaConf.to_container(cfg, resolve=True),
                              {"kind": resolve(cfg.model).kind, "name": cfg.model.name}, data, self.contract)
+        man["resolved"] = self.run_facts.summary()  # what the config's choices became here (precision=auto, peft, layout)
         man["resumed_from"] = resumed
         man["world_size"] = self.world
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -3,14 +3,16 @@
     python scripts/bench.py trl [--steps 6] [--model smollm2-135m]
 
 Three trainers see the same 2-digit-addition chat examples, batch 16:
-  workbench        LoRA r=16 all-linear, lr 2e-4, bf16-mixed, loss on the answer only
+  workbench        LoRA r=16 all-linear, lr 2e-4, --precision (bf16-mixed), loss on the answer only
   trl_same         TRL SFTTrainer with the same settings (prompt/completion data so the loss is
-                   on the answer only; bf16 autocast; no gradient checkpointing)
+                   on the answer only; bf16 autocast unless --precision fp32; no gradient
+                   checkpointing)
   trl_defaults     TRL SFTTrainer with its defaults (gradient checkpointing on, loss on every
                    token of the conversation) apart from batch 16, LoRA and CPU
 They run in rounds, alternately, in this one process, and the steady-state seconds per step
 (first step of each round dropped) are compared as ratios. Also measured: seconds from
-process launch to the first optimizer step of `python -m workbench` with a warm cache, and the
+process launch to the first optimizer step of `python -m workbench` with a warm cache (median of
+`--launches`, scripts/benchmarks/startup.py), and the
 workbench's achieved FLOP/s (each step's training FLOPs counted as computed, workbench/flops.py,
 over its time: the `flops` of metrics.jsonl) against the peak the run's MFU uses (the bf16 matmul
 peak of this machine: best of several trials, workbench/tracking.py) and against a bf16 matmul
@@ -23,11 +25,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.startup import median_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data_recipes" / "data" / "arith_add2_train.jsonl"
@@ -38,7 +40,7 @@ def _rows(n: int) -> list[dict]:
     return rows[:n]
 
 
-def workbench_steps(steps: int, model: str, out: Path) -> list[dict]:
+def workbench_steps(steps: int, model: str, out: Path, precision: str = "bf16-mixed") -> list[dict]:
     """Metrics rows of a workbench run (each with its step's `flops` and `mfu`)."""
     from hydra import compose, initialize_config_dir
 
@@ -46,7 +48,7 @@ def workbench_steps(steps: int, model: str, out: Path) -> list[dict]:
     from workbench.runner import Runner
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=[f"model={model}", "eval=none", "train.export=false",
+        cfg = compose("train", overrides=[f"model={model}", f"precision={precision}", "eval=none", "train.export=false",
                                           f"train.max_steps={steps}", "train.resume=never", f"output_dir={out}"])
     runner = Runner(validate(cfg))
     res = runner.run()
@@ -56,7 +58,7 @@ def workbench_steps(steps: int, model: str, out: Path) -> list[dict]:
     return rows
 
 
-def trl_steps(steps: int, model_dir: str, same: bool, out: Path) -> list[float]:
+def trl_steps(steps: int, model_dir: str, same: bool, out: Path, bf16: bool = True) -> list[float]:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -68,7 +70,7 @@ def trl_steps(steps: int, model_dir: str, same: bool, out: Path) -> list[float]:
     rows = _rows(16 * steps)
     if same:
         data = Dataset.from_list([{"prompt": r["messages"][:1], "completion": r["messages"][1:]} for r in rows])
-        args = SFTConfig(output_dir=str(out), use_cpu=True, bf16=True, per_device_train_batch_size=16,
+        args = SFTConfig(output_dir=str(out), use_cpu=True, bf16=bf16, per_device_train_batch_size=16,
                          max_steps=steps, learning_rate=2e-4, gradient_checkpointing=False, report_to=[],
                          logging_steps=1000, save_strategy="no", lr_scheduler_type="cosine", warmup_steps=5,
                          dataloader_num_workers=0)
@@ -94,20 +96,14 @@ def trl_steps(steps: int, model_dir: str, same: bool, out: Path) -> list[float]:
     return times
 
 
-def first_step_after_launch(model: str, out: Path) -> float:
-    t0 = time.time()
-    subprocess.run([sys.executable, "-m", "workbench", f"model={model}", "eval=none", "train.export=false",
-                    "train.max_steps=1", "train.resume=never", f"output_dir={out}"], cwd=ROOT, check=True,
-                   capture_output=True)
-    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
-    return row["time"] - t0
-
-
 def run(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp32"],
+                    help="workbench and trl_same alike (trl_defaults keeps TRL's own)")
+    ap.add_argument("--launches", type=int, default=5, help="warm launches timed to the first optimizer step")
     args = ap.parse_args(argv)
     os.environ.setdefault("WORKBENCH_OFFLINE", "1")
     from workbench.models.load import converted_dir, materialise, resolve, zoo_entry
@@ -119,27 +115,28 @@ def run(argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for r in range(args.rounds):
-            rows = workbench_steps(args.steps, args.model, tmp / f"wb{r}")
+            rows = workbench_steps(args.steps, args.model, tmp / f"wb{r}", args.precision)
             per["workbench"] += [row["step_seconds"] for row in rows[1:]]
             achieved += [row["flops"] / row["step_seconds"] for row in rows[1:]]
             mfu += [row["mfu"] for row in rows[1:]]
-            per["trl_same"] += trl_steps(args.steps, model_dir, True, tmp / f"ts{r}")[1:]
+            per["trl_same"] += trl_steps(args.steps, model_dir, True, tmp / f"ts{r}", args.precision != "fp32")[1:]
             per["trl_defaults"] += trl_steps(args.steps, model_dir, False, tmp / f"td{r}")[1:]
-        launch = first_step_after_launch(args.model, tmp / "launch")
+    launch = median_launch(args.launches, [f"model={args.model}"])  # benchmarks/startup.py
     import torch
 
     from workbench.precision import spec
     from workbench.tracking import matmul_flops, measured_peak_flops
 
-    peak = measured_peak_flops("cpu", spec("bf16-mixed"))  # the peak the runs' MFU was taken against (bf16-mixed)
+    peak = measured_peak_flops("cpu", spec("bf16-mixed"))  # the peak bf16-mixed runs' MFU is taken against
     now = matmul_flops("cpu", torch.bfloat16)  # and one measured now, after the runs
     med = {k: statistics.median(v) for k, v in per.items()}
     return {
-        "model": args.model, "steps_per_round": args.steps, "rounds": args.rounds, "model_dir": str(converted_dir(args.model)),
+        "model": args.model, "precision": args.precision, "steps_per_round": args.steps, "rounds": args.rounds,
+        "model_dir": str(converted_dir(args.model)),
         "median_seconds_per_step": med,
         "ratio_throughput_vs_trl_same": med["trl_same"] / med["workbench"],
         "ratio_throughput_vs_trl_defaults": med["trl_defaults"] / med["workbench"],
-        "first_optimizer_step_seconds_after_launch": launch,
+        "first_optimizer_step_seconds_after_launch": launch["median_seconds"], "launch": launch,
         "workbench_achieved_flops": statistics.median(achieved), "bf16_matmul_peak_flops": peak,
         "bf16_matmul_flops_measured_now": now, "workbench_mfu_logged": statistics.median(mfu),
         "achieved_over_bf16_matmul": statistics.median(achieved) / max(peak, now),

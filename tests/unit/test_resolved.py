@@ -117,6 +117,23 @@ def test_facts(tmp_path):
     assert (run.layout.world, run.layout.dp, run.batch.size) == (2, 2, 24)
 
 
+@pytest.mark.parametrize("amx,avx512_bf16,want", [(False, False, "fp32"), (True, False, "bf16-mixed"),
+                                                  (False, True, "bf16-mixed")])
+def test_precision_auto_follows_the_cpus_bf16_arithmetic(tmp_path, monkeypatch, amx, avx512_bf16, want):
+    """precision=auto (the default): bf16-mixed on CPUs that multiply bf16 in hardware, fp32 on
+    those that would emulate it; the choice and its reason are in the resolved summary (the
+    manifest's `resolved`). A GPU profile planned from here resolves to bf16-mixed."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    cfg = compose(["model=tiny"], tmp_path, base=[])  # the shipped defaults (tests pin fp32 elsewhere)
+    assert cfg.precision.name == "auto"
+    run = derive(cfg)
+    assert run.precision.name == want and run.summary()["precision"] == want
+    assert ("no bf16" in run.summary()["precision_auto"]) == (want == "fp32")
+    assert derive(compose(["precision=fp32"], tmp_path)).summary().get("precision_auto") is None
+    assert derive(compose(["model=tiny", "hardware=h100-80gb"], tmp_path, base=[])).precision.name == "bf16-mixed"
+
+
 def test_layout_follows_megatrons_rank_order():
     # tensor fastest, then context, then data, then pipeline (megatron.core's default order)
     ranks = [Layout(rank=r, world=8, tp=2, pp=2) for r in range(8)]
