@@ -4,6 +4,7 @@
     python scripts/bench.py grpo --steps 2 --rounds 1             # smoke test
     python scripts/bench.py grpo --completions 32 --precision bf16-mixed
     python scripts/bench.py grpo --plain-rollouts                 # workbench without the shared prefill
+    python scripts/bench.py grpo --rows                           # workbench trains one row per completion
 
 Both sides: LoRA r=16 alpha=32 on every linear layer, the prompts of
 data_recipes/data/arith_grpo_train.jsonl, 8 generations per prompt, at most 16 new tokens,
@@ -24,7 +25,9 @@ The workbench step is split, by timing its pieces from here (no change to the me
   scoring      rewards.score (the reward functions), completions tokens scored/s
   other_rollout  the rest of next_batch: decoding to text, advantages, tokenising, collation
   training     forward, backward and optimizer step (the runner's step time minus next_batch),
-               trained tokens/s (prompt + completion tokens of the batch)
+               trained tokens/s (the tokens the decoder reads: with method.share_prompt, the
+               default, each prompt once per micro-batch and its completions as branches;
+               --rows: every completion's row with its own copy of the prompt)
 TRL's generation is timed by wrapping its model's `generate`, with its generated tokens/s.
 
 The sides run alternately in rounds in this one process; the first step of every run is dropped.
@@ -124,12 +127,13 @@ class Split:
 
 
 def workbench_times(steps: int, model: str, precision: str, completions: int, out: Path,
-                    parts: list[dict], plain: bool = False) -> list[float]:
+                    parts: list[dict], plain: bool = False, rows_layout: bool = False) -> list[float]:
     overrides = [f"model={model}", "method=grpo", "peft=lora", f"precision={precision}", 'reward.functions=["digits"]',
                  f"method.num_generations={G}", f"method.max_new_tokens={MAX_NEW}", "method.dynamic_sampling=false",
                  "method.beta=0.0", "method.num_iterations=1", "method.log_completions=0",
                  f"method.prompts_per_step={completions // G}", f"train.micro_batch_size={MICRO}",
-                 f"train.grad_accum={completions // MICRO}", f"train.max_steps={steps}"]
+                 f"train.grad_accum={completions // MICRO}", f"train.max_steps={steps}",
+                 f"method.share_prompt={not rows_layout}"]
     with Split(plain) as split:
         rows = workbench_rows(overrides, out)
     assert len(rows) == len(split.steps) == steps, f"workbench ran {len(rows)} steps, expected {steps}"
@@ -197,6 +201,7 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--precision", choices=["fp32", "bf16-mixed"], default="fp32")
     ap.add_argument("--plain-rollouts", action="store_true", help="workbench rollouts without the shared prefill")
+    ap.add_argument("--rows", action="store_true", help="workbench trains one row per completion")
     ap.add_argument("--completions", type=int, default=16, help="completions per optimizer step (multiple of 16)")
     args = ap.parse_args(argv)
     if args.completions % MICRO or args.completions < MICRO:
@@ -210,7 +215,7 @@ def run(argv: list[str]) -> dict:
         tmp = Path(tmp)
         sides = {
             "workbench": lambda r: workbench_times(args.steps, args.model, args.precision, args.completions,
-                                                   tmp / f"wb{r}", parts, args.plain_rollouts),
+                                                   tmp / f"wb{r}", parts, args.plain_rollouts, args.rows),
             "trl": lambda r: trl_times(args.steps, path, args.precision, args.completions, tmp / f"trl{r}", gens),
         }
         med = summary(alternate(args.rounds, sides))
@@ -233,6 +238,7 @@ def run(argv: list[str]) -> dict:
     return {"model": args.model, "precision": args.precision, "steps_per_round": args.steps, "rounds": args.rounds,
             "completions_per_step": args.completions, "num_generations": G, "max_new_tokens": MAX_NEW,
             "threads": torch.get_num_threads(), "workbench_shared_prefill": not args.plain_rollouts,
+            "workbench_share_prompt": not args.rows,
             "median_seconds_per_step": med,
             "ratio_throughput_workbench_over_trl": med["trl"] / med["workbench"],
             "workbench_split_median_seconds": split, "trl_generation": trl_gen}

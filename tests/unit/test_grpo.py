@@ -14,7 +14,6 @@ from omegaconf import OmegaConf
 from tests.conftest import compose, train
 from tests.tolerances import LOSS_RTOL, grad_atol
 from tests.unit.test_dpo import tiny, trl_on_cpu  # noqa: F401 - shared fixtures
-from workbench.data.collate import pad_batch
 from workbench.data.formats import IGNORE, prompt_ids
 from workbench.errors import UserError
 from workbench.methods import grpo
@@ -35,8 +34,9 @@ def _completions(tok, eot):
     return out
 
 
+@pytest.mark.parametrize("tree", [False, True], ids=["rows", "tree"])  # method.share_prompt
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
-def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu):  # noqa: F811
+def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, tree, trl_on_cpu):  # noqa: F811
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
@@ -96,7 +96,8 @@ def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu):  # noq
     trl_loss.backward()
     trl_grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
 
-    # Ours: the method's loss on right-padded prompt+completion rows, divided by its denom
+    # Ours: the method's loss on right-padded prompt+completion rows (or one row per prompt with
+    # its completions as branches), divided by its denom
     model = AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32)
     cfg = copy.deepcopy(compose(["method=grpo"]).method)
     OmegaConf.set_readonly(cfg, False)  # the loss under test reads these fields; set them by hand
@@ -105,8 +106,9 @@ def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu):  # noq
     method = grpo.GRPO.__new__(grpo.GRPO)
     method.cfg, method.ref = cfg, Reference.frozen(SelectiveLM(ref_model).eval())
     seqs = [(p_ids[i // G] + c, [IGNORE] * len(p_ids[i // G]) + c) for i, c in enumerate(comps)]
-    micro = pad_batch(seqs, pad)
-    micro["advantages"], micro["n_tokens"] = adv, micro["select"].sum(dim=1)
+    micro = grpo.collate(seqs, G, 0, pad, tree)
+    assert ("head_slot" in micro) == tree
+    micro["advantages"] = adv
     micro["old_logps"] = old_2d[comp_m.bool()]
     n_tok = float(comp_m.sum())
     method._step_tokens = n_tok

@@ -22,7 +22,6 @@ from tests.golden import GRPO_SHAPE
 from tests.tolerances import LOSS_RTOL, NEAR_ZERO_ATOL, grad_atol
 from tests.unit.test_dpo import tiny, trl_on_cpu  # noqa: F401 - shared fixtures
 from tests.unit.test_grpo import MAX_NEW, G, _completions
-from workbench.data.collate import pad_batch
 from workbench.data.formats import IGNORE, prompt_ids
 from workbench.errors import UserError
 from workbench.methods import grpo
@@ -63,7 +62,8 @@ def _perturbed(path):
 
 def _ours(saved, overrides: dict, ref_model):
     """Our method object, its config set by hand (the loss reads only cfg and the reference),
-    the policy and the micro-batch of the fixed completions."""
+    the policy and the micro-batch of the fixed completions, one row per prompt (the layout
+    method.share_prompt trains with; tests/unit/test_grpo.py checks both layouts against TRL)."""
     from transformers import AutoModelForCausalLM
 
     from workbench.models.head import SelectiveLM
@@ -77,8 +77,7 @@ def _ours(saved, overrides: dict, ref_model):
     method.cfg, method.ref = cfg, Reference.frozen(SelectiveLM(ref_model).eval())
     p_ids, comps = _batch(saved)[:2]
     seqs = [(p_ids[i // G] + c, [IGNORE] * len(p_ids[i // G]) + c) for i, c in enumerate(comps)]
-    micro = pad_batch(seqs, saved.tok.pad_token_id)
-    micro["n_tokens"] = micro["select"].sum(dim=1)
+    micro = grpo.collate(seqs, G, 0, saved.tok.pad_token_id, tree=True)  # the default layout (share_prompt)
     model = AutoModelForCausalLM.from_pretrained(saved.path, dtype=torch.float32)
     return method, model, SelectiveLM(model).train(), micro
 

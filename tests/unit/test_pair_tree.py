@@ -153,3 +153,35 @@ def test_training_curves_agree(tmp_path):
     b = train(base + ["method.share_prompt=true"], tmp_path / "b")
     assert b["losses"] == pytest.approx(a["losses"], rel=LOSS_RTOL)
     assert len(set(a["losses"])) == 2  # the second step trained on changed weights
+
+
+@pytest.mark.parametrize("first", [0, 2])
+def test_grpo_branches_equal_one_row_per_completion(tiny, first):
+    """GRPO's completions of one prompt as branches of one row (method.share_prompt): the same
+    per-token log-probs and gradients as one row per completion, in the same flat order, with a
+    micro-batch that starts inside a group (`first`), a completion repeated verbatim and an
+    empty one (the end-of-turn token alone). Tolerance as test_tree_equals_two_rows."""
+    from workbench.data.formats import IGNORE
+    from workbench.methods import grpo
+
+    tok, eot, G = tiny.tok, tiny.contract.end_of_turn_id, 3
+    prompts = [prompt_ids(tok, [{"role": "user", "content": q}]) for q in ("What is 12 + 30?", "Add 4 and 5, then 7.")]
+    texts = ["42", "4 2", "42", "", "sixteen", "1 6 and more words"]
+    comps = [tok(t, add_special_tokens=False)["input_ids"] + [eot] for t in texts]
+    seqs = [(prompts[i // G] + c, [IGNORE] * len(prompts[i // G]) + c) for i, c in enumerate(comps)][first:]
+    lm = _policy("lora")
+    pad = tok.pad_token_id
+    rows, tree = grpo.collate(seqs, G, first, pad, tree=False), grpo.collate(seqs, G, first, pad, tree=True)
+    assert tree["input_ids"].shape[0] == 2 and tree["real_tokens"] < rows["real_tokens"]
+    assert torch.equal(tree["n_tokens"], rows["n_tokens"]) and torch.equal(tree["target_seq"], rows["target_seq"])
+    assert torch.equal(tree["targets"], rows["targets"])
+
+    def per_token(lm, micro):
+        return grpo.token_logps(lm, micro, temperature=0.7)
+
+    want, want_g = _logps_and_grads(lm, rows, per_token)
+    got, got_g = _logps_and_grads(lm, tree, per_token)
+    torch.testing.assert_close(got, want, rtol=LOSS_RTOL, atol=0.0)
+    assert set(got_g) == set(want_g) and len(got_g) > 4
+    for n, g in want_g.items():
+        torch.testing.assert_close(got_g[n], g, rtol=LOSS_RTOL, atol=grad_atol(g))

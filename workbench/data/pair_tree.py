@@ -54,53 +54,72 @@ def _branch(ids: list[int], labels: list[int], prefix: int, offset: int):
     return cols, lab[1:][t]
 
 
-def tree_batch(pairs: list, pad_id: int) -> dict:
-    """One micro-batch of N rows (one per pair); see the module docstring for the keys."""
-    n = len(pairs)
-    prefixes = [shared_prefix(p.chosen[0], p.rejected[0]) for p in pairs]
-    lengths = [len(p.chosen[0]) + len(p.rejected[0]) - s for p, s in zip(pairs, prefixes)]
+def common_prefix(seqs: list[list[int]]) -> int:
+    """Tokens every sequence of a group starts with."""
+    return min(shared_prefix(seqs[0], x) for x in seqs) if len(seqs) > 1 else len(seqs[0])
+
+
+def branch_batch(groups: list[list[tuple[list[int], list[int]]]], pad_id: int) -> dict:
+    """One row per group of (ids, labels) sequences sharing a prefix: the prefix once, then each
+    sequence's rest as its own branch (the module docstring's layout with k branches; GRPO's
+    completions of one prompt, or a pair). Targets come sequence by sequence, each by position:
+    the order a padded batch of the sequences in order (collate.pad_batch) produces, so flat
+    log-probs line up with it. `target_seq` is each target's sequence index, `n_tokens` each
+    sequence's target count, `real_tokens` the tokens the model reads."""
+    n = len(groups)
+    prefixes = [common_prefix([x for x, _ in g]) for g in groups]
+    lengths = [len(g[0][0]) + sum(len(x) - s for x, _ in g[1:]) for g, s in zip(groups, prefixes)]
     width = max(lengths)
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     pos = torch.zeros((n, width), dtype=torch.long)
-    seg = torch.full((n, width), -1, dtype=torch.long)  # 0 prefix, 1 chosen, 2 rejected, -1 padding
-    branch_cols: list[list[torch.Tensor]] = [[], []]  # per side (chosen, rejected): per pair
-    branch_targets: list[list[torch.Tensor]] = [[], []]
-    n_tokens = torch.zeros(2 * n, dtype=torch.long)
-    for b, (p, s, end) in enumerate(zip(pairs, prefixes, lengths)):
-        (c_ids, c_lab), (r_ids, r_lab) = p.chosen, p.rejected
-        lc = len(c_ids)
-        ids[b, :lc] = torch.as_tensor(c_ids)
-        ids[b, lc:end] = torch.as_tensor(r_ids[s:], dtype=torch.long)
-        pos[b, :lc] = torch.arange(lc)
-        pos[b, lc:end] = torch.arange(s, len(r_ids))
+    seg = torch.full((n, width), -1, dtype=torch.long)  # 0 prefix, j+1 branch j, -1 padding
+    rows, cols, targets, n_tokens = [], [], [], []
+    for b, (g, s, end) in enumerate(zip(groups, prefixes, lengths)):
+        at = s
+        ids[b, :s] = torch.as_tensor(g[0][0][:s], dtype=torch.long)
+        pos[b, :s] = torch.arange(s)
+        seg[b, :s] = 0
+        for j, (x, lab) in enumerate(g):
+            rest = len(x) - s
+            ids[b, at:at + rest] = torch.as_tensor(x[s:], dtype=torch.long)
+            pos[b, at:at + rest] = torch.arange(s, len(x))
+            seg[b, at:at + rest] = j + 1
+            # positions inside the prefix stay; the rest of the branch is shifted to its columns
+            c, t = _branch(x, lab, s, at - s)
+            rows.append(torch.full_like(c, b))
+            cols.append(c)
+            targets.append(t)
+            n_tokens.append(len(t))
+            at += rest
         pos[b, end:] = torch.arange(width - end)
-        seg[b, :s], seg[b, s:lc], seg[b, lc:end] = 0, 1, 2
-        for side, (x, lab, offset) in enumerate(((c_ids, c_lab, 0), (r_ids, r_lab, lc - s))):
-            cols, tgt = _branch(x, lab, s, offset)
-            branch_cols[side].append(cols)
-            branch_targets[side].append(tgt)
-            n_tokens[side * n + b] = len(tgt)
-
-    # Targets in dpo.collate's order: chosen rows 0..N-1, then rejected rows, each by position.
-    rows = torch.cat([torch.full_like(c, b) for side in branch_cols for b, c in enumerate(side)])
-    cols = torch.cat([c for side in branch_cols for c in side])
-    targets = torch.cat([t for side in branch_targets for t in side])
-    logp_rows = torch.cat([torch.full_like(c, side * n + b) for side in (0, 1)
-                           for b, c in enumerate(branch_cols[side])])
-
+    rows_t, cols_t = torch.cat(rows), torch.cat(cols)
     select = torch.zeros((n, width), dtype=torch.bool)
-    select[rows, cols] = True
+    select[rows_t, cols_t] = True
     # The head's output rows are the selected positions in row-major order; slot[b, t] is the
     # output row of position (b, t).
     slot = (select.flatten().cumsum(0) - 1).view(n, width)
-
     q, k = seg.unsqueeze(2), seg.unsqueeze(1)  # B x T x 1, B x 1 x T
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     # Same segment (prefix, one branch, or padding), or a prefix key seen by a real token.
     mask = causal & ((q == k) | ((k == 0) & (q >= 0)))
+    n_tok = torch.as_tensor(n_tokens, dtype=torch.long)
     return {"input_ids": ids, "attention_mask": mask.unsqueeze(1), "position_ids": pos, "select": select,
-            "head_slot": slot[rows, cols], "targets": targets, "logp_rows": logp_rows, "n_tokens": n_tokens,
+            "head_slot": slot[rows_t, cols_t], "targets": torch.cat(targets),
+            "target_seq": torch.repeat_interleave(torch.arange(len(n_tokens)), n_tok), "n_tokens": n_tok,
             "real_tokens": int((seg >= 0).sum())}
+
+
+def tree_batch(pairs: list, pad_id: int) -> dict:
+    """One micro-batch of N rows (one per pair); see the module docstring for the keys.
+    branch_batch orders targets pair by pair; dpo wants chosen 0..N-1, then rejected 0..N-1."""
+    n = len(pairs)
+    out = branch_batch([[p.chosen, p.rejected] for p in pairs], pad_id)
+    seq = out.pop("target_seq")  # 2b + side
+    order = torch.sort((seq % 2) * n + seq // 2, stable=True)  # chosen rows first, each by position
+    out["head_slot"], out["targets"] = out["head_slot"][order.indices], out["targets"][order.indices]
+    out["logp_rows"] = order.values
+    out["n_tokens"] = out["n_tokens"].view(n, 2).t().reshape(-1)
+    return out
 
 
 def tree_unsupported(module, seq_len: int) -> str | None:

@@ -21,6 +21,12 @@ normalised as `loss_type` says: grpo and sapo (mean over each completion's token
 completions), dapo and cispo (over all completion tokens of the step), dr_grpo (over
 completions x max_new_tokens). Log-probs use logits divided by the sampling temperature.
 
+Layout: with `share_prompt` (the default) the completions of one prompt inside a micro-batch are
+one row, the prompt once and each completion as a branch that sees the prompt and itself only
+(workbench/data/pair_tree.py branch_batch): the decoder reads each prompt once instead of
+num_generations times, and every log-prob is the one the row-per-completion layout
+(`share_prompt=false`) gives, up to rounding.
+
 The global batch is train.micro_batch_size x grad_accum x ranks completions, i.e. that divided
 by num_generations prompts; each rank generates and scores its own whole groups. Logged: reward
 mean/std per function, completion lengths, clip fractions, KL; a few sample completions of each
@@ -30,6 +36,7 @@ generation go to <run_dir>/samples/grpo.jsonl.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 
@@ -40,6 +47,7 @@ from workbench.data.collate import pad_batch
 from workbench.data.formats import IGNORE, prompt_ids
 from workbench.data.mixing import Mixture
 from workbench.data.overfit import Overfit
+from workbench.data.pair_tree import branch_batch, tree_unsupported
 from workbench.data.preference import read_prompts
 from workbench.data.recipes import load_recipe
 from workbench.errors import UserError
@@ -72,6 +80,7 @@ class Config:
     num_iterations: int = 1  # optimisation steps per generation batch
     engine: str = "hf"  # hf | vllm
     log_completions: int = 3
+    share_prompt: bool = True  # one row per prompt in a micro-batch, completions as branches
     # prompts per optimizer step over all ranks; None: micro_batch_size x grad_accum x ranks /
     # num_generations. When set, the step's micro-batch count follows from it (batch_shape()).
     prompts_per_step: int | None = None
@@ -161,11 +170,32 @@ def batch_shape(cfg, train, world: int) -> BatchShape:
     return BatchShape(prompts, G, world, mb, per_rank // mb)
 
 
+def collate(seqs: list[tuple[list[int], list[int]]], G: int, first: int, pad_id: int, tree: bool) -> dict:
+    """A micro-batch of completions (prompt + completion ids, labels), the `first` of the step's
+    and onward: one row per completion, or (tree) one row per prompt, its completions as
+    branches. Either way the targets come completion by completion (`target_seq`)."""
+    if tree:  # completions first+i share a prompt when (first+i) // G is the same
+        groups: dict[int, list] = {}
+        for i, seq in enumerate(seqs):
+            groups.setdefault((first + i) // G, []).append(seq)
+        return branch_batch(list(groups.values()), pad_id)
+    m = pad_batch(seqs, pad_id)
+    m["n_tokens"] = m["select"].sum(dim=1)
+    m["target_seq"] = m["select"].nonzero()[:, 0]
+    m["real_tokens"] = int(m["attention_mask"].sum())
+    return m
+
+
 def token_logps(model, micro: dict, temperature: float, entropy: bool = False):
-    """Log-probs of the selected target tokens (flat, row-major), logits / temperature; with
-    entropy=True also the policy's per-token entropy (no gradient), for the signal log."""
-    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], select=micro["select"])
+    """Log-probs of the target tokens (flat, completion by completion), logits / temperature;
+    with entropy=True also the policy's per-token entropy (no gradient), for the signal log.
+    Tree rows compute the head once per read position; `head_slot` says which row each target
+    reads (the prompt's last position predicts every completion's first token)."""
+    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                   position_ids=micro.get("position_ids"), select=micro["select"])
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if "head_slot" in micro:
+        logp = logp[micro["head_slot"]]
     picked = logp.gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
     if not entropy:
         return picked
@@ -206,6 +236,7 @@ class GRPO(Method):
 
     def attach(self, backend) -> None:
         module = backend.unwrapped()
+        self.tree = self.cfg.share_prompt and self._tree_fits(module)
         reference = self.ctx.run.reference  # none (beta=0) | adapter | copy: workbench/resolved.py
         if reference != "none":
             self.ref = Reference(reference, module)
@@ -213,6 +244,12 @@ class GRPO(Method):
             from workbench.rollout.vllm_engine import VLLMEngine
 
             self.engine = VLLMEngine(self.ctx.cfg, self.ctx.tokenizer, self.ctx.contract)
+
+    def _tree_fits(self, module) -> bool:
+        reason = tree_unsupported(module, self.ctx.cfg.data.seq_len + self.cfg.max_new_tokens)
+        if reason and int(os.environ.get("RANK", "0")) == 0:
+            print(f"note: method.share_prompt: {reason}; using one row per completion", file=sys.stderr)
+        return reason is None
 
     # -- rollouts ------------------------------------------------------------------------
     def _generate(self, backend, convs: list) -> list[list[int]]:
@@ -301,9 +338,8 @@ class GRPO(Method):
         per_rank = self.shape.completions_per_rank
         micro = []
         for i in range(0, per_rank, t.micro_batch_size):
-            m = pad_batch(seqs[i:i + t.micro_batch_size], tok.pad_token_id)
-            m["n_tokens"] = m["select"].sum(dim=1)
-            micro.append({k: v.to(self.ctx.device) for k, v in m.items()})
+            m = collate(seqs[i:i + t.micro_batch_size], G, i, tok.pad_token_id, self.tree)
+            micro.append({k: v.to(self.ctx.device) if torch.is_tensor(v) else v for k, v in m.items()})
         kl_in_reward = c.beta and c.kl_in_reward
         if c.num_iterations > 1 or kl_in_reward:  # ratios (and the reward's KL) use the generating policy
             module = backend.unwrapped()
@@ -330,7 +366,7 @@ class GRPO(Method):
         n_tok = float(sum(int(m["n_tokens"].sum()) for m in micro))
         denom = {"grpo": float(per_rank), "sapo": float(per_rank), "dapo": n_tok, "cispo": n_tok,
                  "dr_grpo": float(per_rank * c.max_new_tokens)}[c.loss_type]
-        tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))
+        tokens = int(sum(m["real_tokens"] for m in micro))
         self._step_tokens = n_tok
         return StepBatch(micro=micro, denom=denom, tokens=tokens, info=info)
 
@@ -389,16 +425,15 @@ class GRPO(Method):
     def _sequence_kl(self, model, micro):
         """Per completion of the micro-batch, the summed k1 KL of the generating policy to the
         reference (no gradient): what kl_in_reward takes off the reward."""
-        rows = micro["select"].nonzero()[:, 0]
-        return objectives.sequence_kl(micro["old_logps"], self._ref_logps(model, micro), rows,
-                                      micro["input_ids"].shape[0])
+        return objectives.sequence_kl(micro["old_logps"], self._ref_logps(model, micro), micro["target_seq"],
+                                      micro["n_tokens"].numel())
 
     def loss(self, model, micro: dict):
         c = self.cfg
         ref = self._ref_logps(model, micro) if c.beta and not c.kl_in_reward else None
         logp, entropy = token_logps(model, micro, c.temperature, entropy=True)
         old = micro["old_logps"] if "old_logps" in micro else logp.detach()
-        rows = micro["select"].nonzero()[:, 0]
+        rows = micro["target_seq"]
         adv_tok = micro["advantages"][rows]
         per_tok, flags, kl = objectives.policy_loss(logp, old, adv_tok, c, rows, micro["n_tokens"], ref)
         if c.loss_type in ("grpo", "sapo"):  # each completion's token mean
