@@ -112,6 +112,9 @@ class DataConfig:
     recipe: str | None = None  # data_recipes/<recipe>.yaml; null: the method's own (method.recipe)
     seq_len: int = 256
     packing: bool = False
+    # SFT: a micro-batch whose examples fit in fewer rows is packed into them (same examples,
+    # same loss, no compute on padding; workbench/data/packing.py pad_free)
+    pad_free: bool = True
     chat_template: str | None = None  # a named override; default: the tokenizer's own
     shuffle_seed: int = 1234
     on_bad_row: str = "error"  # error | skip

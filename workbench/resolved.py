@@ -113,6 +113,12 @@ class Run:
         return torch.float32 if self.precision.name == "fp32" else torch.bfloat16
 
     @property
+    def pad_free(self) -> bool:
+        """SFT micro-batches may be packed padding-free (data.pad_free), except under Megatron,
+        whose RoPE takes positions 0..T-1 only (packed rows restart them per example)."""
+        return bool(self.cfg.data.get("pad_free", False)) and self.cfg.backend.name != "megatron"
+
+    @property
     def merge_source(self) -> torch.dtype:
         """The dtype merged weights come from: adapters merge in fp32 (peft), a full fine-tune's
         weights are its trainable dtype."""

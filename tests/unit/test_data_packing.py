@@ -113,3 +113,44 @@ def test_sft_trains_packed_and_logs_mix_and_fill(tmp_path):
     mix = {k: v for k, v in step.items() if k.startswith("mix/")}
     assert len(mix) == 6 and abs(sum(mix.values()) - 1) < 1e-9
     assert step["pack/fill"] >= 0.9 and step["tokens"] > 0
+
+
+def test_pad_free_packs_mixed_lengths_and_leaves_uniform_ones_padded():
+    rng = random.Random(2)
+
+    def ex(n):
+        ids = [rng.randrange(10, 4000) for _ in range(n)]
+        return ids, [IGNORE] * (n // 2) + ids[n // 2:]
+
+    mixed = [ex(n) for n in (9, 14, 5, 21, 12, 7)]
+    m = packing.pad_free(mixed, 0, "rows", "4d")
+    # rows of 21 (the longest): 21 | 14+7 | 12+9 | 5, 4 x 21 positions instead of 6 x 21
+    assert m is not None and m["input_ids"].shape == (4, 21)
+    assert m["real_tokens"] == sum(len(x) for x, _ in mixed)
+    padded = collate.pad_batch(mixed, 0)
+    assert sorted(m["targets"].tolist()) == sorted(padded["targets"].tolist())  # the same targets
+    flat = packing.pad_free(mixed, 0, "flat", "position_ids")
+    assert flat["input_ids"].shape == (1, m["real_tokens"])
+    assert packing.pad_free([ex(n) for n in (20, 21, 19, 21)], 0, "rows", "4d") is None  # nothing to save
+
+
+def test_pad_free_sft_steps_equal_padded_ones(tmp_path):
+    """data.pad_free trains on each step's own examples, as padded batches do, so the curve is the
+    padded one up to the rounding of another attention mask (tests/tolerances.py LOSS_RTOL), on
+    data whose lengths vary (formats_demo: 20 to 200+ tokens)."""
+    import json
+
+    from tests.conftest import train
+    from tests.tolerances import LOSS_RTOL
+
+    common = ["data.recipe=formats_demo", "train.max_steps=3", "train.micro_batch_size=6",
+              f"data.cache_dir={tmp_path / 'cache'}"]
+    free = train([*common, "data.pad_free=true"], tmp_path / "free")
+    padded = train([*common, "data.pad_free=false"], tmp_path / "padded")
+    assert free["losses"] == pytest.approx(padded["losses"], rel=LOSS_RTOL)
+
+    def tokens(run):
+        return [json.loads(x)["tokens"] for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+                if "tokens" in x]
+
+    assert tokens("free") == tokens("padded")  # the same real tokens each step

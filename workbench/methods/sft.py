@@ -90,11 +90,23 @@ class SFT(Method):
         per_rank = t.micro_batch_size * t.grad_accum
         examples = self.overfit.take(state.step, lambda: self._draw(per_rank * world))  # every rank draws the global batch ...
         mine = examples[rank * per_rank:(rank + 1) * per_rank]  # ... and keeps its slice
-        pad = self.ctx.tokenizer.pad_token_id
-        micro = [pad_batch(mine[i:i + t.micro_batch_size], pad) for i in range(0, per_rank, t.micro_batch_size)]
+        micro = [self._collate(mine[i:i + t.micro_batch_size]) for i in range(0, per_rank, t.micro_batch_size)]
         denom = float(sum(int(m["targets"].numel()) for m in micro))
-        tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))
+        tokens = sum(m.pop("real_tokens") for m in micro)
         return StepBatch(micro=micro, denom=denom, tokens=tokens, info=self._mix_info())
+
+    def _collate(self, examples: list) -> dict:
+        """Padded rows, or the same examples padding-free where that saves enough (data.pad_free)."""
+        pad = self.ctx.tokenizer.pad_token_id
+        if self.ctx.run.pad_free:
+            from workbench.data.packing import attention_layout, pad_free
+
+            m = pad_free(examples, pad, *attention_layout(self.ctx.cfg.model.attn_implementation))
+            if m is not None:
+                return m
+        m = pad_batch(examples, pad)
+        m["real_tokens"] = int(m["attention_mask"].sum())
+        return m
 
     def loss(self, model, micro: dict):
         logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
