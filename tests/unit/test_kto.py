@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -221,3 +222,20 @@ def test_trains_on_the_shipped_pairs(tmp_path, peft):
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[0] == pytest.approx(0.5, rel=1e-6)  # policy = reference, z = 0: 1 - sigmoid(0) per example
     assert losses[1] != losses[0]
+
+
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_unpaired_held_out_rows_are_evaluated(tmp_path, peft):
+    """KTO on the user's own unpaired rows with a held-out split: its default evaluation
+    (`preference`, workbench/catalog.py) reads the held-out unpaired rows, before and after training, with no pairs
+    to compare: the ranking accuracy of desirable over undesirable rewards starts at 0.5 (the
+    policy is its own reference) and every metric is finite."""
+    rows = _unpaired([i % 3 != 0 for i in range(40)])
+    path = _write(tmp_path / "unpaired.jsonl", rows)
+    res = train(["method=kto", f"peft={peft}", f"data.path={path}", "data.eval_split=12", "train.max_steps=2",
+                 "train.micro_batch_size=4", "eval.tasks=[preference]", "eval.at_start=true", "eval.at_end=true"],
+                tmp_path / "run")
+    start, end = res["eval_start"], res["eval_end"]
+    assert start["eval/preference/accuracy"] == 0.5 and start["eval/preference/margin"] == 0.0
+    assert start["eval/preference/n"] == end["eval/preference/n"] == 12
+    assert all(math.isfinite(v) for k, v in end.items() if k.startswith("eval/preference/"))

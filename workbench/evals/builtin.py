@@ -9,10 +9,13 @@
 
 - `loss` (SFT): mean token loss and perplexity on the held-out rows (data.eval_split), the same
   tokens and loss mask as training;
-- `preference` (DPO): on held-out pairs, reward accuracy and margins, rewards being
+- `preference` (DPO, KTO): on held-out pairs, reward accuracy and margins, rewards being
   beta * (policy - reference) log-probs; the reference is the model with its adapter switched
   off (peft) or, for full fine-tuning, the log-probs measured at the first evaluation (before
-  training); without one only the policy's log-prob accuracy is reported;
+  training); without one only the policy's log-prob accuracy is reported. KTO's unpaired
+  held-out rows (prompt, completion, label) have no pairs: there `accuracy` is the share of
+  (desirable, undesirable) example pairs whose rewards are in that order (ties count half;
+  0.5 before training), with the mean reward of each kind and their margin;
 - `reward` (GRPO): the mean reward of greedy completions of held-out prompts, scored with the
   run's own reward functions;
 - `reward_accuracy` (RM): on held-out pairs, the share where the reward model scores chosen above
@@ -149,6 +152,8 @@ def preference(ctx) -> dict:
     from workbench.methods.dpo import collate, sequence_logps
     from workbench.models.head import SelectiveLM
 
+    if catalog.facts(ctx.cfg.method.name).data == "unpaired" and _unpaired_held_out(ctx):
+        return _unpaired_preference(ctx)
     rows = ctx.cached("preference/pairs", lambda: _held_out(ctx, lambda s, *a: tokenise_preferences(s, *a).pairs))
     model, device = ctx.model, _device(ctx.model)
     lm = SelectiveLM(model)
@@ -175,6 +180,66 @@ def preference(ctx) -> dict:
         rc, rr = beta * (pi[0] - ref[0]), beta * (pi[1] - ref[1])
         out.update(accuracy=float((rc > rr).float().mean()), margin=float((rc - rr).mean()),
                    chosen_reward=float(rc.mean()), rejected_reward=float(rr.mean()))
+    return out
+
+
+def _unpaired_held_out(ctx) -> bool:
+    """Whether the held-out rows are KTO's unpaired ones (a row of pairs is read as pairs)."""
+    from workbench.data.readers import iter_rows
+
+    for s in eval_recipe(ctx.cfg).eval_sources:
+        for _where, row in iter_rows(s, s.columns or None, s.split):
+            return "chosen" not in row
+    return False
+
+
+def _policy_and_reference(ctx, sequences: list, key: str):
+    """Summed completion log-probs of `sequences` ((ids, labels) rows) under the policy and the
+    reference (see `preference`; None when there is none)."""
+    from workbench.data.collate import pad_batch
+    from workbench.methods.dpo import sequence_logps
+    from workbench.models.head import SelectiveLM
+
+    model, device = ctx.model, _device(ctx.model)
+    lm = SelectiveLM(model)
+
+    def logps():
+        out = []
+        for i in range(0, len(sequences), ctx.eval_cfg.batch_size):
+            micro = pad_batch(sequences[i:i + ctx.eval_cfg.batch_size], ctx.tokenizer.pad_token_id)
+            with ctx.autocast_ctx():
+                out.append(sequence_logps(lm, {k: v.to(device) for k, v in micro.items()}).float().cpu())
+        return torch.cat(out)
+
+    with _inference(model):
+        pi = logps()
+        if hasattr(model, "disable_adapter"):
+            with model.disable_adapter():
+                return pi, logps()
+        return pi, ctx.cached(key, lambda: pi.clone() if ctx.step == 0 else None)
+
+
+def _unpaired_preference(ctx) -> dict:
+    """`preference` on unpaired held-out rows (KTO): see the module docstring."""
+    from omegaconf import OmegaConf
+
+    from workbench.data.unpaired import tokenise_unpaired
+
+    rows = ctx.cached("preference/unpaired", lambda: _held_out(ctx, lambda s, *a: tokenise_unpaired(s, *a).examples))
+    labels = torch.tensor([e.label for e in rows])
+    if labels.all() or not labels.any():
+        raise UserError("eval.tasks: 'preference' on unpaired held-out rows needs desirable and undesirable ones; "
+                        f"the {len(rows)} held out are all {'desirable' if labels.all() else 'undesirable'}")
+    seq_len = ctx.cfg.data.seq_len
+    pi, ref = _policy_and_reference(ctx, [e.sequence(seq_len) for e in rows], "preference/unpaired_reference")
+    out = {"n": len(rows)}
+    if ref is None:
+        return out
+    r = float(OmegaConf.select(ctx.cfg, "method.beta", default=0.1) or 0.1) * (pi - ref)
+    good, bad = r[labels], r[~labels]
+    order = (good[:, None] > bad[None, :]).float() + 0.5 * (good[:, None] == bad[None, :]).float()
+    out.update(accuracy=float(order.mean()), margin=float(good.mean() - bad.mean()),
+               desirable_reward=float(good.mean()), undesirable_reward=float(bad.mean()))
     return out
 
 
