@@ -23,7 +23,8 @@ What is counted (a multiply-add is 2 FLOPs):
   full fine-tuning).
 - the embedding lookup costs nothing (a gather), nor does its gradient (a scatter-add).
 - a DPO reference (adapter disabled or a frozen copy) and a GRPO KL reference add one forward
-  pass per micro-batch; GRPO's generation and old-log-prob passes, activation-checkpoint
+  pass per micro-batch; KTO's KL pairs (`micro["kl_input_ids"]`) a forward pass of the policy
+  and one of its reference, without gradient; GRPO's generation and old-log-prob passes, activation-checkpoint
   recomputation and DoRA's per-step weight norm are not counted, so the MFU of such runs is a
   lower bound rather than an overestimate.
 - MoE expert weights count top-k/experts of their size (each token runs k experts).
@@ -124,6 +125,13 @@ class FlopCount:
                       + 2.0 * self.head_weights * head_positions)
         return total
 
+    def forward(self, rows: int, seq: int, head_positions: int) -> float:
+        """FLOPs of a forward pass without gradient over `rows` x `seq` positions, the head on
+        `head_positions`, and of the reference's forward over them when there is one."""
+        passes = [self.block_weights] + ([self.ref_weights] if self.ref_weights else [])
+        per_pass = 4.0 * self.layers * self.attn_width * seq * seq * rows + 2.0 * self.head_weights * head_positions
+        return sum(2.0 * w * rows * seq + per_pass for w in passes)
+
     def step(self, micro_batches) -> float:
         """FLOPs this rank computes for one optimizer step (its micro-batches)."""
         total = 0.0
@@ -133,6 +141,10 @@ class FlopCount:
             sel = m.get("select")
             heads = rows * seq if sel is None or self.head_everywhere else int(torch.as_tensor(sel).sum())
             total += self.micro(rows, seq, heads)
+            kl = m.get("kl_input_ids")
+            if kl is not None:  # KTO's mismatched pairs: forward only
+                heads = kl.numel() if self.head_everywhere else int(torch.as_tensor(m["kl_select"]).sum())
+                total += self.forward(int(kl.shape[0]), int(kl.shape[-1]), heads)
         return total / self.model_parallel
 
     def per_token(self, seq_len: int, head_fraction: float = 1.0) -> float:

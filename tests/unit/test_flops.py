@@ -60,6 +60,29 @@ def test_step_flops_equal_a_count_by_hand_and_torch_flop_counter(peft, tmp_path)
     assert by_hand == pytest.approx(counter.get_total_flops(), rel=1e-4)
 
 
+def test_kto_step_counts_its_reference_and_kl_passes(tmp_path):
+    """KTO runs, besides forward + backward of its sequences, the reference forward of them and
+    forward passes of policy and reference over the mismatched KL pairs (no gradient): the step's
+    count is what PyTorch's counter sees in the loss plus the attention of those three no-grad
+    passes, which run SDPA's CPU flash kernel, a kernel the counter has no formula for (the
+    training pass runs the math kernel, which it counts)."""
+    from workbench.runner import Runner
+    from workbench.state import TrainState
+
+    runner = Runner(compose(["method=kto", "peft=lora"], tmp_path))
+    runner.build()
+    batch = runner.method.next_batch(TrainState(), runner.backend)
+    assert "kl_input_ids" in batch.micro[0]
+    count = FlopCount.from_model(runner.model, runner.run_facts)
+    with FlopCounterMode(display=False) as counter:
+        for m in batch.micro:
+            loss, _ = runner.method.loss(runner.train_module, m)
+            loss.backward()
+    no_grad_attention = sum(L * 4 * H * ids.shape[1] ** 2 * ids.shape[0]  # QK^T and AV, forward
+                            for m in batch.micro for ids in (m["input_ids"], m["kl_input_ids"], m["kl_input_ids"]))
+    assert count.step(batch.micro) == pytest.approx(counter.get_total_flops() + no_grad_attention, rel=1e-4)
+
+
 def test_per_token_matches_step_count_and_a_reference_pass_is_counted(tmp_path):
     cfg, runner, _ = _built("lora", tmp_path)
     count = FlopCount.from_model(runner.model, runner.run_facts)
