@@ -33,11 +33,14 @@ def one(name: str, seed: int, work: Path) -> dict:
         teacher, before, after = L.distill(out, seed)
         row = {"teacher": teacher, "before": before, "after": after,
                "gap_closed": (after - before) / max(1e-9, teacher - before)}
+    elif name == "rm_sft":
+        acc, warm = L.rm_from_sft(out, seed)
+        row = {"before": warm["eval_end"]["eval/arith_add2/accuracy"], "after": acc}  # before: the SFT's exact match
     elif name == "grpo_rm":
         rm_acc, before, after = L.grpo_with_reward_model(out, seed)
         row = {"rm_accuracy": rm_acc, "before": before, "after": after}
     else:
-        raise SystemExit(f"unknown run {name!r}: choose from {[*L.RECIPES, 'distill', 'grpo_rm']}")
+        raise SystemExit(f"unknown run {name!r}: choose from {[*L.RECIPES, 'rm_sft', 'distill', 'grpo_rm']}")
     return {"run": name, "seed": seed, **row, "seconds": round(time.perf_counter() - t)}
 
 

@@ -12,13 +12,17 @@ across seeds, each test runs seed 0.
   wrong number", stay near chance (60 steps: 0.29 -> 0.76; 150 steps LoRA 0.74, 50 steps of full
   fine-tuning 0.68): judging a sum from the last hidden state is beyond what this budget teaches
   SmolLM2-135M, where DPO with the chosen NLL learns it through the likelihood. 90% is not reached.
-- GRPO with that reward model as its only reward (`reward=model`), from SmolLM2 itself: held-out
-  exact match should rise by >= 10 points; it does not (0 -> 0, seed 0: the policy learns what
-  the reward model over-scores, truncated text it never saw), so the test is a strict xfail that
-  reports when a better reward model makes it pass.
+  Initialising it from an SFT model, as RLHF pipelines do, did not help (seed 0: from a 20-step
+  SFT, 60 steps, 0.72; from a 60-step SFT, 150 steps, 0.69).
+- GRPO with a reward model as its only reward (`reward=model`), from the 20-step SFT model and
+  with the reward model trained from it: held-out exact match should rise by >= 10 points; it
+  does not (seed 0: 0.41 -> 0.00; from SmolLM2 itself 0.00 -> 0.00): the policy learns what the
+  reward model over-scores, numbers of 4-5 digits it never saw ("16848" for 62 + 48), so the
+  test is a strict xfail that reports when a better reward model makes it pass.
 - method=kto and method=simpo: held-out preference accuracy (`arith_pref`: the chosen completion's
   log-prob above the rejected one's) rises by >= 15 points. Seeds 0 and 1: SimPO +21, +23; KTO
-  +19, +9 (seed 1 falls short, so the KTO test's seed 0 is not the whole story).
+  seeds 0, 1, 2: +19, +9, +22 (mean +17; seed 1 falls short, so the KTO test's seed 0 is not the
+  whole story).
 - method=distill from a 60-step SFT teacher into SmolLM2 itself: the student closes at least half
   of the teacher-student gap in held-out exact match.
 """
@@ -70,12 +74,22 @@ def distill(out: Path, seed: int = 0) -> tuple[float, float, float]:
     return teacher["eval_end"][metric], res["eval_start"][metric], res["eval_end"][metric]
 
 
+def rm_from_sft(out: Path, seed: int = 0) -> tuple[float, dict]:
+    """(held-out pair accuracy, the SFT run) of a reward model initialised from a 20-step SFT of
+    SmolLM2, the order RLHF pipelines use (SFT, then the reward model and the policy from it)."""
+    warm = sft(out / "sft", 20, seed)
+    _, acc, _ = run_recipe("rm", seed, out / "rm", [f"model.path={warm['export']['merged']}", "train.export=true",
+                                                    "eval.at_start=false"])
+    return acc, warm
+
+
 def grpo_with_reward_model(out: Path, seed: int = 0) -> tuple[float, float, float]:
-    """(reward model accuracy, policy before, policy after): an RM trained by the `rm` recipe is
-    GRPO's only reward, from SmolLM2 itself (method=grpo's batch defaults otherwise)."""
-    _, rm_acc, _ = run_recipe("rm", seed, out / "rm", ["train.export=true", "eval.at_start=false"])
-    res = train(["method=grpo", "reward=model", f"reward.path={out / 'rm'}", "eval.tasks=[arith_add2]", *BASE,
-                 *seeded(seed)], out / "grpo", base=[])
+    """(reward model accuracy, policy before, policy after): GRPO from the 20-step SFT model with
+    the reward model trained from it (rm_from_sft) as its only reward (method=grpo's batch
+    defaults otherwise)."""
+    rm_acc, warm = rm_from_sft(out, seed)
+    res = train(["method=grpo", "reward=model", f"reward.path={out / 'rm'}", f"model.path={warm['export']['merged']}",
+                 "eval.tasks=[arith_add2]", *BASE, *seeded(seed)], out / "grpo", base=[])
     metric = "eval/arith_add2/accuracy"
     return rm_acc, res["eval_start"][metric], res["eval_end"][metric]
 
@@ -96,7 +110,7 @@ def test_preference_accuracy_rises(tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="measured 0.00 -> 0.00 (seed 0): the 76% reward model is exploited, see docstring")
+@pytest.mark.xfail(strict=True, reason="measured 0.41 -> 0.00 (seed 0): the 72% reward model is exploited, see docstring")
 def test_grpo_scored_by_the_reward_model_learns(tmp_path):
     rm_acc, before, after = grpo_with_reward_model(tmp_path)
     print(f"\nGRPO with reward=model (RM accuracy {rm_acc:.3f}): held-out exact match {before:.3f} -> {after:.3f}")
