@@ -25,13 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from workbench import checkpoint, faults, manifest, precision, report
 from workbench.config import plugin_module
-from workbench.data.formats import setup_tokenizer
 from workbench.distributed import init_distributed
 from workbench.evals import hooks
 from workbench.flops import FlopCount
 from workbench.models.build import build_model
 from workbench.models.head import SelectiveLM
-from workbench.models.load import load_tokenizer, resolve
+from workbench.models.load import resolve
 from workbench.resolved import Run
 from workbench.resolved import resolve as resolve_run
 from workbench.state import TrainState, rng_state, seed_everything, set_rng_state
@@ -84,8 +83,9 @@ class Runner:
     def build(self) -> None:
         cfg = self.cfg
         if self._tokenizer is None:
-            tok = load_tokenizer(cfg.model)
-            self._tokenizer = tok, setup_tokenizer(tok, cfg.data.chat_template)
+            from workbench.preflight import tokenizer
+
+            self._tokenizer = tokenizer(cfg)
         self.tokenizer, self.contract = self._tokenizer
         self.ctx = Context(self.run_facts, self.tokenizer, self.contract, self.run_dir)
         self.method = plugin_module("method", cfg.method.name).build(cfg.method, self.ctx)

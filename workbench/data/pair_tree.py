@@ -122,6 +122,18 @@ def tree_batch(pairs: list, pad_id: int) -> dict:
     return out
 
 
+def tree_fits(module, seq_len: int, fallback: str) -> bool:
+    """Whether `module` takes tree rows; if not, rank 0 says why on stderr and what the method
+    does instead (`fallback`)."""
+    import os
+    import sys
+
+    reason = tree_unsupported(module, seq_len)
+    if reason and int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: method.share_prompt: {reason}; {fallback}", file=sys.stderr)
+    return reason is None
+
+
 def tree_unsupported(module, seq_len: int) -> str | None:
     """Why `module` cannot take tree rows (None when it can).
 

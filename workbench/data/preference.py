@@ -215,3 +215,20 @@ def pairs_from_rows(rows: list[dict], tokenizer, contract) -> list[Pair]:
         out.append(Pair(tokenise_completion(tokenizer, contract, p, c, ids),
                         tokenise_completion(tokenizer, contract, p, r, ids), len(ids)))
     return out
+
+
+def read_pairs(tokenizer, contract, data_cfg) -> tuple[list[PreferenceSource], object]:
+    """The run's recipe (data.recipe) tokenised as pairs, and the Mixture over its sources:
+    what DPO and the reference-free pair methods (methods/pairs.py) train on."""
+    from workbench.data.mixing import Mixture
+    from workbench.data.recipes import load_recipe
+
+    sources = [tokenise_preferences(s, tokenizer, contract, data_cfg) for s in load_recipe(data_cfg.recipe).sources]
+    return sources, Mixture([len(s.pairs) for s in sources], [s.source.weight for s in sources],
+                            seed=data_cfg.shuffle_seed)
+
+
+def pairs_report(sources: list[PreferenceSource]) -> dict:
+    """The manifest's data entry for pair sources."""
+    return {s.source.name: {"pairs": len(s.pairs), "skipped": s.skipped, "truncated": s.truncated,
+                            "fingerprint": s.fingerprint} for s in sources}

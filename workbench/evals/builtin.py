@@ -149,31 +149,15 @@ def preference(ctx) -> dict:
     from omegaconf import OmegaConf
 
     from workbench.data.preference import tokenise_preferences
-    from workbench.methods.dpo import collate, sequence_logps
-    from workbench.models.head import SelectiveLM
+    from workbench.methods.dpo import collate
 
     if catalog.facts(ctx.cfg.method.name).data == "unpaired" and _unpaired_held_out(ctx):
         return _unpaired_preference(ctx)
     rows = ctx.cached("preference/pairs", lambda: _held_out(ctx, lambda s, *a: tokenise_preferences(s, *a).pairs))
-    model, device = ctx.model, _device(ctx.model)
-    lm = SelectiveLM(model)
-
-    def logps():
-        out = []
-        for i in range(0, len(rows), ctx.eval_cfg.batch_size):
-            chunk = rows[i:i + ctx.eval_cfg.batch_size]
-            micro = {k: v.to(device) for k, v in collate(chunk, ctx.tokenizer.pad_token_id).items()}
-            with ctx.autocast_ctx():
-                out.append(sequence_logps(lm, micro).float().view(2, -1).cpu())
-        return torch.cat(out, dim=1)  # (2, pairs): chosen, rejected
-
-    with _inference(model):
-        pi = logps()
-        if hasattr(model, "disable_adapter"):  # peft: the base weights are the reference
-            with model.disable_adapter():
-                ref = logps()
-        else:  # full fine-tuning: the first evaluation (before training, eval.at_start) is the reference
-            ref = ctx.cached("preference/reference", lambda: pi.clone() if ctx.step == 0 else None)
+    bs, pad = ctx.eval_cfg.batch_size, ctx.tokenizer.pad_token_id
+    pi, ref = _policy_and_reference(  # (2, pairs): chosen, rejected
+        ctx, [collate(rows[i:i + bs], pad) for i in range(0, len(rows), bs)],
+        lambda parts: torch.cat([x.view(2, -1) for x in parts], dim=1), "preference/reference")
     out = {"logp_accuracy": float((pi[0] > pi[1]).float().mean()), "n": len(rows)}
     if ref is not None:
         beta = float(OmegaConf.select(ctx.cfg, "method.beta", default=0.1) or 0.1)
@@ -193,10 +177,11 @@ def _unpaired_held_out(ctx) -> bool:
     return False
 
 
-def _policy_and_reference(ctx, sequences: list, key: str):
-    """Summed completion log-probs of `sequences` ((ids, labels) rows) under the policy and the
-    reference (see `preference`; None when there is none)."""
-    from workbench.data.collate import pad_batch
+def _policy_and_reference(ctx, batches: list[dict], combine, key: str):
+    """Per-row summed completion log-probs of the micro-batches under the policy and under the
+    reference, each put together by `combine` (the list of per-batch results): the model with
+    its adapter off (peft), else the policy's at the first evaluation, cached under `key`
+    (None after it when there was none)."""
     from workbench.methods.dpo import sequence_logps
     from workbench.models.head import SelectiveLM
 
@@ -205,11 +190,10 @@ def _policy_and_reference(ctx, sequences: list, key: str):
 
     def logps():
         out = []
-        for i in range(0, len(sequences), ctx.eval_cfg.batch_size):
-            micro = pad_batch(sequences[i:i + ctx.eval_cfg.batch_size], ctx.tokenizer.pad_token_id)
+        for micro in batches:
             with ctx.autocast_ctx():
                 out.append(sequence_logps(lm, {k: v.to(device) for k, v in micro.items()}).float().cpu())
-        return torch.cat(out)
+        return combine(out)
 
     with _inference(model):
         pi = logps()
@@ -223,6 +207,7 @@ def _unpaired_preference(ctx) -> dict:
     """`preference` on unpaired held-out rows (KTO): see the module docstring."""
     from omegaconf import OmegaConf
 
+    from workbench.data.collate import pad_batch
     from workbench.data.unpaired import tokenise_unpaired
 
     rows = ctx.cached("preference/unpaired", lambda: _held_out(ctx, lambda s, *a: tokenise_unpaired(s, *a).examples))
@@ -230,8 +215,9 @@ def _unpaired_preference(ctx) -> dict:
     if labels.all() or not labels.any():
         raise UserError("eval.tasks: 'preference' on unpaired held-out rows needs desirable and undesirable ones; "
                         f"the {len(rows)} held out are all {'desirable' if labels.all() else 'undesirable'}")
-    seq_len = ctx.cfg.data.seq_len
-    pi, ref = _policy_and_reference(ctx, [e.sequence(seq_len) for e in rows], "preference/unpaired_reference")
+    seqs, bs, pad = [e.sequence(ctx.cfg.data.seq_len) for e in rows], ctx.eval_cfg.batch_size, ctx.tokenizer.pad_token_id
+    pi, ref = _policy_and_reference(ctx, [pad_batch(seqs[i:i + bs], pad) for i in range(0, len(seqs), bs)], torch.cat,
+                                    "preference/unpaired_reference")
     out = {"n": len(rows)}
     if ref is None:
         return out

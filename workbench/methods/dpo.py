@@ -34,8 +34,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -43,11 +41,9 @@ import torch.nn.functional as F
 
 from workbench.batch import StepBatch
 from workbench.data.collate import pad_batch
-from workbench.data.mixing import Mixture
 from workbench.data.overfit import Overfit
-from workbench.data.pair_tree import tree_batch, tree_unsupported
-from workbench.data.preference import tokenise_preferences
-from workbench.data.recipes import load_recipe
+from workbench.data.pair_tree import tree_batch, tree_fits, tree_unsupported
+from workbench.data.preference import pairs_report, read_pairs
 from workbench.errors import UserError
 from workbench.methods.base import Method
 from workbench.methods.reference import Reference
@@ -149,31 +145,20 @@ class DPO(Method):
 
     # -- data ----------------------------------------------------------------------------
     def prepare(self, ctx) -> None:
-        data = ctx.cfg.data
-        recipe = load_recipe(data.recipe)
-        self.sources = [tokenise_preferences(s, ctx.tokenizer, ctx.contract, data) for s in recipe.sources]
-        self.mixture = Mixture([len(s.pairs) for s in self.sources], [s.source.weight for s in self.sources],
-                               seed=data.shuffle_seed)
+        self.sources, self.mixture = read_pairs(ctx.tokenizer, ctx.contract, ctx.cfg.data)
 
     def data_report(self) -> dict:
-        return {s.source.name: {"pairs": len(s.pairs), "skipped": s.skipped, "truncated": s.truncated,
-                                "fingerprint": s.fingerprint} for s in self.sources}
+        return pairs_report(self.sources)
 
     # -- reference -----------------------------------------------------------------------
     def attach(self, backend) -> None:
         """Set up the reference once the backend holds the model (before any step)."""
         module = backend.unwrapped()
-        self.tree = self.cfg.share_prompt and self._tree_fits(module)
+        self.tree = self.cfg.share_prompt and tree_fits(module, self.ctx.cfg.data.seq_len, "using two rows per pair")
         if self.reference == "precomputed":
             self.ref_logps = self._precompute(module)
         else:
             self.ref = Reference(self.reference, module)
-
-    def _tree_fits(self, module) -> bool:
-        reason = tree_unsupported(module, self.ctx.cfg.data.seq_len)
-        if reason and int(os.environ.get("RANK", "0")) == 0:
-            print(f"note: method.share_prompt: {reason}; using two rows per pair", file=sys.stderr)
-        return reason is None
 
     def _collate(self, pairs: list) -> dict:
         """A micro-batch in this run's layout; real_tokens: the input tokens the model reads."""

@@ -36,7 +36,6 @@ generation go to <run_dir>/samples/grpo.jsonl.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 
@@ -47,7 +46,7 @@ from workbench.data.collate import pad_batch
 from workbench.data.formats import IGNORE, prompt_ids
 from workbench.data.mixing import Mixture
 from workbench.data.overfit import Overfit
-from workbench.data.pair_tree import branch_batch, tree_unsupported
+from workbench.data.pair_tree import branch_batch, tree_fits
 from workbench.data.preference import read_prompts
 from workbench.data.recipes import load_recipe
 from workbench.errors import UserError
@@ -236,7 +235,8 @@ class GRPO(Method):
 
     def attach(self, backend) -> None:
         module = backend.unwrapped()
-        self.tree = self.cfg.share_prompt and self._tree_fits(module)
+        self.tree = self.cfg.share_prompt and tree_fits(module, self.ctx.cfg.data.seq_len + self.cfg.max_new_tokens,
+                                                        "using one row per completion")
         reference = self.ctx.run.reference  # none (beta=0) | adapter | copy: workbench/resolved.py
         if reference != "none":
             self.ref = Reference(reference, module)
@@ -244,12 +244,6 @@ class GRPO(Method):
             from workbench.rollout.vllm_engine import VLLMEngine
 
             self.engine = VLLMEngine(self.ctx.cfg, self.ctx.tokenizer, self.ctx.contract)
-
-    def _tree_fits(self, module) -> bool:
-        reason = tree_unsupported(module, self.ctx.cfg.data.seq_len + self.cfg.max_new_tokens)
-        if reason and int(os.environ.get("RANK", "0")) == 0:
-            print(f"note: method.share_prompt: {reason}; using one row per completion", file=sys.stderr)
-        return reason is None
 
     # -- rollouts ------------------------------------------------------------------------
     def _generate(self, backend, convs: list) -> list[list[int]]:

@@ -12,10 +12,8 @@ from collections.abc import Callable
 
 from workbench.batch import StepBatch
 from workbench.data.formats import IGNORE
-from workbench.data.mixing import Mixture
 from workbench.data.overfit import Overfit
-from workbench.data.preference import Pair, tokenise_preferences
-from workbench.data.recipes import load_recipe
+from workbench.data.preference import Pair, pairs_report, read_pairs
 from workbench.methods.dpo import collate
 
 
@@ -44,15 +42,10 @@ class PairStream:
         self.pairs, self.nll_scale, self.nll_tokens_rank = 1.0, 1.0, 1.0
 
     def prepare(self, ctx) -> None:
-        data = ctx.cfg.data
-        recipe = load_recipe(data.recipe)
-        self.sources = [tokenise_preferences(s, ctx.tokenizer, ctx.contract, data) for s in recipe.sources]
-        self.mixture = Mixture([len(s.pairs) for s in self.sources], [s.source.weight for s in self.sources],
-                               seed=data.shuffle_seed)
+        self.sources, self.mixture = read_pairs(ctx.tokenizer, ctx.contract, ctx.cfg.data)
 
     def data_report(self) -> dict:
-        return {s.source.name: {"pairs": len(s.pairs), "skipped": s.skipped, "truncated": s.truncated,
-                                "fingerprint": s.fingerprint} for s in self.sources}
+        return pairs_report(self.sources)
 
     def step(self, state) -> StepBatch:
         t = self.ctx.cfg.train
