@@ -138,7 +138,7 @@ class Check:
             dt = time.perf_counter() - t
             runner.state.step += 1
             rows.append({"loss": m["loss"], "tokens_per_s": batch.tokens / dt, "step_s": dt,
-                         "flops_per_s": count.step(batch.micro) / dt})  # FLOPs as computed
+                         "flops_per_s": count.step(batch.micro, batch.forward_passes) / dt})  # FLOPs as computed
         timed = rows[1:] or rows  # the first step pays for allocation and autotuning
         tps = statistics.median(r["tokens_per_s"] for r in timed)
         out = {"steps": steps, "micro_batch_size": mbs, "tokens_per_s": tps,

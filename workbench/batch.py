@@ -24,3 +24,18 @@ class StepBatch:
     denom: float
     tokens: int  # input tokens, for throughput
     info: dict[str, float] = field(default_factory=dict)
+    # forward passes without gradient the step ran besides its micro-batches (GRPO's rollouts and
+    # old log-probs), for the FLOP count (workbench/flops.py)
+    forward_passes: list[Forward] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One forward pass of the policy without gradient: `rows` x `seq` new positions, each
+    attending to `ctx` positions (the last `seq` of them new, the rest from a KV cache), the
+    vocabulary head on `heads` positions. A decode step of generation is (rows, 1, ctx, rows)."""
+
+    rows: int
+    seq: int
+    ctx: int
+    heads: int

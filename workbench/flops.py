@@ -2,7 +2,7 @@
 
     from workbench.flops import FlopCount
     count = FlopCount.from_model(model, cfg)      # once, after adapters are applied
-    count.step(batch.micro)                       # FLOPs this rank spent on one optimizer step
+    count.step(batch.micro, batch.forward_passes)  # FLOPs this rank spent on one optimizer step
     count.per_token(seq_len=128, head_fraction=0.2)   # the same rule for one average token
 
 What is counted (a multiply-add is 2 FLOPs):
@@ -24,9 +24,14 @@ What is counted (a multiply-add is 2 FLOPs):
 - the embedding lookup costs nothing (a gather), nor does its gradient (a scatter-add).
 - a DPO reference (adapter disabled or a frozen copy) and a GRPO KL reference add one forward
   pass per micro-batch; KTO's KL pairs (`micro["kl_input_ids"]`) a forward pass of the policy
-  and one of its reference, without gradient; GRPO's generation and old-log-prob passes, activation-checkpoint
-  recomputation and DoRA's per-step weight norm are not counted, so the MFU of such runs is a
-  lower bound rather than an overestimate.
+  and one of its reference, without gradient.
+- the forward passes a step runs besides its micro-batches (`StepBatch.forward_passes`,
+  workbench.batch.Forward): GRPO's rollouts with HF generate (the shared prefill, or HF's own
+  prefill with the head on each row's last position, then one decode step per generated token,
+  attending to the prompt and the tokens so far) and its old-log-prob passes. Rollouts on vLLM,
+  the finished ranks' extra steps under synced generation, a distillation teacher's forward,
+  activation-checkpoint recomputation and DoRA's per-step weight norm are not counted, so the MFU of such runs is a lower bound
+  rather than an overestimate.
 - MoE expert weights count top-k/experts of their size (each token runs k experts).
 Model-parallel ranks (Megatron TP/PP) each do 1/(tp*pp) of the work of their batch.
 """
@@ -129,12 +134,22 @@ class FlopCount:
         """FLOPs of a forward pass without gradient over `rows` x `seq` positions, the head on
         `head_positions`, and of the reference's forward over them when there is one."""
         passes = [self.block_weights] + ([self.ref_weights] if self.ref_weights else [])
-        per_pass = 4.0 * self.layers * self.attn_width * seq * seq * rows + 2.0 * self.head_weights * head_positions
-        return sum(2.0 * w * rows * seq + per_pass for w in passes)
+        return sum(self._no_grad(w, rows, seq, seq, head_positions) for w in passes)
 
-    def step(self, micro_batches) -> float:
-        """FLOPs this rank computes for one optimizer step (its micro-batches)."""
-        total = 0.0
+    def _no_grad(self, weights: float, rows: int, seq: int, ctx: int, heads: int) -> float:
+        """One forward without gradient through `weights` block weights: rows x seq new positions
+        attending to ctx positions each (QK^T and AV: 4 x ctx x width per position and layer)."""
+        return (2.0 * weights * rows * seq + 4.0 * self.layers * self.attn_width * seq * ctx * rows
+                + 2.0 * self.head_weights * heads)
+
+    def passes(self, forward_passes) -> float:
+        """FLOPs of the policy's forward passes a step ran besides training (workbench.batch.Forward)."""
+        return sum(self._no_grad(self.block_weights, f.rows, f.seq, f.ctx, f.heads) for f in forward_passes)
+
+    def step(self, micro_batches, forward_passes=()) -> float:
+        """FLOPs this rank computes for one optimizer step (its micro-batches, and the forward
+        passes without gradient it ran besides them)."""
+        total = self.passes(forward_passes)
         for m in micro_batches:
             ids = m["input_ids"]
             rows, seq = (1, int(ids.shape[-1])) if ids.dim() == 1 else (int(ids.shape[0]), int(ids.shape[-1]))

@@ -228,7 +228,7 @@ class Runner:
             tps = batch.tokens * dp / dt
             row = {"step": self.state.step, "loss": loss, **m, **batch.info, "tokens": batch.tokens * dp,
                    "tokens_per_s": tps, "step_seconds": dt, "time": time.time(),
-                   **throughput(flop_count, batch.micro, dt, peak, dp)}
+                   **throughput(flop_count, batch, dt, peak, dp)}
             self.tracker.log(row, show=self.state.step % cfg.train.log_every == 0 or self.state.step == 1)
             every = cfg.train.checkpoint_every
             saved = every and self.state.step % every == 0 and self.state.step < cfg.train.max_steps

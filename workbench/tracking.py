@@ -132,10 +132,11 @@ def usd_per_million_tokens(tokens_per_s: float, devices: int, price_per_hour: fl
     return cost_per_million_tokens(tokens_per_s, devices, price_per_hour)
 
 
-def throughput(count, micro_batches, seconds: float, peak: float, ranks: int) -> dict:
-    """`flops` (the step's training FLOPs over all `ranks`, counted as computed) and `mfu` (this
-    rank's FLOPs over the step time and one device's peak) for a metrics row."""
-    mine = count.step(micro_batches)
+def throughput(count, batch, seconds: float, peak: float, ranks: int) -> dict:
+    """`flops` (the StepBatch's FLOPs over all `ranks`, counted as computed: training and the
+    forward passes of its rollouts) and `mfu` (this rank's FLOPs over the step time and one
+    device's peak) for a metrics row."""
+    mine = count.step(batch.micro, batch.forward_passes)
     return {"flops": mine * ranks, "mfu": mine / seconds / peak if peak and seconds > 0 else None}
 
 

@@ -126,3 +126,56 @@ def test_smollm2_step_flops_equal_torch_flop_counter(tmp_path):
             loss, _ = runner.method.loss(runner.train_module, m)
             loss.backward()
     assert count.step(batch.micro) == pytest.approx(counter.get_total_flops(), rel=1e-4)
+
+
+@pytest.mark.parametrize("dedup", [False, True])
+def test_rollout_forward_passes_equal_torch_flop_counter(dedup):
+    """GRPO's rollouts are counted pass by pass (workbench/rollout/generate.py records them):
+    the shared or HF prefill and one decode step per generated token, each attending to the
+    tokens so far. Attention runs SDPA's math kernel here so that the counter sees it too."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from workbench.data.formats import setup_tokenizer
+    from workbench.models.load import load_model, load_tokenizer
+    from workbench.rollout.generate import generate
+
+    cfg = compose(["method=grpo", "peft=none"])
+    tok = load_tokenizer(cfg.model)
+    eot = setup_tokenizer(tok).end_of_turn_id
+    model = load_model(cfg.model)
+    convs = [[{"role": "user", "content": t}] for t in ("What is 12 + 30?", "Hi", "What is 45 + 17? Be brief.")]
+    forwards = []  # every forward reads the embedding: (rows, new positions)
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, a, o: forwards.append(tuple(a[0].shape)))
+    passes = []
+    torch.manual_seed(0)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        out = generate(model, tok, convs, 6, eot, do_sample=True, num_return_sequences=4, dedup=dedup, passes=passes)
+    hook.remove()
+    assert len(out) == 12
+    assert [(f.rows, f.seq) for f in passes] == forwards
+    assert [f.ctx for f in passes[1:]] == list(range(passes[1].ctx, passes[1].ctx + len(passes) - 1))
+    count = FlopCount.from_model(model)
+    # equal up to RoPE's tiny position x frequency matmul, which is not a model FLOP
+    assert count.passes(passes) == pytest.approx(counter.get_total_flops(), rel=1e-3)
+    assert count.step([], passes) == count.passes(passes) > 0
+
+
+def test_grpo_step_counts_its_rollout_once_per_generation(tmp_path):
+    """A GRPO step's FLOPs include its rollout's passes; with num_iterations=2 the second
+    optimisation step on the same rollout adds only its training."""
+    from workbench.runner import Runner
+    from workbench.state import TrainState
+
+    runner = Runner(compose(["method=grpo", "method.num_iterations=2", "method.dynamic_sampling=false"], tmp_path))
+    runner.build()
+    first = runner.method.next_batch(TrainState(step=0), runner.backend)
+    second = runner.method.next_batch(TrainState(step=1), runner.backend)
+    assert second.micro is first.micro and second.forward_passes == []
+    rows = runner.method.shape.completions_per_rank
+    decode = [f for f in first.forward_passes if f.seq == 1 and f.rows == rows]
+    assert decode, first.forward_passes  # one decode step per generated token, every row
+    # num_iterations > 1: old log-probs, one forward per micro-batch, after the rollout
+    olds = first.forward_passes[-len(first.micro):]
+    assert [(f.rows, f.seq) for f in olds] == [tuple(m["input_ids"].shape) for m in first.micro]
+    count = FlopCount.from_model(runner.model, runner.run_facts)
+    assert count.step(first.micro, first.forward_passes) > count.step(second.micro, second.forward_passes) > 0

@@ -249,22 +249,24 @@ class Distill(Method):
             return lmbda >= 1.0
         return random.Random(f"distill:{self.ctx.cfg.train.seed}:{step}").random() < lmbda
 
-    def _student_rows(self, backend, examples: list) -> tuple[list, list[int]]:
-        """(prompt + sampled completion, labels on the completion) for each example."""
+    def _student_rows(self, backend, examples: list) -> tuple[list, list[int], list]:
+        """(prompt + sampled completion, labels on the completion) for each example, the
+        completions' lengths and the generation's forward passes (workbench.batch.Forward)."""
         from workbench import precision
 
         c, tok, eot = self.cfg, self.ctx.tokenizer, self.ctx.contract.end_of_turn_id
         prompts = [ids[:prompt_length(labels)] for ids, labels in examples]
+        passes = []  # the rollout's forward passes, for the FLOP count
         with backend.generation() as (model, synced):
             comp = generate_ids(model, prompts, c.max_new_tokens, eot, tok.pad_token_id, do_sample=True,
                                 temperature=c.temperature, synced=synced,
-                                autocast=precision.autocast(self.ctx.run.precision, self.ctx.device))
+                                autocast=precision.autocast(self.ctx.run.precision, self.ctx.device), passes=passes)
         rows = []
         for p, ids in zip(prompts, comp):
             # end-of-turn is trained when the completion stopped by itself (as GKD keeps its EOS)
             target = ids + ([eot] if len(ids) < c.max_new_tokens else [])
             rows.append((p + target, [IGNORE] * len(p) + target))
-        return rows, [len(ids) for ids in comp]
+        return rows, [len(ids) for ids in comp], passes
 
     def next_batch(self, state, backend) -> StepBatch:
         t = self.ctx.cfg.train
@@ -275,8 +277,9 @@ class Distill(Method):
         info = {f"mix/{s.source.name}": r for s, r in zip(self.sources, self.mixture.realised())}
         on = self.on_policy(state.step)
         info["on_policy"] = float(on)
+        passes = []
         if on:
-            examples, lengths = self._student_rows(backend, examples)
+            examples, lengths, passes = self._student_rows(backend, examples)
             info["completion_length"] = sum(lengths) / len(lengths)
         pad = self.ctx.tokenizer.pad_token_id
         micro = [{k: v.to(self.ctx.device) for k, v in pad_batch(examples[i:i + t.micro_batch_size], pad).items()}
@@ -284,7 +287,7 @@ class Distill(Method):
         denom = float(sum(int(m["targets"].numel()) for m in micro))
         self._step_tokens = max(denom, 1.0)
         tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))
-        return StepBatch(micro=micro, denom=denom, tokens=tokens, info=info)
+        return StepBatch(micro=micro, denom=denom, tokens=tokens, info=info, forward_passes=passes)
 
     # -- loss ----------------------------------------------------------------------------
     def loss(self, model, micro: dict):

@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from workbench.batch import StepBatch
+from workbench.batch import Forward, StepBatch
 from workbench.data.collate import pad_batch
 from workbench.data.formats import IGNORE, prompt_ids
 from workbench.data.mixing import Mixture
@@ -215,6 +215,7 @@ class GRPO(Method):
         self.ref: Reference | None = None  # only for the KL term (workbench/methods/reference.py)
         self._cached: StepBatch | None = None
         self._uses = 0
+        self._passes: list[Forward] = []  # this rollout's forward passes without gradient (FLOP count)
         self._step_tokens = 1.0
         self.shape = batch_shape(cfg, ctx.cfg.train, ctx.run.layout.dp)
         self._stalled = 0  # consecutive steps where most groups carried no signal
@@ -262,7 +263,8 @@ class GRPO(Method):
             return generate(model, self.ctx.tokenizer, convs, c.max_new_tokens, self.ctx.contract.end_of_turn_id,
                             do_sample=True, temperature=c.temperature, top_p=c.top_p,
                             num_return_sequences=c.num_generations,
-                            autocast=precision.autocast(self.ctx.run.precision, self.ctx.device), synced=synced)
+                            autocast=precision.autocast(self.ctx.run.precision, self.ctx.device), synced=synced,
+                            passes=self._passes)
 
     def _draw(self, prompts: int) -> list[dict]:
         """This rank's share of the next `prompts` global prompts. Every rank draws all of them,
@@ -316,6 +318,7 @@ class GRPO(Method):
     def _rollout(self, backend, index: int) -> StepBatch:
         c, t = self.cfg, self.ctx.cfg.train
         G, tok = c.num_generations, self.ctx.tokenizer
+        self._passes = []  # the step's forward passes without gradient, for the FLOP count
         groups, acct = self._collect(backend, index)
         total = torch.cat([g["total"] for g in groups])
         per_fn = torch.cat([g["per_fn"] for g in groups])
@@ -340,6 +343,8 @@ class GRPO(Method):
             with torch.no_grad():
                 for m in micro:
                     m["old_logps"] = token_logps(module, m, c.temperature).detach()
+                    rows, seq = m["input_ids"].shape
+                    self._passes.append(Forward(rows, seq, seq, int(m["select"].sum())))
         shaped = total
         if kl_in_reward:
             kl = torch.cat([self._sequence_kl(backend.unwrapped(), m) for m in micro]).cpu()
@@ -362,7 +367,7 @@ class GRPO(Method):
                  "dr_grpo": float(per_rank * c.max_new_tokens)}[c.loss_type]
         tokens = int(sum(m["real_tokens"] for m in micro))
         self._step_tokens = n_tok
-        return StepBatch(micro=micro, denom=denom, tokens=tokens, info=info)
+        return StepBatch(micro=micro, denom=denom, tokens=tokens, info=info, forward_passes=self._passes)
 
     def _signal_info(self, acct: dict, total, per_fn, comp) -> dict:
         """What a person needs to see a stalled run at once: the share of generated groups with
@@ -410,7 +415,8 @@ class GRPO(Method):
         if self._cached is None or self._uses >= self.cfg.num_iterations:
             self._cached, self._uses = self._rollout(backend, state.step // self.cfg.num_iterations), 0
         self._uses += 1
-        return self._cached
+        # the rollout's forward passes ran once: the FLOP count takes them on its first step only
+        return self._cached if self._uses == 1 else replace(self._cached, forward_passes=[])
 
     # -- loss ----------------------------------------------------------------------------
     def _ref_logps(self, model, micro):

@@ -72,28 +72,43 @@ def _shared_prefill(model, ids: torch.Tensor, attn: torch.Tensor, rows: torch.Te
     return cache
 
 
+def _forward_passes(distinct: int | None, width: int, rows: int, generated: int) -> list:
+    """The forward passes of one generate call: the shared prefill of `distinct` prompts (all
+    but their last token, the head on every position: it is a plain forward) or HF's own
+    prefill of every row (head on the last position only), then one decode step per generated
+    token after the first, each row attending to the prompt and the tokens so far. On the
+    shared path the first "decode" step is the prompts' last token."""
+    from workbench.batch import Forward
+
+    if distinct is not None:
+        return ([Forward(distinct, width - 1, width - 1, distinct * (width - 1))]
+                + [Forward(rows, 1, width + t, rows) for t in range(generated)])
+    return [Forward(rows, width, width, rows)] + [Forward(rows, 1, width + t, rows) for t in range(1, generated)]
+
+
 @torch.no_grad()
 def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, eot_id: int,
              do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
              num_return_sequences: int = 1, autocast=None, synced: bool = False,
-             dedup: bool = True) -> list[list[int]]:
+             dedup: bool = True, passes: list | None = None) -> list[list[int]]:
     """Completion token ids (end-of-turn and padding stripped) for each conversation; with
     num_return_sequences=G, G per conversation, conversation i's at [i*G, (i+1)*G).
 
     synced: every rank keeps stepping until all ranks are done (parameters sharded over ranks).
     dedup: prefill each distinct prompt once and share its KV cache (see the module docstring);
-    False: HF's plain path, which prefills every one of the len(conversations) x G rows."""
+    False: HF's plain path, which prefills every one of the len(conversations) x G rows.
+    passes: a list that receives the forward passes made (workbench.batch.Forward), for the FLOP count."""
     prompts = [prompt_ids(tokenizer, c) for c in conversations]
     return generate_ids(model, prompts, max_new_tokens, eot_id, tokenizer.pad_token_id, do_sample=do_sample,
                         temperature=temperature, top_p=top_p, num_return_sequences=num_return_sequences,
-                        autocast=autocast, synced=synced, dedup=dedup)
+                        autocast=autocast, synced=synced, dedup=dedup, passes=passes)
 
 
 @torch.no_grad()
 def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: int, pad: int,
                  do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
                  num_return_sequences: int = 1, autocast=None, synced: bool = False,
-                 dedup: bool = True) -> list[list[int]]:
+                 dedup: bool = True, passes: list | None = None) -> list[list[int]]:
     """`generate` on prompts already tokenised (distillation's on-policy completions)."""
     import contextlib
 
@@ -131,6 +146,8 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: i
         if cfg is not None:
             cfg.use_cache = old_cache
         model.train(was_training)
+    if passes is not None:
+        passes += _forward_passes(len(first) if shared else None, width, int(out.shape[0]), int(out.shape[1]) - width)
     completions = []
     for row in out[:, width:].tolist():
         if eot_id in row:
