@@ -4,7 +4,7 @@
     python scripts/method_seeds.py distill grpo_rm --seeds 0 --work /tmp/seeds
 
 The runs are those of tests/integration/test_learning_methods.py (SmolLM2-135M, LoRA, fp32, 60
-steps); each seed sets train.seed and data.shuffle_seed. Prints one JSON line per run and a
+steps, KTO 100); each seed sets train.seed and data.shuffle_seed. Prints one JSON line per run and a
 table at the end.
 """
 
