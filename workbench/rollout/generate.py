@@ -61,27 +61,39 @@ def _left_pad(prompts: list[list[int]], width: int, pad: int) -> tuple[torch.Ten
     return ids, attn
 
 
+def _keeps_logits(model) -> bool:
+    """Whether the causal LM's forward takes `logits_to_keep` (HF generate asks the same)."""
+    import inspect
+
+    from workbench.peft.lora import base_model
+
+    return "logits_to_keep" in inspect.signature(base_model(model).forward).parameters
+
+
 def _shared_prefill(model, ids: torch.Tensor, attn: torch.Tensor, rows: torch.Tensor):
     """KV cache of all but the last column of the distinct prompts `ids`, expanded so that
     row j of the result is prompt rows[j]. Position ids follow HF generate's rule (count of
     real tokens so far; padding at 0) so the cache holds what HF's own prefill would."""
     ids, attn = ids[:, :-1], attn[:, :-1]
     pos = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)
-    cache = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True).past_key_values
+    # only the cache is wanted: the head on the last position alone where the model allows it, as
+    # HF's own prefill does (its logits over every prompt position would be thrown away)
+    keep = {"logits_to_keep": 1} if _keeps_logits(model) else {}
+    cache = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **keep).past_key_values
     cache.reorder_cache(rows.to(ids.device))  # index_select on the batch dim of every layer
     return cache
 
 
-def _forward_passes(distinct: int | None, width: int, rows: int, generated: int) -> list:
+def _forward_passes(distinct: int | None, width: int, rows: int, generated: int, prefill_heads: int) -> list:
     """The forward passes of one generate call: the shared prefill of `distinct` prompts (all
-    but their last token, the head on every position: it is a plain forward) or HF's own
-    prefill of every row (head on the last position only), then one decode step per generated
-    token after the first, each row attending to the prompt and the tokens so far. On the
-    shared path the first "decode" step is the prompts' last token."""
+    but their last token, the head on `prefill_heads` positions of each) or HF's own prefill of
+    every row (head on the last position only), then one decode step per generated token after
+    the first, each row attending to the prompt and the tokens so far. On the shared path the
+    first "decode" step is the prompts' last token."""
     from workbench.batch import Forward
 
     if distinct is not None:
-        return ([Forward(distinct, width - 1, width - 1, distinct * (width - 1))]
+        return ([Forward(distinct, width - 1, width - 1, distinct * prefill_heads)]
                 + [Forward(rows, 1, width + t, rows) for t in range(generated)])
     return [Forward(rows, width, width, rows)] + [Forward(rows, 1, width + t, rows) for t in range(1, generated)]
 
@@ -147,7 +159,8 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: i
             cfg.use_cache = old_cache
         model.train(was_training)
     if passes is not None:
-        passes += _forward_passes(len(first) if shared else None, width, int(out.shape[0]), int(out.shape[1]) - width)
+        passes += _forward_passes(len(first) if shared else None, width, int(out.shape[0]), int(out.shape[1]) - width,
+                                  1 if _keeps_logits(model) else width - 1)
     completions = []
     for row in out[:, width:].tolist():
         if eot_id in row:
