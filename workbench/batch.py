@@ -24,8 +24,8 @@ class StepBatch:
     denom: float
     tokens: int  # input tokens, for throughput
     info: dict[str, float] = field(default_factory=dict)
-    # forward passes without gradient the step ran besides its micro-batches (GRPO's rollouts and
-    # old log-probs), for the FLOP count (workbench/flops.py)
+    # forward passes without gradient the step ran besides its micro-batches (the rollouts of GRPO
+    # and on-policy distillation, GRPO's old log-probs), for the FLOP count (workbench/flops.py)
     forward_passes: list[Forward] = field(default_factory=list)
 
 

@@ -26,12 +26,13 @@ What is counted (a multiply-add is 2 FLOPs):
   pass per micro-batch; KTO's KL pairs (`micro["kl_input_ids"]`) a forward pass of the policy
   and one of its reference, without gradient.
 - the forward passes a step runs besides its micro-batches (`StepBatch.forward_passes`,
-  workbench.batch.Forward): GRPO's rollouts with HF generate (the shared prefill, or HF's own
-  prefill with the head on each row's last position, then one decode step per generated token,
-  attending to the prompt and the tokens so far) and its old-log-prob passes. Rollouts on vLLM,
-  the finished ranks' extra steps under synced generation, a distillation teacher's forward,
-  activation-checkpoint recomputation and DoRA's per-step weight norm are not counted, so the MFU of such runs is a lower bound
-  rather than an overestimate.
+  workbench.batch.Forward): the rollouts of GRPO and on-policy distillation with HF generate
+  (the shared prefill, or HF's own prefill with the head on each row's last position, then one
+  decode step per generated token, attending to the prompt and the tokens so far) and GRPO's
+  old-log-prob passes. Rollouts on vLLM, the finished ranks' extra steps under synced
+  generation, a distillation teacher's forward, activation-checkpoint recomputation and DoRA's
+  per-step weight norm are not counted, so the MFU of such runs is a lower bound rather than an
+  overestimate.
 - MoE expert weights count top-k/experts of their size (each token runs k experts).
 Model-parallel ranks (Megatron TP/PP) each do 1/(tp*pp) of the work of their batch.
 """

@@ -70,32 +70,34 @@ def _keeps_logits(model) -> bool:
     return "logits_to_keep" in inspect.signature(base_model(model).forward).parameters
 
 
-def _shared_prefill(model, ids: torch.Tensor, attn: torch.Tensor, rows: torch.Tensor):
+def _shared_prefill(model, ids: torch.Tensor, attn: torch.Tensor, rows: torch.Tensor, keep_one: bool):
     """KV cache of all but the last column of the distinct prompts `ids`, expanded so that
     row j of the result is prompt rows[j]. Position ids follow HF generate's rule (count of
-    real tokens so far; padding at 0) so the cache holds what HF's own prefill would."""
+    real tokens so far; padding at 0) so the cache holds what HF's own prefill would.
+    keep_one: the model takes `logits_to_keep` (see _keeps_logits)."""
     ids, attn = ids[:, :-1], attn[:, :-1]
     pos = (attn.cumsum(-1) - 1).masked_fill(attn == 0, 0)
     # only the cache is wanted: the head on the last position alone where the model allows it, as
     # HF's own prefill does (its logits over every prompt position would be thrown away)
-    keep = {"logits_to_keep": 1} if _keeps_logits(model) else {}
+    keep = {"logits_to_keep": 1} if keep_one else {}
     cache = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **keep).past_key_values
     cache.reorder_cache(rows.to(ids.device))  # index_select on the batch dim of every layer
     return cache
 
 
-def _forward_passes(distinct: int | None, width: int, rows: int, generated: int, prefill_heads: int) -> list:
+def _forward_passes(distinct: int | None, width: int, rows: int, generated: int, keep_one: bool) -> list:
     """The forward passes of one generate call: the shared prefill of `distinct` prompts (all
-    but their last token, the head on `prefill_heads` positions of each) or HF's own prefill of
-    every row (head on the last position only), then one decode step per generated token after
+    but their last token) or HF's own prefill of every row, the head on each prefilled row's
+    last position (keep_one) or on all of them, then one decode step per generated token after
     the first, each row attending to the prompt and the tokens so far. On the shared path the
     first "decode" step is the prompts' last token."""
     from workbench.batch import Forward
 
     if distinct is not None:
-        return ([Forward(distinct, width - 1, width - 1, distinct * prefill_heads)]
-                + [Forward(rows, 1, width + t, rows) for t in range(generated)])
-    return [Forward(rows, width, width, rows)] + [Forward(rows, 1, width + t, rows) for t in range(1, generated)]
+        prefill = Forward(distinct, width - 1, width - 1, distinct * (1 if keep_one else width - 1))
+        return [prefill] + [Forward(rows, 1, width + t, rows) for t in range(generated)]
+    prefill = Forward(rows, width, width, rows * (1 if keep_one else width))
+    return [prefill] + [Forward(rows, 1, width + t, rows) for t in range(1, generated)]
 
 
 @torch.no_grad()
@@ -131,6 +133,7 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: i
     first: dict[tuple, int] = {}
     owner = [first.setdefault(tuple(p), len(first)) for p in prompts]
     shared = dedup and width > 1 and len(first) < len(prompts) * G
+    keep_one = _keeps_logits(model)  # the head on the last prefilled position only
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -145,7 +148,8 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: i
                 distinct = [list(k) for k in first]  # in order of first appearance
                 u_ids, u_attn = _left_pad(distinct, width, pad)  # same width: same positions and masks
                 rows = torch.tensor([owner[i] for i in range(len(prompts)) for _ in range(G)])
-                extra["past_key_values"] = _shared_prefill(model, u_ids.to(device), u_attn.to(device), rows)
+                extra["past_key_values"] = _shared_prefill(model, u_ids.to(device), u_attn.to(device), rows,
+                                                           keep_one)
                 ids, attn, G = ids.repeat_interleave(G, dim=0), attn.repeat_interleave(G, dim=0), 1
             out = model.generate(
                 input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
@@ -160,7 +164,7 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: i
         model.train(was_training)
     if passes is not None:
         passes += _forward_passes(len(first) if shared else None, width, int(out.shape[0]), int(out.shape[1]) - width,
-                                  1 if _keeps_logits(model) else width - 1)
+                                  keep_one)
     completions = []
     for row in out[:, width:].tolist():
         if eot_id in row:
