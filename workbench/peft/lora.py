@@ -66,6 +66,11 @@ def quantize_nf4(model: nn.Module, peft_cfg, compute_dtype: torch.dtype, quant_s
                                      compress_statistics=peft_cfg.double_quant, quant_storage=storage)
         if mod.bias is not None:
             q.bias = nn.Parameter(mod.bias.data.clone(), requires_grad=False)
+        # On a CPU with AVX512-BF16, bitsandbytes would repack the weight in place at the first
+        # no-grad eval forward and compute it in bf16 whatever compute_dtype says: evaluation,
+        # rollouts and the export's parity gate would then see other numbers than training did
+        # (3e-3 on the tiny model's logits), and the export would dequantise a repacked weight.
+        q.support_avx512bf16_for_cpu = False
         setattr(parent, child, q.to(device))  # .to() performs the quantisation
     return model
 
