@@ -1,5 +1,9 @@
 """`python -m workbench ...`: see workbench/cli.py."""
 
-from workbench.cli import main
+from workbench import startup
+
+startup.pause()  # before the imports: workbench/startup.py
+
+from workbench.cli import main  # noqa: E402
 
 main()

@@ -23,8 +23,10 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from workbench import startup
 from workbench.config import CONF_DIR, validate
 from workbench.errors import UserError
+from workbench.imports import import_without_incidentals
 
 
 def _skip_bitsandbytes(cfg: DictConfig) -> None:
@@ -162,10 +164,14 @@ def _hydra_main(cfg: DictConfig):
     _redact_hydra_files(cfg)
     try:
         _skip_bitsandbytes(cfg)
+        if not cfg.data.preview:  # a preview loads the tokenizer only
+            import_without_incidentals("transformers.modeling_utils")  # workbench/imports.py
         results = run_job(cfg)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        startup.after_job()  # the garbage collector as it was before the launch (workbench/startup.py)
     # Hydra's Optuna sweeper and the sweep summary read the job's return value.
     if isinstance(results, dict):
         end = results.get("eval_end") or {}

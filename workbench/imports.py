@@ -9,6 +9,7 @@ of a block, unless the engine is already imported because the run chose it.
 
     with hidden("deepspeed"):
         model.save_pretrained(path)
+    import_without_incidentals("transformers.modeling_utils")  # without scipy and boto3 (INCIDENTAL)
     fn = user_function("mypkg.rewards:brevity", "reward")   # UserError naming `reward` if absent
 """
 
@@ -31,6 +32,24 @@ def hidden(*names: str):
         for n in hide:
             if n in sys.modules and sys.modules[n] is None:
                 del sys.modules[n]
+
+
+# Packages that transformers, accelerate and tensorboard import whenever they are installed, for
+# features no run here uses: scipy (transformers' object-detection losses; installed for optuna,
+# the sweeper) and boto3 (accelerate's SageMaker config, tensorboard's s3:// log dirs; installed
+# for runpod, a launcher). Together about 0.3 s of every launch's start-up; the sweeper and the
+# launcher still import them as usual when chosen.
+INCIDENTAL = ("scipy", "boto3")
+
+
+def import_without_incidentals(module: str):
+    """`module`, imported with INCIDENTAL hidden unless it is already imported."""
+    import importlib
+
+    if module in sys.modules:
+        return sys.modules[module]
+    with hidden(*INCIDENTAL):
+        return importlib.import_module(module)
 
 
 def user_function(spec: str, field: str):

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from workbench import checkpoint, faults, manifest, precision, report
+from workbench import checkpoint, faults, manifest, precision, report, startup
 from workbench.config import plugin_module
 from workbench.distributed import init_distributed
 from workbench.evals import hooks
@@ -210,6 +210,7 @@ class Runner:
         # SIGTERM/SIGINT: finish the step, checkpoint, exit 75; NaN/Inf: skip or stop (workbench/faults.py)
         guard = faults.Guard(self.run_facts, self.backend, say=self.tracker.console)
         guard.install()
+        startup.training()  # the collector runs again from here (workbench/startup.py)
         while self.state.step < cfg.train.max_steps:
             first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
             if self.state.step == cfg.debug.crash_at_step and self.rank == cfg.debug.crash_rank and first_attempt:

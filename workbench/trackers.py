@@ -39,7 +39,9 @@ class TensorBoardSink:
     name = "tensorboard"
 
     def __init__(self, opts, run_dir: Path, config: dict):
-        from torch.utils.tensorboard import SummaryWriter
+        from workbench.imports import import_without_incidentals
+
+        SummaryWriter = import_without_incidentals("torch.utils.tensorboard").SummaryWriter  # noqa: N806
 
         self.dir = run_dir / opts.dir
         self.writer = SummaryWriter(log_dir=str(self.dir), flush_secs=opts.flush_secs)

@@ -40,3 +40,29 @@ def test_single_run_with_eval_and_export_imports_no_engine(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads(found.read_text()) == []
     assert "Setting accelerator to CPU" not in proc.stdout + proc.stderr
+
+
+LAUNCH = """
+import gc, json, runpy, sys
+out, found = sys.argv[1:3]
+sys.argv = ["workbench", "model=tiny", "eval=none", "train.max_steps=2", "train.export=false", "train.resume=never",
+            "output_dir=" + out]
+runpy.run_module("workbench", run_name="__main__")
+seen = {"modules": sorted(m for m in sys.modules if m.split(".")[0] in ("scipy", "boto3")),
+        "gc_enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
+import scipy.optimize  # hidden only while transformers and tensorboard were imported: importable again now
+json.dump(seen, open(found, "w"))
+"""
+
+
+def test_cli_launch_skips_incidental_imports_and_restores_the_collector(tmp_path):
+    """`python -m workbench` imports transformers' modelling code and tensorboard without scipy or
+    boto3 (workbench/imports.py INCIDENTAL) and pauses the garbage collector during start-up
+    (workbench/startup.py); after the job the collector is on again with nothing left frozen."""
+    found = tmp_path / "found.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", LAUNCH, str(tmp_path / "run"), str(found)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
+    assert json.loads(found.read_text()) == {"modules": [], "gc_enabled": True, "frozen": 0}

@@ -29,7 +29,7 @@ READERS = {"workbench/config.py", "workbench/rules.py", "workbench/resolved.py"}
 # The import layers, lowest first (README, "Layout"): a module imports only from its own layer or
 # lower ones, lazily inside a function included.
 LAYERS = [
-    {"errors", "imports", "batch", "cache", "state", "distributed"},
+    {"errors", "imports", "startup", "batch", "cache", "state", "distributed"},
     {"config", "catalog", "precision", "optim", "data", "models", "peft", "kernels"},
     {"rules", "resolved", "to_gguf"},
     {"methods", "backends", "megatron", "rollout", "plan", "flops", "tracking", "trackers", "progress", "plots",

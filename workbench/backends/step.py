@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from workbench import precision as prec
 from workbench.batch import StepBatch
+from workbench.peft import lora
 
 
 def all_sum(value: float) -> float:
@@ -35,17 +36,18 @@ def accumulate(net, batch: StepBatch, loss_fn, pol, device: str, world: int, sca
     denom = all_sum(batch.denom)
     scale = world / max(denom, 1e-12)
     total, sums = 0.0, {}
-    for i, micro in enumerate(batch.micro):
-        with sync(i == len(batch.micro) - 1), prec.autocast(pol, device):
-            loss_sum, metrics = loss_fn(net, micro)
-        loss = loss_sum.float() * scale
-        if backward is not None:
-            backward(loss)
-        else:
-            (scaler.scale(loss) if scaler else loss).backward()
-        total += float(loss_sum.detach())
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
+    with lora.inputs_in_autocast(net, pol.autocast_dtype):  # no fp32 round trip of adapter inputs
+        for i, micro in enumerate(batch.micro):
+            with sync(i == len(batch.micro) - 1), prec.autocast(pol, device):
+                loss_sum, metrics = loss_fn(net, micro)
+            loss = loss_sum.float() * scale
+            if backward is not None:
+                backward(loss)
+            else:
+                (scaler.scale(loss) if scaler else loss).backward()
+            total += float(loss_sum.detach())
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
     return {"loss": all_sum(total) / max(denom, 1e-12), **sums}
 
 

@@ -11,6 +11,9 @@ model does not have is reported before any weights load.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import torch
 from torch import nn
 
@@ -96,6 +99,32 @@ def apply(model: nn.Module, run) -> nn.Module:
         if p.requires_grad:
             p.data = p.data.float()
     return model
+
+
+@contextlib.contextmanager
+def inputs_in_autocast(model: nn.Module, autocast_dtype: torch.dtype | None):
+    """Inside bf16/fp16 autocast, let plain LoRA layers pass their input to the adapter as it is.
+
+    peft casts each adapted layer's input to the adapter's dtype (fp32 here) before the adapter's
+    matmul, and autocast casts it straight back to bf16 for that matmul: an exact round trip
+    (bf16 -> fp32 -> bf16) that costs two copies per adapted layer in the forward and two in the
+    backward, and on the first step of the default run ~0.4 s of fresh memory. Skipping it
+    gives bit-identical losses and gradients (tests/unit/test_lora_autocast.py). Only vanilla
+    LoRA on nn.Linear without dropout (a dropout mask would be drawn on the fp32 copy; DoRA and
+    NF4 layers use the input beyond the matmul). Callers wrap forward *and* backward, so a
+    checkpointed block recomputes the way it first ran."""
+    peft_lora = sys.modules.get("peft.tuners.lora.layer")  # not imported: no adapters to look for
+    layers = [] if autocast_dtype is None or peft_lora is None else [
+        m for m in model.modules()
+        if type(m) is peft_lora.Linear and not m.lora_variant and m.cast_input_dtype_enabled
+        and all(isinstance(d, nn.Identity) for d in m.lora_dropout.values())]
+    for m in layers:
+        m.cast_input_dtype_enabled = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.cast_input_dtype_enabled = True
 
 
 def base_model(model: nn.Module) -> nn.Module:
