@@ -16,7 +16,8 @@ the job ends they go back (`gc.unfreeze`), so a multirun's next job in the same 
 still free the previous job's model. Code that imports the runner without `python -m workbench`
 (tests, notebooks) never pauses, and the other two calls then do nothing.
 
-Measured with `python scripts/bench.py startup`; the bare import line alone goes 4.5 -> 3.8 s.
+Measured with `python scripts/bench.py startup`: the bare import line goes 4.5 -> 3.8 s with the
+collector paused (3.3-3.4 s with workbench/imports.py's INCIDENTAL hidden as well).
 """
 
 from __future__ import annotations
