@@ -6,6 +6,7 @@ Not a benchmark itself (bench.py skips names starting with "_"). What they share
   StepTimer                 a TrainerCallback timing each TRL optimizer step
   alternate(rounds, sides)  run every side once per round, in turn, keeping steps after the first
   summary(per)              median seconds per step of each side
+  add_precision(ap)         --precision, default `auto`: what a default run trains in on this CPU
 """
 
 from __future__ import annotations
@@ -95,3 +96,19 @@ def trl_tokenizer(path: str):
     tok = AutoTokenizer.from_pretrained(path)
     tok.eos_token = "<|im_end|>"
     return tok
+
+
+def add_precision(ap) -> None:
+    """`--precision` for both sides of a benchmark. `auto` (the default) resolves as the
+    workbench's `precision=auto` does on this CPU (workbench/precision.py `choose`): bf16-mixed
+    with AMX or AVX512-BF16, else fp32, so each side runs as a default run on this machine would;
+    the result's `precision` names what was resolved."""
+    ap.add_argument("--precision", choices=["auto", "fp32", "bf16-mixed"], default="auto")
+
+
+def resolve_precision(name: str) -> str:
+    if name != "auto":
+        return name
+    from workbench.precision import choose
+
+    return choose("cpu")[0]

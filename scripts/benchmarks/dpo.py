@@ -1,8 +1,8 @@
 """workbench method=dpo vs TRL's DPOTrainer (SmolLM2-135M, CPU): seconds per step, as ratios.
 
-    python scripts/bench.py dpo                                   # 6 steps x 2 rounds, fp32
+    python scripts/bench.py dpo                                   # 6 steps x 2 rounds, precision auto
     python scripts/bench.py dpo --steps 2 --rounds 1              # smoke test
-    python scripts/bench.py dpo --precision bf16-mixed            # bf16 autocast on both sides
+    python scripts/bench.py dpo --precision fp32                  # or bf16-mixed: both sides alike
     python scripts/bench.py dpo --only lora                       # one of: lora, full
 
 Both sides train on the same preference pairs (data_recipes/data/arith_dpo_train.jsonl), 16
@@ -15,9 +15,10 @@ warmup 5 then cosine, gradient clipping 1.0, no gradient checkpointing, two sett
 Each pair is drawn by each side's own shuffle, so individual steps see different lengths; the
 medians over steps compare the same distribution.
 
-Precision: fp32 by default. On a CPU without native bf16 matmuls (this machine: no AVX512-BF16 /
-AMX) bf16-mixed emulates bf16 and is slower than fp32, and the comparison would mostly time
-that emulation; --precision bf16-mixed runs both sides under bf16 autocast (TRL: bf16=True).
+Precision: `auto` by default, resolved as a default workbench run resolves it on this CPU
+(scripts/benchmarks/_common.py): bf16-mixed with AMX or AVX512-BF16 (both sides under bf16
+autocast; TRL: bf16=True), fp32 elsewhere, where bf16 is emulated with conversions around fp32
+arithmetic and slower than fp32. `--precision` names one for both sides.
 
 The sides run alternately in rounds in this one process; the first step of every run is dropped
 (warm-up). Reported: median s/step per side and setting, and workbench throughput / TRL
@@ -31,7 +32,17 @@ import copy
 import tempfile
 from pathlib import Path
 
-from benchmarks._common import alternate, jsonl, model_dir, step_timer, summary, trl_tokenizer, workbench_rows
+from benchmarks._common import (
+    add_precision,
+    alternate,
+    jsonl,
+    model_dir,
+    resolve_precision,
+    step_timer,
+    summary,
+    trl_tokenizer,
+    workbench_rows,
+)
 
 PAIRS_PER_STEP = 16
 SETTINGS = {"lora": ["peft=lora", "method.reference=adapter"], "full": ["peft=none", "method.reference=copy"]}
@@ -80,9 +91,10 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first is dropped)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--precision", choices=["fp32", "bf16-mixed"], default="fp32")
+    add_precision(ap)
     ap.add_argument("--only", choices=sorted(SETTINGS), default=None, help="run one setting only")
     args = ap.parse_args(argv)
+    args.precision = resolve_precision(args.precision)
     import torch
 
     path = model_dir(args.model)

@@ -14,8 +14,9 @@ backward pass does real work from the first step, which exact match on the untra
 would not give), group-scaled advantages, the dapo loss, beta 0 (no
 reference forward), one optimizer step per generation batch, micro-batches of 16 completions,
 AdamW lr 2e-4 with warmup 5 then cosine, no gradient checkpointing. The workbench runs without
-dynamic sampling, so each step is exactly one generation round on both sides. Precision: fp32
-by default (this CPU has no native bf16; see scripts/benchmarks/dpo.py).
+dynamic sampling, so each step is exactly one generation round on both sides. Precision: `auto`
+by default, as a default run here resolves it (bf16-mixed on CPUs with AMX or AVX512-BF16, else
+fp32; see scripts/benchmarks/dpo.py), the same on both sides.
 
 The workbench step is split, by timing its pieces from here (no change to the method):
   generation   GRPO._generate (rollouts), with generated tokens/s (completion tokens, the
@@ -41,7 +42,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._common import alternate, jsonl, model_dir, step_timer, summary, trl_tokenizer, workbench_rows
+from benchmarks._common import (
+    add_precision,
+    alternate,
+    jsonl,
+    model_dir,
+    resolve_precision,
+    step_timer,
+    summary,
+    trl_tokenizer,
+    workbench_rows,
+)
 
 G, MAX_NEW, MICRO = 8, 16, 16
 
@@ -199,11 +210,12 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first is dropped)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--precision", choices=["fp32", "bf16-mixed"], default="fp32")
+    add_precision(ap)
     ap.add_argument("--plain-rollouts", action="store_true", help="workbench rollouts without the shared prefill")
     ap.add_argument("--rows", action="store_true", help="workbench trains one row per completion")
     ap.add_argument("--completions", type=int, default=16, help="completions per optimizer step (multiple of 16)")
     args = ap.parse_args(argv)
+    args.precision = resolve_precision(args.precision)
     if args.completions % MICRO or args.completions < MICRO:
         ap.error(f"--completions must be a positive multiple of {MICRO}")
     import torch

@@ -3,14 +3,15 @@
     python scripts/bench.py trl [--steps 6] [--model smollm2-135m]
 
 Three trainers see the same 2-digit-addition chat examples, batch 16:
-  workbench        LoRA r=16 all-linear, lr 2e-4, --precision (bf16-mixed), loss on the answer only
+  workbench        LoRA r=16 all-linear, lr 2e-4, --precision, loss on the answer only
   trl_same         TRL SFTTrainer with the same settings (prompt/completion data so the loss is
-                   on the answer only; bf16 autocast unless --precision fp32; no gradient
-                   checkpointing)
+                   on the answer only; the same precision; no gradient checkpointing)
   trl_defaults     TRL SFTTrainer with its defaults (gradient checkpointing on, loss on every
                    token of the conversation) apart from batch 16, LoRA and CPU
-They run in rounds, alternately, in this one process, and the steady-state seconds per step
-(first step of each round dropped) are compared as ratios. Also measured: seconds from
+--precision is `auto` by default: what a default run trains in on this CPU (bf16-mixed with
+AMX or AVX512-BF16, else fp32; scripts/benchmarks/_common.py). They run in rounds, alternately,
+in this one process, and the steady-state seconds per step (first step of each round dropped)
+are compared as ratios. Also measured: seconds from
 process launch to the first optimizer step of `python -m workbench` with a warm cache (median of
 `--launches`, scripts/benchmarks/startup.py), and the
 workbench's achieved FLOP/s (each step's training FLOPs counted as computed, workbench/flops.py,
@@ -29,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._common import add_precision, resolve_precision
 from benchmarks.startup import median_launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,10 +103,10 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp32"],
-                    help="workbench and trl_same alike (trl_defaults keeps TRL's own)")
+    add_precision(ap)  # workbench and trl_same alike (trl_defaults keeps TRL's own)
     ap.add_argument("--launches", type=int, default=5, help="warm launches timed to the first optimizer step")
     args = ap.parse_args(argv)
+    args.precision = resolve_precision(args.precision)
     os.environ.setdefault("WORKBENCH_OFFLINE", "1")
     from workbench.models.load import converted_dir, materialise, resolve, zoo_entry
 
