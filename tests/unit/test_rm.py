@@ -258,3 +258,56 @@ def test_bad_rm_options(tmp_path):
     with pytest.raises(UserError, match="'reward_accuracy' needs a reward model"):
         train(["method=dpo", "eval=heldout", "eval.tasks=[reward_accuracy]", "data.eval_split=8",
                "train.max_steps=1"], tmp_path)  # the task itself, when preflight was skipped
+
+
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_shared_prompt_rows_equal_two_rows(tiny, peft):
+    """method.share_prompt: one row per pair (rm.tree_collate) gives the rewards, loss and
+    gradients of two rows per pair (rm.collate). Tolerance as tests/unit/test_pair_tree.py's:
+    only the rounding of attention under a 4-D mask and of matmuls over other rows differs, so
+    each reward agrees to LOSS_RTOL relative (rewards near zero: atol 1e-6, a few fp32 ulps of the
+    hidden state's scale) and gradients to grad_atol."""
+    from workbench.models.head import SelectiveLM
+    from workbench.models.load import load_model
+    from workbench.peft import lora
+    from workbench.resolved import derive
+
+    from tests.unit.test_pair_tree import _pairs as varied_pairs
+
+    pairs = varied_pairs(tiny)  # prompts and completions of several lengths
+    pairs[1] = replace(pairs[1], margin=0.75)
+    cfg = compose(["method=rm", f"peft={peft}"])
+    model = lora.apply(value_head.attach(load_model(cfg.model)), derive(cfg))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "lm_head" in n:  # adapters and head away from their zero start
+                p.normal_(0, 0.05)
+    lm = SelectiveLM(model).train()
+    method = rm.RewardModel(copy.deepcopy(cfg.method), SimpleNamespace(cfg=cfg))
+    method.stream.pairs = float(len(pairs))
+    pad = tiny.tok.pad_token_id
+    two, tree = rm.collate(pairs, pad), rm.tree_collate(pairs, pad)
+    assert "reward_slot" in tree and tree["input_ids"].shape[0] == len(pairs)
+    assert tree.pop("real_tokens") < int(two["attention_mask"].sum())
+
+    def run(micro):
+        lm.zero_grad(set_to_none=True)
+        r = value_head.scores(lm, micro)
+        loss, _ = method.loss(lm, micro)
+        loss.backward()
+        return r.detach(), loss.detach(), {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+
+    (r2, l2, g2), (rt, lt, gt) = run(two), run(tree)
+    torch.testing.assert_close(rt, r2, rtol=LOSS_RTOL, atol=1e-6)
+    torch.testing.assert_close(lt, l2, rtol=LOSS_RTOL, atol=0.0)
+    assert set(gt) == set(g2) and len(g2) > 4
+    for n, g in g2.items():
+        torch.testing.assert_close(gt[n], g, rtol=LOSS_RTOL, atol=grad_atol(g))
+
+
+def test_identical_completions_fall_back_to_two_rows(tiny):
+    pairs = _pairs(tiny)
+    same = replace(pairs[0], rejected=pairs[0].chosen)
+    micro = rm.tree_collate([pairs[1], same], tiny.tok.pad_token_id)
+    assert "reward_slot" not in micro and micro["input_ids"].shape[0] == 4

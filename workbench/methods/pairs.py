@@ -56,11 +56,12 @@ class PairStream:
         mine = pairs[rank * per_rank:(rank + 1) * per_rank]
         self.measure(pairs, mine)
         pad = self.ctx.tokenizer.pad_token_id
-        micro = []
+        micro, tokens = [], 0
         for i in range(0, per_rank, t.micro_batch_size):
             m = self.collate(mine[i:i + t.micro_batch_size], pad)
+            # the tokens the model reads: a collate of shared-prompt rows says (their mask is 4-D)
+            tokens += m.pop("real_tokens") if "real_tokens" in m else int(m["attention_mask"].sum())
             micro.append({k: v.to(self.ctx.device) for k, v in m.items()})
-        tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))
         return StepBatch(micro=micro, denom=float(len(mine)), tokens=tokens)
 
     def measure(self, pairs: list[Pair], mine: list[Pair]) -> None:

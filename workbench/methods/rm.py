@@ -14,9 +14,15 @@ column (0 without one):
 
 The second term (Eisenstein et al. 2023, TRL's center_rewards_coefficient) keeps the rewards
 centred on zero. The step's loss is the sum over pairs divided by the global number of pairs
-(StepBatch.denom), so it equals TRL's RewardTrainer's batch mean. Chosen and rejected sequences
-share one micro-batch (rows [chosen..., rejected...], as DPO's `collate`), tokenised exactly as
-DPO's: prompt through the chat template, then the assistant reply and its end-of-turn token.
+(StepBatch.denom), so it equals TRL's RewardTrainer's batch mean. Sequences are tokenised exactly
+as DPO's: prompt through the chat template, then the assistant reply and its end-of-turn token.
+
+Layout: with `share_prompt` (the default) a pair is one row, the prompt once and the chosen and
+rejected completions as two branches that cannot see each other (workbench/data/pair_tree.py,
+as DPO's), and the head reads each branch's last token (`tree_collate`): the decoder reads each
+prompt once, and the rewards are those of two rows per pair up to rounding. Without it, or for a
+model that cannot take that layout (pair_tree.tree_unsupported), chosen and rejected are rows of
+one micro-batch ([chosen..., rejected...], `collate`, as DPO's).
 
 With peft the head trains beside the adapters (it is created after PEFT froze the base). The
 export (workbench/export.py) is a transformers *ForSequenceClassification with the adapters
@@ -35,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.batch import StepBatch
+from workbench.data.pair_tree import tree_fits
 from workbench.errors import UserError
 from workbench.methods import dpo
 from workbench.methods.base import Method
@@ -48,6 +55,9 @@ class Config:
     recipe: str = "arith_dpo"  # data_recipes/<recipe>.yaml when data.recipe is null
     # weight of the mean squared summed reward (r_c + r_r)^2 added to the loss; 0: off
     center_rewards_coefficient: float = 0.0
+    # one row per pair, the prompt shared by both completions (workbench/data/pair_tree.py);
+    # false, or a model that cannot take it, gives two rows per pair
+    share_prompt: bool = True
 
 
 def check(cfg) -> None:
@@ -63,6 +73,36 @@ def collate(pairs: list, pad_id: int) -> dict:
     del micro["targets"], micro["n_tokens"]
     micro["margin"] = torch.tensor([p.margin or 0.0 for p in pairs], dtype=torch.float32)
     return micro
+
+
+def tree_collate(pairs: list, pad_id: int) -> dict:
+    """One row per pair (pair_tree.tree_batch: the shared prefix once, then the chosen and the
+    rejected branch), `select` at each completion's last token, and `reward_slot`, which of the
+    head's outputs (selected positions in row-major order) is each row of `collate`'s order
+    (chosen 0..N-1, then rejected 0..N-1). A micro-batch holding a pair whose two completions are
+    the same tokens (both would end on one position) is collated as two rows per pair instead."""
+    from workbench.data.pair_tree import shared_prefix, tree_batch
+
+    ends = []
+    for p in pairs:
+        c, r = p.chosen[0], p.rejected[0]
+        s = shared_prefix(c, r)
+        # the chosen branch fills columns s..len(c)-1, the rejected one follows it
+        ends.append((len(c) - 1, len(c) + len(r) - s - 1 if len(r) > s else len(r) - 1))
+    if any(a == b for a, b in ends):
+        micro = collate(pairs, pad_id)
+        micro["real_tokens"] = int(micro["attention_mask"].sum())
+        return micro
+    tree = tree_batch(pairs, pad_id)
+    rows = torch.arange(len(pairs)).repeat(2)
+    cols = torch.tensor([a for a, _ in ends] + [b for _, b in ends])
+    select = torch.zeros_like(tree["input_ids"], dtype=torch.bool)
+    select[rows, cols] = True
+    slot = (select.flatten().cumsum(0) - 1).view(select.shape)
+    return {"input_ids": tree["input_ids"], "attention_mask": tree["attention_mask"],
+            "position_ids": tree["position_ids"], "select": select, "reward_slot": slot[rows, cols],
+            "margin": torch.tensor([p.margin or 0.0 for p in pairs], dtype=torch.float32),
+            "real_tokens": tree["real_tokens"]}
 
 
 def rm_loss(r_c: torch.Tensor, r_r: torch.Tensor, margin: torch.Tensor, center: float) -> torch.Tensor:
@@ -91,9 +131,12 @@ class RewardModel(Method):
     def attach(self, backend) -> None:
         """The scalar head comes from build_model (catalog facts: scalar_head); without it the
         loss would read a vocabulary logit as a reward."""
-        if not value_head.is_attached(backend.unwrapped().inner):
+        module = backend.unwrapped()
+        if not value_head.is_attached(module.inner):
             raise RuntimeError("method=rm: the model has no scalar head; build_model attaches it for methods "
                                "whose catalog facts say scalar_head=True")
+        if self.cfg.share_prompt and tree_fits(module, self.ctx.cfg.data.seq_len, "using two rows per pair"):
+            self.stream.collate = tree_collate
 
     def next_batch(self, state, backend) -> StepBatch:
         return self.stream.step(state)

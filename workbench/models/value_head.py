@@ -75,9 +75,13 @@ def pool(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
 
 def scores(model, micro: dict) -> torch.Tensor:
     """Rewards of the micro-batch's rows, (rows,) in fp32. `model` is what the backend passes
-    (SelectiveLM, possibly wrapped); `micro["select"]` holds one position per row (pool())."""
-    out = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], select=micro["select"])
-    return out.squeeze(-1).float()
+    (SelectiveLM, possibly wrapped); `micro["select"]` holds one position per row (pool()), or,
+    for pair rows (methods/rm.py tree_collate), one per completion, with `position_ids`, and
+    `reward_slot` putting the outputs in the order of two rows per pair."""
+    extra = {"position_ids": micro["position_ids"]} if "position_ids" in micro else {}
+    out = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], select=micro["select"], **extra)
+    out = out.squeeze(-1).float()
+    return out[micro["reward_slot"]] if "reward_slot" in micro else out
 
 
 def sequence_classifier_config(config, pad_token_id: int):
