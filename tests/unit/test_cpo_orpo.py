@@ -64,7 +64,7 @@ def _trl_loss_and_grads(trainer_cls, config_cls, tiny, tmp_path, pairs, **option
     return loss.detach(), grads, trainer
 
 
-def _our_loss_and_grads(module, method_name, tiny, pairs, **options):
+def _our_loss_and_grads(module, method_name, tiny, pairs, tree=False, **options):
     from transformers import AutoModelForCausalLM
 
     from workbench.models.head import SelectiveLM
@@ -79,7 +79,13 @@ def _our_loss_and_grads(module, method_name, tiny, pairs, **options):
     assert not hasattr(method, "ref") and derive(cfg).reference == "none"
     stream = method.stream
     stream.measure(pairs, pairs)  # a one-rank step of these pairs, as PairStream.step records it
-    micro = stream.collate(pairs, tiny.tok.pad_token_id)
+    if tree:  # method.share_prompt: one row per pair (workbench/data/pair_tree.py), as attach selects it
+        from workbench.data.pair_tree import tree_batch
+
+        micro = tree_batch(pairs, tiny.tok.pad_token_id)
+        micro.pop("real_tokens")
+    else:
+        micro = stream.collate(pairs, tiny.tok.pad_token_id)
     policy = SelectiveLM(model).train()
     loss_sum, metrics = method.loss(policy, micro)
     loss = loss_sum / len(pairs)
@@ -121,12 +127,13 @@ def _mixed_lengths(tiny):
     dict(loss_type="hinge", beta=0.2, cpo_alpha=1.0),
     dict(loss_type="ipo", beta=0.5, cpo_alpha=0.0),
 ], ids=lambda c: f"{c['loss_type']}-alpha{c['cpo_alpha']}")
-def test_cpo_loss_and_grads_equal_trl(tiny, tmp_path, case):
+@pytest.mark.parametrize("tree", [False, True], ids=["two-rows", "shared-prompt"])
+def test_cpo_loss_and_grads_equal_trl(tiny, tmp_path, case, tree):
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
     pairs = _mixed_lengths(tiny)
     trl_loss, trl_grads, trainer = _trl_loss_and_grads(CPOTrainer, CPOConfig, tiny, tmp_path, pairs, **case)
-    loss, grads, metrics = _our_loss_and_grads(cpo, "cpo", tiny, pairs, **case)
+    loss, grads, metrics = _our_loss_and_grads(cpo, "cpo", tiny, pairs, tree=tree, **case)
     _assert_equal((loss, grads), (trl_loss, trl_grads))
     trl_metrics = {k: v[-1] for k, v in trainer._stored_metrics["train"].items()}
     for ours, theirs in [("rewards/chosen", "rewards/chosen"), ("rewards/margins", "rewards/margins"),

@@ -22,6 +22,10 @@ TRL computes for its (single) batch; it weights a pair by its length, not each p
 the global number of pairs (StepBatch.denom), so the NLL enters as each micro-batch's token sum
 scaled by pairs / tokens of the step.
 
+Layout: with `share_prompt` (the default) a pair is one row, the prompt once and both
+completions as branches (workbench/data/pair_tree.py, as DPO's); the log-probs are those of two
+rows per pair up to rounding. Models that cannot take it keep two rows per pair.
+
 Logged metrics (means over this rank's batch): rewards/chosen, rewards/rejected (b times pi_c,
 pi_r), rewards/margins, rewards/accuracies, logps/chosen, logps/rejected (pi as the loss uses
 it, summed or averaged), nll/chosen (the token-mean NLL of this rank's chosen completions).
@@ -38,9 +42,10 @@ import torch
 import torch.nn.functional as F
 
 from workbench.batch import StepBatch
+from workbench.data.pair_tree import tree_batch, tree_fits
 from workbench.errors import UserError
 from workbench.methods.base import Method
-from workbench.methods.dpo import sequence_logps
+from workbench.methods.dpo import pair_logps
 from workbench.methods.pairs import PairStream, preference_metrics
 
 LOSSES = ("sigmoid", "hinge", "ipo", "simpo")
@@ -57,6 +62,9 @@ class Config:
     # weight of the chosen completions' NLL (CPO's behaviour-cloning term); 0 for plain SimPO
     cpo_alpha: float = 1.0
     simpo_gamma: float = 0.5  # simpo only: target reward margin
+    # one row per pair, the prompt shared by both completions (workbench/data/pair_tree.py);
+    # false, or a model that cannot take it, gives two rows per pair
+    share_prompt: bool = True
 
 
 def check(cfg) -> None:
@@ -103,11 +111,15 @@ class CPO(Method):
     def data_report(self) -> dict:
         return self.stream.data_report()
 
+    def attach(self, backend) -> None:
+        if self.cfg.share_prompt and tree_fits(backend.unwrapped(), self.ctx.cfg.data.seq_len, "using two rows per pair"):
+            self.stream.collate = tree_batch
+
     def next_batch(self, state, backend) -> StepBatch:
         return self.stream.step(state)
 
     def loss(self, model, micro: dict):
-        summed_c, summed_r = sequence_logps(model, micro).chunk(2)
+        summed_c, summed_r = pair_logps(model, micro).chunk(2)  # either layout
         n_c, n_r = micro["n_tokens"].chunk(2)
         if self.cfg.loss_type in AVERAGED:
             pi_c, pi_r = summed_c / n_c.clamp(min=1), summed_r / n_r.clamp(min=1)
