@@ -6,7 +6,9 @@ Not a benchmark itself (bench.py skips names starting with "_"). What they share
   StepTimer                 a TrainerCallback timing each TRL optimizer step
   alternate(rounds, sides)  run every side once per round, in turn, keeping steps after the first
   summary(per)              median seconds per step of each side
-  add_precision(ap)         --precision, default `auto`: what a default run trains in on this CPU
+  add_common_args(ap)       --steps, --rounds, --model and --precision (`auto`: as a default run here)
+  trl_args(cls, ...)        a TRL trainer's arguments with the settings every benchmark shares
+  trl_lora(task)            the LoRA every benchmark trains (r=16, alpha=32, every linear layer)
 """
 
 from __future__ import annotations
@@ -98,11 +100,14 @@ def trl_tokenizer(path: str):
     return tok
 
 
-def add_precision(ap) -> None:
-    """`--precision` for both sides of a benchmark. `auto` (the default) resolves as the
-    workbench's `precision=auto` does on this CPU (workbench/precision.py `choose`): bf16-mixed
-    with AMX or AVX512-BF16, else fp32, so each side runs as a default run on this machine would;
-    the result's `precision` names what was resolved."""
+def add_common_args(ap) -> None:
+    """The options every side-by-side benchmark takes. `--precision` applies to both sides; `auto`
+    (the default) resolves as the workbench's `precision=auto` does on this CPU
+    (workbench/precision.py `choose`): bf16-mixed with AMX or AVX512-BF16, else fp32, so each side
+    runs as a default run on this machine would; the result's `precision` names what was resolved."""
+    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first is dropped)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--precision", choices=["auto", "fp32", "bf16-mixed"], default="auto")
 
 
@@ -112,3 +117,21 @@ def resolve_precision(name: str) -> str:
     from workbench.precision import choose
 
     return choose("cpu")[0]
+
+
+def trl_args(config_cls, out: Path, precision: str, batch: int, steps: int, accum: int = 1, **options):
+    """`config_cls` (a TRL trainer's config) with the settings the workbench side also runs: CPU,
+    `precision`, micro-batches of `batch` (`accum` of them a step), AdamW lr 2e-4 with warmup 5
+    then cosine, no weight decay, gradient clipping 1.0, no gradient checkpointing, and no
+    logging, saving or data-loader workers to time besides the steps."""
+    return config_cls(output_dir=str(out), use_cpu=True, bf16=precision == "bf16-mixed", fp16=False,
+                      per_device_train_batch_size=batch, gradient_accumulation_steps=accum, max_steps=steps,
+                      learning_rate=2e-4, lr_scheduler_type="cosine", warmup_steps=5, weight_decay=0.0,
+                      max_grad_norm=1.0, gradient_checkpointing=False, report_to=[], logging_steps=1000,
+                      save_strategy="no", dataloader_num_workers=0, **options)
+
+
+def trl_lora(task: str = "CAUSAL_LM"):
+    from peft import LoraConfig
+
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type=task)

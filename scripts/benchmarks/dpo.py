@@ -33,13 +33,15 @@ import tempfile
 from pathlib import Path
 
 from benchmarks._common import (
-    add_precision,
+    add_common_args,
     alternate,
     jsonl,
     model_dir,
     resolve_precision,
     step_timer,
     summary,
+    trl_args,
+    trl_lora,
     trl_tokenizer,
     workbench_rows,
 )
@@ -59,24 +61,18 @@ def workbench_times(setting: str, steps: int, model: str, precision: str, out: P
 def trl_times(setting: str, steps: int, path: str, precision: str, out: Path) -> list[float]:
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
     rows = jsonl("arith_dpo_train.jsonl")
     data = Dataset.from_list([{"prompt": r["prompt"], "chosen": [{"role": "assistant", "content": r["chosen"]}],
                                "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows])
-    args = DPOConfig(output_dir=str(out), use_cpu=True, bf16=precision == "bf16-mixed", fp16=False,
-                     per_device_train_batch_size=PAIRS_PER_STEP, gradient_accumulation_steps=1, max_steps=steps,
-                     learning_rate=2e-4, lr_scheduler_type="cosine", warmup_steps=5, weight_decay=0.0,
-                     max_grad_norm=1.0, beta=0.1, loss_type=["sigmoid"], gradient_checkpointing=False,
-                     report_to=[], logging_steps=1000, save_strategy="no", dataloader_num_workers=0)
+    args = trl_args(DPOConfig, out, precision, PAIRS_PER_STEP, steps, beta=0.1, loss_type=["sigmoid"])
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     times: list[float] = []
     kw = {}
     if setting == "lora":
-        kw["peft_config"] = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-                                       task_type="CAUSAL_LM")
+        kw["peft_config"] = trl_lora()
     else:
         kw["ref_model"] = copy.deepcopy(model).eval()
     trainer = DPOTrainer(model=model, args=args, train_dataset=data, processing_class=trl_tokenizer(path),
@@ -88,10 +84,7 @@ def trl_times(setting: str, steps: int, path: str, precision: str, out: Path) ->
 
 def run(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="bench.py dpo")
-    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first is dropped)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--model", default="smollm2-135m")
-    add_precision(ap)
+    add_common_args(ap)
     ap.add_argument("--only", choices=sorted(SETTINGS), default=None, help="run one setting only")
     args = ap.parse_args(argv)
     args.precision = resolve_precision(args.precision)

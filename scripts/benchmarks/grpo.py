@@ -43,13 +43,15 @@ import time
 from pathlib import Path
 
 from benchmarks._common import (
-    add_precision,
+    add_common_args,
     alternate,
     jsonl,
     model_dir,
     resolve_precision,
     step_timer,
     summary,
+    trl_args,
+    trl_lora,
     trl_tokenizer,
     workbench_rows,
 )
@@ -159,21 +161,16 @@ def workbench_times(steps: int, model: str, precision: str, completions: int, ou
 def trl_times(steps: int, path: str, precision: str, completions: int, out: Path, gens: list[dict]) -> list[float]:
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     tok = trl_tokenizer(path)
     data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in jsonl("arith_grpo_train.jsonl")])
-    args = GRPOConfig(output_dir=str(out), use_cpu=True, bf16=precision == "bf16-mixed", fp16=False,
-                      per_device_train_batch_size=MICRO, gradient_accumulation_steps=completions // MICRO,
-                      num_generations=G, max_completion_length=MAX_NEW, temperature=1.0, top_p=1.0, top_k=0,
-                      beta=0.0, num_iterations=1, loss_type="dapo", scale_rewards="group", epsilon=0.2,
-                      learning_rate=2e-4, lr_scheduler_type="cosine", warmup_steps=5, weight_decay=0.0,
-                      max_grad_norm=1.0, gradient_checkpointing=False, max_steps=steps, report_to=[],
-                      logging_steps=1000, save_strategy="no", dataloader_num_workers=0, log_completions=False)
+    args = trl_args(GRPOConfig, out, precision, MICRO, steps, accum=completions // MICRO, num_generations=G,
+                    max_completion_length=MAX_NEW, temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1,
+                    loss_type="dapo", scale_rewards="group", epsilon=0.2, log_completions=False)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    lora = trl_lora()
     times: list[float] = []
     trainer = GRPOTrainer(model=model, reward_funcs=trl_reward, args=args, train_dataset=data, processing_class=tok,
                           peft_config=lora, callbacks=[step_timer(times)])
@@ -207,10 +204,7 @@ def _rate(parts: list[dict], tokens: str, seconds: str) -> float:
 
 def run(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="bench.py grpo")
-    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first is dropped)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--model", default="smollm2-135m")
-    add_precision(ap)
+    add_common_args(ap)
     ap.add_argument("--plain-rollouts", action="store_true", help="workbench rollouts without the shared prefill")
     ap.add_argument("--rows", action="store_true", help="workbench trains one row per completion")
     ap.add_argument("--completions", type=int, default=16, help="completions per optimizer step (multiple of 16)")

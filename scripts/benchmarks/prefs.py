@@ -31,13 +31,15 @@ import tempfile
 from pathlib import Path
 
 from benchmarks._common import (
-    add_precision,
+    add_common_args,
     alternate,
     jsonl,
     model_dir,
     resolve_precision,
     step_timer,
     summary,
+    trl_args,
+    trl_lora,
     trl_tokenizer,
     workbench_rows,
 )
@@ -94,24 +96,17 @@ def _trl_trainer(method: str):
 
 def trl_times(method: str, steps: int, path: str, precision: str, out: Path) -> list[float]:
     import torch
-    from peft import LoraConfig
-
     trainer_cls, config_cls, options, load, task = _trl_trainer(method)
-    args = config_cls(output_dir=str(out), use_cpu=True, bf16=precision == "bf16-mixed", fp16=False,
-                      per_device_train_batch_size=_rows_per_step(method), gradient_accumulation_steps=1,
-                      max_steps=steps, learning_rate=2e-4, lr_scheduler_type="cosine", warmup_steps=5,
-                      weight_decay=0.0, max_grad_norm=1.0, gradient_checkpointing=False, report_to=[],
-                      logging_steps=1000, save_strategy="no", dataloader_num_workers=0, **options)
+    args = trl_args(config_cls, out, precision, _rows_per_step(method), steps, **options)
     tok = trl_tokenizer(path)
     if tok.pad_token is None:  # the pad the workbench gives this tokenizer (workbench/data/formats.py)
         tok.pad_token = "<|endoftext|>"
     model = load(path, dtype=torch.float32)
     if model.config.pad_token_id is None:  # the sequence-classification head finds each row's last token by it
         model.config.pad_token_id = tok.pad_token_id
-    peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type=task)
     times: list[float] = []
     trainer = trainer_cls(model=model, args=args, train_dataset=_trl_data(method), processing_class=tok,
-                          peft_config=peft, callbacks=[step_timer(times)])
+                          peft_config=trl_lora(task), callbacks=[step_timer(times)])
     trainer.train()
     assert len(times) == steps, f"TRL ran {len(times)} steps, expected {steps}"
     return times
@@ -119,10 +114,7 @@ def trl_times(method: str, steps: int, path: str, precision: str, out: Path) -> 
 
 def run(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="bench.py prefs")
-    ap.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first is dropped)")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--model", default="smollm2-135m")
-    add_precision(ap)
+    add_common_args(ap)
     ap.add_argument("--only", choices=METHODS, action="append", help="run this method (repeatable); default all")
     args = ap.parse_args(argv)
     args.precision = resolve_precision(args.precision)

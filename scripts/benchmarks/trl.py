@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks._common import add_precision, resolve_precision
+from benchmarks._common import add_common_args, resolve_precision
 from benchmarks.startup import median_launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,10 +100,7 @@ def trl_steps(steps: int, model_dir: str, same: bool, out: Path, bf16: bool = Tr
 
 def run(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--model", default="smollm2-135m")
-    add_precision(ap)  # workbench and trl_same alike (trl_defaults keeps TRL's own)
+    add_common_args(ap)  # workbench and trl_same alike (trl_defaults keeps TRL's own)
     ap.add_argument("--launches", type=int, default=5, help="warm launches timed to the first optimizer step")
     args = ap.parse_args(argv)
     args.precision = resolve_precision(args.precision)
