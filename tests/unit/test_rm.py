@@ -267,12 +267,11 @@ def test_shared_prompt_rows_equal_two_rows(tiny, peft):
     only the rounding of attention under a 4-D mask and of matmuls over other rows differs, so
     each reward agrees to LOSS_RTOL relative (rewards near zero: atol 1e-6, a few fp32 ulps of the
     hidden state's scale) and gradients to grad_atol."""
+    from tests.unit.test_pair_tree import _pairs as varied_pairs
     from workbench.models.head import SelectiveLM
     from workbench.models.load import load_model
     from workbench.peft import lora
     from workbench.resolved import derive
-
-    from tests.unit.test_pair_tree import _pairs as varied_pairs
 
     pairs = varied_pairs(tiny)  # prompts and completions of several lengths
     pairs[1] = replace(pairs[1], margin=0.75)
