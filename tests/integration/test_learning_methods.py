@@ -24,7 +24,8 @@ across seeds, each test runs seed 0.
 - method=kto and method=simpo: held-out preference accuracy (`arith_pref`: the chosen completion's
   log-prob above the rejected one's) rises by >= 15 points. Seeds 0 and 1: SimPO +21, +23 (60
   steps, two rows per pair); seed 0 with the prompt shared (method.share_prompt): +23. KTO runs
-  100 steps: seeds 0, 1, 2: +25, +22, +19; at 60 steps they were +19, +9, +22, seed 1 short of the bar (KTO sees each pair as two unpaired rows, half a DPO pair's signal).
+  100 steps: seeds 0, 1, 2: +25, +22, +19; at 60 steps they were +19, +9, +22, seed 1 short of
+  the bar (KTO sees each pair as two unpaired rows, half a DPO pair's signal).
 - method=distill from a 60-step SFT teacher into SmolLM2 itself: the student closes at least half
   of the teacher-student gap in held-out exact match.
 """
