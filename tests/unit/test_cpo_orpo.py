@@ -79,14 +79,14 @@ def _our_loss_and_grads(module, method_name, tiny, pairs, tree=False, **options)
     assert not hasattr(method, "ref") and derive(cfg).reference == "none"
     stream = method.stream
     stream.measure(pairs, pairs)  # a one-rank step of these pairs, as PairStream.step records it
-    if tree:  # method.share_prompt: one row per pair (workbench/data/pair_tree.py), as attach selects it
-        from workbench.data.pair_tree import tree_batch
-
-        micro = tree_batch(pairs, tiny.tok.pad_token_id)
-        micro.pop("real_tokens")
-    else:
-        micro = stream.collate(pairs, tiny.tok.pad_token_id)
     policy = SelectiveLM(model).train()
+    if tree:  # method.share_prompt: one row per pair (workbench/data/pair_tree.py), as attach selects it
+        default = stream.collate
+        method.attach(SimpleNamespace(unwrapped=lambda: policy))
+        assert stream.collate is not default
+    micro = stream.collate(pairs, tiny.tok.pad_token_id)
+    assert ("head_slot" in micro) == tree
+    micro.pop("real_tokens", None)
     loss_sum, metrics = method.loss(policy, micro)
     loss = loss_sum / len(pairs)
     loss.backward()
@@ -143,12 +143,13 @@ def test_cpo_loss_and_grads_equal_trl(tiny, tmp_path, case, tree):
         assert metrics["nll/chosen"] == pytest.approx(trl_metrics["nll_loss"], rel=LOSS_RTOL)
 
 
-def test_orpo_loss_and_grads_equal_trl(tiny, tmp_path):
+@pytest.mark.parametrize("tree", [False, True], ids=["two-rows", "shared-prompt"])
+def test_orpo_loss_and_grads_equal_trl(tiny, tmp_path, tree):
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     pairs = _mixed_lengths(tiny)
     trl_loss, trl_grads, trainer = _trl_loss_and_grads(ORPOTrainer, ORPOConfig, tiny, tmp_path, pairs, beta=0.25)
-    loss, grads, metrics = _our_loss_and_grads(orpo, "orpo", tiny, pairs, beta=0.25)
+    loss, grads, metrics = _our_loss_and_grads(orpo, "orpo", tiny, pairs, tree=tree, beta=0.25)
     _assert_equal((loss, grads), (trl_loss, trl_grads))
     trl_metrics = {k: v[-1] for k, v in trainer._stored_metrics["train"].items()}
     for key in ("rewards/chosen", "rewards/margins", "logps/rejected", "nll_loss", "log_odds_ratio",
@@ -157,7 +158,8 @@ def test_orpo_loss_and_grads_equal_trl(tiny, tmp_path):
         assert ours == pytest.approx(trl_metrics[key], rel=LOSS_RTOL)
 
 
-def test_orpo_nll_on_completion_only(tiny):
+@pytest.mark.parametrize("tree", [False, True], ids=["two-rows", "shared-prompt"])
+def test_orpo_nll_on_completion_only(tiny, tree):
     """nll_on_prompt=false: the NLL term is the token-mean NLL of the chosen completions alone,
     and the odds-ratio part of the loss is the same as with the prompt included."""
     from transformers import AutoModelForCausalLM
@@ -166,8 +168,8 @@ def test_orpo_nll_on_completion_only(tiny):
     from workbench.models.head import SelectiveLM
 
     pairs = _mixed_lengths(tiny)
-    whole, _, m_whole = _our_loss_and_grads(orpo, "orpo", tiny, pairs, beta=0.25)
-    part, _, m_part = _our_loss_and_grads(orpo, "orpo", tiny, pairs, beta=0.25, nll_on_prompt=False)
+    whole, _, m_whole = _our_loss_and_grads(orpo, "orpo", tiny, pairs, tree=tree, beta=0.25)
+    part, _, m_part = _our_loss_and_grads(orpo, "orpo", tiny, pairs, tree=tree, beta=0.25, nll_on_prompt=False)
     lm = SelectiveLM(AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32))
     micro = collate(pairs, tiny.tok.pad_token_id)
     with torch.no_grad():

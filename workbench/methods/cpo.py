@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.batch import StepBatch
-from workbench.data.pair_tree import tree_batch, tree_fits
+from workbench.data.pair_tree import tree_batch
 from workbench.errors import UserError
 from workbench.methods.base import Method
 from workbench.methods.dpo import pair_logps
@@ -112,8 +112,7 @@ class CPO(Method):
         return self.stream.data_report()
 
     def attach(self, backend) -> None:
-        if self.cfg.share_prompt and tree_fits(backend.unwrapped(), self.ctx.cfg.data.seq_len, "using two rows per pair"):
-            self.stream.collate = tree_batch
+        self.stream.share_prompt(backend.unwrapped(), self.cfg.share_prompt, tree_batch)
 
     def next_batch(self, state, backend) -> StepBatch:
         return self.stream.step(state)

@@ -16,6 +16,11 @@ or over the chosen completion only (`nll_on_prompt=false`). Like TRL's it is a m
 such token of the step (all micro-batches, all ranks), entering the pair-normalised step loss
 as each micro-batch's token sum times pairs / tokens (workbench/methods/pairs.py, PairStream).
 
+Layout: with `share_prompt` (the default) a pair is one row, the prompt once and both
+completions as branches (workbench/data/pair_tree.py, as DPO's); with `nll_on_prompt` the chosen
+branch's targets run over the shared prompt too (`tree_whole_chosen`). The log-probs are those of
+two rows per pair up to rounding; models that cannot take the layout keep two rows per pair.
+
 Logged metrics (means over this rank's batch): rewards/chosen, rewards/rejected (beta times the
 mean log-probs), rewards/margins, rewards/accuracies, logps/chosen, logps/rejected (per-token
 means), nll/chosen (the token-mean NLL term), log_odds_ratio (mean log s(log odds ratio)),
@@ -31,6 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from workbench.batch import StepBatch
+from workbench.data.formats import IGNORE
+from workbench.data.pair_tree import tree_batch
 from workbench.data.preference import Pair
 from workbench.errors import UserError
 from workbench.methods.base import Method
@@ -44,6 +51,9 @@ class Config:
     recipe: str = "arith_dpo"  # data_recipes/<recipe>.yaml when data.recipe is null
     beta: float = 0.1  # lambda: weight of the odds-ratio term against the NLL
     nll_on_prompt: bool = True  # true: NLL over prompt + completion (TRL) | false: the completion only
+    # one row per pair, the prompt shared by both completions (workbench/data/pair_tree.py);
+    # false, or a model that cannot take it, gives two rows per pair
+    share_prompt: bool = True
 
 
 def check(cfg) -> None:
@@ -83,8 +93,39 @@ def collate_whole_chosen(pairs: list, pad_id: int) -> dict:
     return micro
 
 
+def tree_whole_chosen(pairs: list, pad_id: int) -> dict:
+    """pair_tree.tree_batch with the chosen branch's targets over its whole sequence (the NLL
+    reads the prompt too); `completion` marks the targets the odds ratio reads, as
+    collate_whole_chosen's does, and `n_tokens` counts those per sequence (chosen 0..N-1, then
+    rejected 0..N-1)."""
+    from workbench.data.pair_tree import branch_batch
+
+    n = len(pairs)
+    whole = [[IGNORE] + list(p.chosen[0][1:]) for p in pairs]  # label t: token t, predicted at t - 1
+    out = branch_batch([[(p.chosen[0], w), p.rejected] for p, w in zip(pairs, whole)], pad_id)
+    # branch_batch's targets run pair by pair, chosen then rejected, each by position
+    flags, counts = [], []
+    for p in pairs:
+        c = [y != IGNORE for y in p.chosen[1][1:]]  # per chosen position: a completion target?
+        r = sum(y != IGNORE for y in p.rejected[1][1:])
+        flags += [c, [True] * r]
+        counts += [sum(c), r]
+    seq = out.pop("target_seq")  # 2b + side
+    order = torch.sort((seq % 2) * n + seq // 2, stable=True)  # chosen rows first, each by position
+    out["head_slot"], out["targets"] = out["head_slot"][order.indices], out["targets"][order.indices]
+    out["logp_rows"] = order.values
+    out["completion"] = torch.tensor([f for fl in flags for f in fl], dtype=torch.bool)[order.indices]
+    out["n_tokens"] = torch.tensor(counts, dtype=torch.long).view(n, 2).t().reshape(-1)
+    return out
+
+
 def token_logps(model, micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each selected target token and the row it belongs to."""
+    """Log-prob of each target token and its row in the order of two rows per pair (chosen
+    0..N-1, then rejected 0..N-1), in either layout."""
+    if "head_slot" in micro:  # one row per pair (tree_whole_chosen, pair_tree.tree_batch)
+        logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                       position_ids=micro["position_ids"], select=micro["select"])
+        return torch.log_softmax(logits.float(), dim=-1)[micro["head_slot"], micro["targets"]], micro["logp_rows"]
     logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], select=micro["select"])
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
     return logp, micro["select"].nonzero()[:, 0]
@@ -108,11 +149,15 @@ class ORPO(Method):
     def data_report(self) -> dict:
         return self.stream.data_report()
 
+    def attach(self, backend) -> None:
+        tree = tree_whole_chosen if self.cfg.nll_on_prompt else tree_batch
+        self.stream.share_prompt(backend.unwrapped(), self.cfg.share_prompt, tree)
+
     def next_batch(self, state, backend) -> StepBatch:
         return self.stream.step(state)
 
     def loss(self, model, micro: dict):
-        rows = micro["input_ids"].shape[0]
+        rows = micro["n_tokens"].shape[0]  # two per pair in either layout
         n = rows // 2
         logp, row = token_logps(model, micro)
         completion = micro.get("completion")

@@ -44,6 +44,15 @@ class PairStream:
     def prepare(self, ctx) -> None:
         self.sources, self.mixture = read_pairs(ctx.tokenizer, ctx.contract, ctx.cfg.data)
 
+    def share_prompt(self, module, wanted: bool, tree_collate: Callable[[list, int], dict]) -> None:
+        """Collate one row per pair, the prompt shared by both completions (`tree_collate`,
+        workbench/data/pair_tree.py), when the method's `share_prompt` asks for it and the model
+        takes that layout; otherwise keep two rows per pair (tree_fits says why on stderr)."""
+        from workbench.data.pair_tree import tree_fits
+
+        if wanted and tree_fits(module, self.ctx.cfg.data.seq_len, "using two rows per pair"):
+            self.collate = tree_collate
+
     def data_report(self) -> dict:
         return pairs_report(self.sources)
 

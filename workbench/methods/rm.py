@@ -41,7 +41,6 @@ import torch
 import torch.nn.functional as F
 
 from workbench.batch import StepBatch
-from workbench.data.pair_tree import tree_fits
 from workbench.errors import UserError
 from workbench.methods import dpo
 from workbench.methods.base import Method
@@ -135,8 +134,7 @@ class RewardModel(Method):
         if not value_head.is_attached(module.inner):
             raise RuntimeError("method=rm: the model has no scalar head; build_model attaches it for methods "
                                "whose catalog facts say scalar_head=True")
-        if self.cfg.share_prompt and tree_fits(module, self.ctx.cfg.data.seq_len, "using two rows per pair"):
-            self.stream.collate = tree_collate
+        self.stream.share_prompt(module, self.cfg.share_prompt, tree_collate)
 
     def next_batch(self, state, backend) -> StepBatch:
         return self.stream.step(state)
