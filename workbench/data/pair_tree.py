@@ -109,11 +109,14 @@ def branch_batch(groups: list[list[tuple[list[int], list[int]]]], pad_id: int) -
             "real_tokens": int((seg >= 0).sum())}
 
 
-def tree_batch(pairs: list, pad_id: int) -> dict:
+def tree_batch(pairs: list, pad_id: int, chosen_labels: list[list[int]] | None = None) -> dict:
     """One micro-batch of N rows (one per pair); see the module docstring for the keys.
-    branch_batch orders targets pair by pair; dpo wants chosen 0..N-1, then rejected 0..N-1."""
+    branch_batch orders targets pair by pair; dpo wants chosen 0..N-1, then rejected 0..N-1.
+    chosen_labels: per pair, the labels the chosen branch is read with instead of its own
+    (ORPO's NLL over the whole chosen sequence)."""
     n = len(pairs)
-    out = branch_batch([[p.chosen, p.rejected] for p in pairs], pad_id)
+    labels = chosen_labels or [p.chosen[1] for p in pairs]
+    out = branch_batch([[(p.chosen[0], lab), p.rejected] for p, lab in zip(pairs, labels)], pad_id)
     seq = out.pop("target_seq")  # 2b + side
     order = torch.sort((seq % 2) * n + seq // 2, stable=True)  # chosen rows first, each by position
     out["head_slot"], out["targets"] = out["head_slot"][order.indices], out["targets"][order.indices]

@@ -94,12 +94,17 @@ def sequence_logps(model, micro: dict) -> torch.Tensor:
     return torch.zeros(micro["input_ids"].shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
 
 
-def tree_logps(model, micro: dict) -> torch.Tensor:
-    """sequence_logps of a pair_tree.tree_batch micro-batch: shape (2N,), chosen then rejected."""
+def tree_token_logps(model, micro: dict) -> torch.Tensor:
+    """Log-prob of each target of a pair_tree.tree_batch micro-batch (its row: micro["logp_rows"])."""
     logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
                    position_ids=micro["position_ids"], select=micro["select"])
     # The last shared position's row is read twice (first chosen and first rejected token).
-    logp = torch.log_softmax(logits.float(), dim=-1)[micro["head_slot"], micro["targets"]]
+    return torch.log_softmax(logits.float(), dim=-1)[micro["head_slot"], micro["targets"]]
+
+
+def tree_logps(model, micro: dict) -> torch.Tensor:
+    """sequence_logps of a pair_tree.tree_batch micro-batch: shape (2N,), chosen then rejected."""
+    logp = tree_token_logps(model, micro)
     return torch.zeros(micro["n_tokens"].shape[0], dtype=logp.dtype, device=logp.device).index_add(
         0, micro["logp_rows"], logp)
 

@@ -41,7 +41,7 @@ from workbench.data.pair_tree import tree_batch
 from workbench.data.preference import Pair
 from workbench.errors import UserError
 from workbench.methods.base import Method
-from workbench.methods.dpo import collate
+from workbench.methods.dpo import collate, tree_token_logps
 from workbench.methods.pairs import PairStream, completion_tokens, preference_metrics
 
 
@@ -98,24 +98,14 @@ def tree_whole_chosen(pairs: list, pad_id: int) -> dict:
     reads the prompt too); `completion` marks the targets the odds ratio reads, as
     collate_whole_chosen's does, and `n_tokens` counts those per sequence (chosen 0..N-1, then
     rejected 0..N-1)."""
-    from workbench.data.pair_tree import branch_batch
-
     n = len(pairs)
     whole = [[IGNORE] + list(p.chosen[0][1:]) for p in pairs]  # label t: token t, predicted at t - 1
-    out = branch_batch([[(p.chosen[0], w), p.rejected] for p, w in zip(pairs, whole)], pad_id)
-    # branch_batch's targets run pair by pair, chosen then rejected, each by position
-    flags, counts = [], []
-    for p in pairs:
-        c = [y != IGNORE for y in p.chosen[1][1:]]  # per chosen position: a completion target?
-        r = sum(y != IGNORE for y in p.rejected[1][1:])
-        flags += [c, [True] * r]
-        counts += [sum(c), r]
-    seq = out.pop("target_seq")  # 2b + side
-    order = torch.sort((seq % 2) * n + seq // 2, stable=True)  # chosen rows first, each by position
-    out["head_slot"], out["targets"] = out["head_slot"][order.indices], out["targets"][order.indices]
-    out["logp_rows"] = order.values
-    out["completion"] = torch.tensor([f for fl in flags for f in fl], dtype=torch.bool)[order.indices]
-    out["n_tokens"] = torch.tensor(counts, dtype=torch.long).view(n, 2).t().reshape(-1)
+    out = tree_batch(pairs, pad_id, chosen_labels=whole)
+    # targets come chosen 0..N-1 (every position), then rejected 0..N-1 (completion only)
+    flags = [[y != IGNORE for y in p.chosen[1][1:]] for p in pairs]  # per chosen position: completion?
+    rejected = out["n_tokens"][n:]
+    out["completion"] = torch.tensor([f for c in flags for f in c] + [True] * int(rejected.sum()))
+    out["n_tokens"] = torch.cat([torch.tensor([sum(c) for c in flags], dtype=torch.long), rejected])
     return out
 
 
@@ -123,9 +113,7 @@ def token_logps(model, micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target token and its row in the order of two rows per pair (chosen
     0..N-1, then rejected 0..N-1), in either layout."""
     if "head_slot" in micro:  # one row per pair (tree_whole_chosen, pair_tree.tree_batch)
-        logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                       position_ids=micro["position_ids"], select=micro["select"])
-        return torch.log_softmax(logits.float(), dim=-1)[micro["head_slot"], micro["targets"]], micro["logp_rows"]
+        return tree_token_logps(model, micro), micro["logp_rows"]
     logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], select=micro["select"])
     logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
     return logp, micro["select"].nonzero()[:, 0]
