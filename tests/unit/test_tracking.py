@@ -83,3 +83,20 @@ def test_datasheet_peak_wins_where_the_profile_has_one(fake):
 def test_matmul_measurement_is_best_of_several_trials():
     quick = tracking.matmul_flops("cpu", torch.float32, trials=1, seconds=0.01)
     assert quick > 1e8
+
+
+@pytest.mark.parametrize("limit, sizes", [(1e9, [256, 1024, 2048]), (1e-9, [256])])
+def test_sizes_whose_product_would_take_too_long_are_skipped(monkeypatch, limit, sizes):
+    """bf16 on a CPU without native bf16 multiplies ~50x slower than fp32 (a 2048 product ~20 s):
+    the measurement stops growing the size once the rate so far predicts a product over
+    MAX_PRODUCT_SECONDS, instead of spending minutes on five trials of it."""
+    made, randn = [], torch.randn
+
+    def recording(*shape, **kw):
+        made.append(shape[0])
+        return randn(*shape, **kw)
+
+    monkeypatch.setattr(torch, "randn", recording)
+    monkeypatch.setattr(tracking, "MAX_PRODUCT_SECONDS", limit)
+    assert tracking.matmul_flops("cpu", torch.float32, trials=2, seconds=0.001) > 0
+    assert made[::2] == sizes  # two operands per size
