@@ -20,7 +20,9 @@ across seeds, each test runs seed 0.
   reward model over-scores, numbers of 4-5 digits it never saw ("16848" for 62 + 48), so the
   test is a strict xfail that reports when a better reward model makes it pass. A KL penalty
   to the SFT model (method.beta=0.1) slows the drift but does not stop it (0.41 -> 0.05: "1181"
-  for 71 + 56, scored 3.3 against 3.1 for "148").
+  for 71 + 56, scored 3.3 against 3.1 for "148"). From SmolLM2 itself with cut completions
+  penalised (method.truncated_reward=-5) the policy learns to finish (stopped share 0.12 -> 1.0
+  in 25 steps), then runs the operands together ("2438" for 24 + 38, scored 2.4): exact match 0.
 - method=kto and method=simpo: held-out preference accuracy (`arith_pref`: the chosen completion's
   log-prob above the rejected one's) rises by >= 15 points. Seeds 0 and 1: SimPO +21, +23 (60
   steps, two rows per pair); seed 0 with the prompt shared (method.share_prompt): +23. KTO runs

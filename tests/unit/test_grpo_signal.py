@@ -83,3 +83,18 @@ def test_prompts_per_step_sets_the_batch_independently_of_the_micro_batch(tmp_pa
 
         cfg = compose(BASE + ["method.prompts_per_step=4", "train.micro_batch_size=4", "backend=deepspeed"])
         grpo.check(cfg.method, cfg)
+
+
+def test_truncated_completions_take_the_truncated_reward(tmp_path):
+    """method.truncated_reward replaces the total of every completion cut at max_new_tokens; the
+    reward functions' own means still report what they scored."""
+    out = tmp_path / "run"
+    train(BASE + ['reward.functions=["tests.unit.test_grpo_signal:always_flat"]', "method.dynamic_sampling=false",
+                  "method.truncated_reward=-3.0"], out)
+    (row,) = _rows(out)
+    stopped = row["stopped_fraction"]
+    assert stopped < 1.0  # the random tiny model runs to max_new_tokens: some completions are cut
+    assert row["reward"] == pytest.approx(stopped * 0.5 + (1 - stopped) * -3.0)
+    assert row["rewards/tests.unit.test_grpo_signal:always_flat/mean"] == pytest.approx(0.5)
+    with pytest.raises(UserError, match="method.truncated_reward"):
+        train(BASE + ["method.truncated_reward=inf"], tmp_path / "bad")

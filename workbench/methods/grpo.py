@@ -11,7 +11,8 @@
 Every `num_iterations` steps, `next_batch` samples `num_generations` completions per prompt with
 the backend's current weights (HF `generate` with the KV cache, or vLLM with
 `method.engine=vllm`), scores them with the reward functions (workbench/rollout/rewards.py,
-weighted sum), and turns rewards into advantages (workbench/rollout/advantages.py: group-
+weighted sum; `truncated_reward`, when set, stands in for the sum of a completion cut at
+max_new_tokens), and turns rewards into advantages (workbench/rollout/advantages.py: group-
 normalised, or RLOO's leave-one-out baseline). The loss is the clipped ratio objective
 min(r A, clip(r, 1-eps_low, 1+eps_high) A) per completion token, r = pi/pi_old per token or per
 completion (GSPO), or CISPO's / SAPO's surrogate (workbench/rollout/objectives.py), plus
@@ -36,6 +37,7 @@ generation go to <run_dir>/samples/grpo.jsonl.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, replace
 
@@ -78,6 +80,11 @@ class Config:
     kl_in_reward: bool = False  # subtract beta x summed k1 KL from each reward (RLOO) instead of the loss
     num_iterations: int = 1  # optimisation steps per generation batch
     engine: str = "hf"  # hf | vllm
+    # the total reward of a completion cut at max_new_tokens without ending, in place of what the
+    # reward functions give it; None: scored like any other. A reward model reads a cut
+    # completion as a finished turn it never saw in training; set this below what a finished
+    # completion scores (the overlong penalty of DAPO, OpenRLHF and verl in its simplest form).
+    truncated_reward: float | None = None
     log_completions: int = 3
     share_prompt: bool = True  # one row per prompt in a micro-batch, completions as branches
     # prompts per optimizer step over all ranks; None: micro_batch_size x grad_accum x ranks /
@@ -118,6 +125,8 @@ def check(cfg, root) -> list:
         raise UserError(f"method.beta must be >= 0 (got {cfg.beta})")
     if cfg.max_resample_rounds < 0:
         raise UserError(f"method.max_resample_rounds must be >= 0 (got {cfg.max_resample_rounds})")
+    if cfg.truncated_reward is not None and not math.isfinite(cfg.truncated_reward):
+        raise UserError(f"method.truncated_reward must be a finite number or null (got {cfg.truncated_reward})")
     shape = batch_shape(cfg, root.train, int(root.hardware.procs) * int(root.hardware.nodes))
     if root.backend.name == "deepspeed" and shape.grad_accum != root.train.grad_accum:
         # DeepSpeed counts accumulation boundaries from its own config (train.grad_accum)
@@ -288,6 +297,9 @@ class GRPO(Method):
         columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in extra_cols}
         per_fn = rewards.score(self.reward_fns, prompts, texts, comp, columns, max_new_tokens=c.max_new_tokens)
         total = (per_fn * torch.tensor([f.weight for f in self.reward_fns])).sum(dim=1)
+        if c.truncated_reward is not None:
+            cut = torch.tensor([len(ids) >= c.max_new_tokens for ids in comp])  # generate drops the end token
+            total = torch.where(cut, torch.tensor(float(c.truncated_reward)), total)
         return [{"conv": convs[i], "comp": comp[i * G:(i + 1) * G], "texts": texts[i * G:(i + 1) * G],
                  "per_fn": per_fn[i * G:(i + 1) * G], "total": total[i * G:(i + 1) * G],
                  "signal": bool(total[i * G:(i + 1) * G].std() >= 1e-6)} for i in range(len(rows))]
