@@ -87,8 +87,8 @@ def test_matmul_measurement_is_best_of_several_trials():
 
 @pytest.mark.parametrize("limit, sizes", [(1e9, [256, 1024, 2048]), (1e-9, [256])])
 def test_sizes_whose_product_would_take_too_long_are_skipped(monkeypatch, limit, sizes):
-    """bf16 on a CPU without native bf16 multiplies ~50x slower than fp32 (a 2048 product ~20 s):
-    the measurement stops growing the size once the rate so far predicts a product over
+    """bf16 on a CPU without native bf16 multiplies several times slower than fp32: the
+    measurement stops growing the size once the rate so far predicts a product over
     MAX_PRODUCT_SECONDS, instead of spending minutes on five trials of it."""
     made, randn = [], torch.randn
 

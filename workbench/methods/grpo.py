@@ -135,6 +135,12 @@ def check(cfg, root) -> list:
     return rewards.resolve(root.reward)
 
 
+def stopped(ids: list[int], max_new_tokens: int) -> bool:
+    """Whether a completion ended by itself: the rollout engines drop the end-of-turn token, so
+    one that ended is shorter than max_new_tokens and one cut off is exactly that long."""
+    return len(ids) < max_new_tokens
+
+
 @dataclass(frozen=True)
 class BatchShape:
     """The global-batch arithmetic of a GRPO step, decided once from the config."""
@@ -298,7 +304,7 @@ class GRPO(Method):
         per_fn = rewards.score(self.reward_fns, prompts, texts, comp, columns, max_new_tokens=c.max_new_tokens)
         total = (per_fn * torch.tensor([f.weight for f in self.reward_fns])).sum(dim=1)
         if c.truncated_reward is not None:
-            cut = torch.tensor([len(ids) >= c.max_new_tokens for ids in comp])  # generate drops the end token
+            cut = torch.tensor([not stopped(ids, c.max_new_tokens) for ids in comp])
             total = torch.where(cut, torch.tensor(float(c.truncated_reward)), total)
         return [{"conv": convs[i], "comp": comp[i * G:(i + 1) * G], "texts": texts[i * G:(i + 1) * G],
                  "per_fn": per_fn[i * G:(i + 1) * G], "total": total[i * G:(i + 1) * G],
@@ -342,7 +348,7 @@ class GRPO(Method):
         seqs = []
         for i, ids in enumerate(comp):
             p = prompt_ids(tok, convs[i // G])
-            target = ids + ([eot] if len(ids) < c.max_new_tokens else [])
+            target = ids + ([eot] if stopped(ids, c.max_new_tokens) else [])
             seqs.append((p + target, [IGNORE] * len(p) + target))
         per_rank = self.shape.completions_per_rank
         micro = []
@@ -391,7 +397,7 @@ class GRPO(Method):
         zero = sum(1 for g in gen if not g["signal"]) / len(gen)
         info = {"reward": float(all_total.mean()), "reward_std": float(all_total.std()),
                 "completion_length": float(lengths.mean()), "completion_length_max": float(lengths.max()),
-                "stopped_fraction": float((lengths < c.max_new_tokens).float().mean()),
+                "stopped_fraction": sum(stopped(ids, c.max_new_tokens) for ids in comp) / len(comp),
                 "zero_std_groups": zero, "signal_groups_trained": float(sum(1 for x in total.view(-1, c.num_generations)
                                                                             if x.std() >= 1e-6))}
         if c.dynamic_sampling:
