@@ -1,6 +1,7 @@
 """workbench vs TRL's SFTTrainer on the embedded task (SmolLM2-135M, LoRA, CPU).
 
     python scripts/bench.py trl [--steps 6] [--model smollm2-135m]
+    python scripts/bench.py trl --no-defaults --launches 0   # the same-settings ratio only
 
 Three trainers see the same 2-digit-addition chat examples, batch 16:
   workbench        LoRA r=16 all-linear, lr 2e-4, --precision, loss on the answer only
@@ -101,7 +102,10 @@ def trl_steps(steps: int, model_dir: str, same: bool, out: Path, bf16: bool = Tr
 def run(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser()
     add_common_args(ap)  # workbench and trl_same alike (trl_defaults keeps TRL's own)
-    ap.add_argument("--launches", type=int, default=5, help="warm launches timed to the first optimizer step")
+    ap.add_argument("--launches", type=int, default=5, help="warm launches timed to the first optimizer step; 0: none")
+    # TRL's defaults train in bf16 autocast, which on a CPU without native bf16 (AVX2 only) runs
+    # minutes per step: this leaves that side out and keeps the same-settings ratio
+    ap.add_argument("--no-defaults", action="store_true", help="skip the trl_defaults side")
     args = ap.parse_args(argv)
     args.precision = resolve_precision(args.precision)
     os.environ.setdefault("WORKBENCH_OFFLINE", "1")
@@ -109,7 +113,9 @@ def run(argv: list[str]) -> dict:
 
     entry = zoo_entry(args.model)
     model_dir = materialise(entry, resolve(entry)).path
-    per: dict[str, list[float]] = {"workbench": [], "trl_same": [], "trl_defaults": []}
+    per: dict[str, list[float]] = {"workbench": [], "trl_same": []}
+    if not args.no_defaults:
+        per["trl_defaults"] = []
     achieved, mfu = [], []  # workbench FLOP/s and MFU per steady-state step
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -119,8 +125,9 @@ def run(argv: list[str]) -> dict:
             achieved += [row["flops"] / row["step_seconds"] for row in rows[1:]]
             mfu += [row["mfu"] for row in rows[1:]]
             per["trl_same"] += trl_steps(args.steps, model_dir, True, tmp / f"ts{r}", args.precision != "fp32")[1:]
-            per["trl_defaults"] += trl_steps(args.steps, model_dir, False, tmp / f"td{r}")[1:]
-    launch = median_launch(args.launches, [f"model={args.model}"])  # benchmarks/startup.py
+            if not args.no_defaults:
+                per["trl_defaults"] += trl_steps(args.steps, model_dir, False, tmp / f"td{r}")[1:]
+    launch = median_launch(args.launches, [f"model={args.model}"]) if args.launches else None  # benchmarks/startup.py
     import torch
 
     from workbench.precision import spec
@@ -134,8 +141,8 @@ def run(argv: list[str]) -> dict:
         "model_dir": str(converted_dir(args.model)),
         "median_seconds_per_step": med,
         "ratio_throughput_vs_trl_same": med["trl_same"] / med["workbench"],
-        "ratio_throughput_vs_trl_defaults": med["trl_defaults"] / med["workbench"],
-        "first_optimizer_step_seconds_after_launch": launch["median_seconds"], "launch": launch,
+        "ratio_throughput_vs_trl_defaults": med["trl_defaults"] / med["workbench"] if "trl_defaults" in med else None,
+        "first_optimizer_step_seconds_after_launch": launch["median_seconds"] if launch else None, "launch": launch,
         "workbench_achieved_flops": statistics.median(achieved), "bf16_matmul_peak_flops": peak,
         "bf16_matmul_flops_measured_now": now, "workbench_mfu_logged": statistics.median(mfu),
         "achieved_over_bf16_matmul": statistics.median(achieved) / max(peak, now),

@@ -15,6 +15,7 @@ import gc
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -43,6 +44,7 @@ def main(spec_path: str) -> None:
     for run in spec["runs"]:
         out = Path(spec["out"]) / run.get("dir", run["name"])
         result: dict = {}
+        start = time.perf_counter()
         try:
             runner = Runner(compose(run["overrides"], out))
             res = runner.run()
@@ -52,6 +54,7 @@ def main(spec_path: str) -> None:
                       "wrapper": type(getattr(runner.backend, "ddp", None) or runner.backend.unwrapped()).__name__}
         except Exception as exc:  # recorded for the test to show; later runs still go ahead
             result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        result["seconds"] = round(time.perf_counter() - start, 2)
         runner = res = None
         gc.collect()  # engines of finished runs hold buffers; free them before the next run
         where = Path(spec["out"]) / "results"

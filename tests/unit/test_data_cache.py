@@ -86,3 +86,38 @@ def test_a_long_tokenisation_reports_progress(tmp_path, monkeypatch, capsys):
     out = pipeline.tokenise_source(src, tokenizer, contract, data_cfg(tmp_path))
     err = capsys.readouterr().err
     assert "tokenising" in err and f"tokenised {out.rows_read:,} rows" in err
+
+
+def test_preference_pairs_are_cached_like_sft_sources(tmp_path, monkeypatch):
+    """A relaunch or resume of a pair method reads its pairs back (same tokens, labels, prompt
+    lengths, margins and counts) instead of tokenising every row again; new bytes rebuild."""
+    import json
+
+    from workbench.data import preference
+    from workbench.data.recipes import Source
+
+    tokenizer, contract = _tok()
+    row = {"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5"}
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [{**row, "margin": 1.5}, row, {**row, "rejected": "4"},
+                                                           {**row, "prompt": "2+3=", "chosen": "5 exactly"}]))
+    src = Source(name="p", path=path)
+    first = preference.tokenise_preferences(src, tokenizer, contract, data_cfg(tmp_path))
+    assert len(first.pairs) == 3 and first.identical == 1
+    assert (tmp_path / "cache" / first.fingerprint / ".complete.json").exists()
+
+    def refuse(*a, **k):
+        raise AssertionError("tokenised again")
+
+    monkeypatch.setattr(preference, "_tokenise_pairs", refuse)
+    again = preference.tokenise_preferences(src, tokenizer, contract, data_cfg(tmp_path))
+    assert again.pairs == first.pairs and again.fingerprint == first.fingerprint
+    assert (again.identical, again.skipped, again.truncated) == (first.identical, first.skipped, first.truncated)
+    assert [p.margin for p in again.pairs] == [1.5, None, None]
+    monkeypatch.undo()
+    with open(path, "a") as fh:
+        fh.write(json.dumps({**row, "prompt": "1+1=", "chosen": "2"}) + "\n")
+    changed = preference.tokenise_preferences(src, tokenizer, contract, data_cfg(tmp_path))
+    assert len(changed.pairs) == 4 and changed.fingerprint != first.fingerprint
+    no_cache = preference.tokenise_preferences(src, tokenizer, contract, data_cfg(tmp_path / "off", cache=False))
+    assert no_cache.pairs == changed.pairs and not (tmp_path / "off" / "cache").exists()

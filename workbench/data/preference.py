@@ -24,6 +24,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from workbench.data import formats
 from workbench.data.readers import fingerprint_parts, iter_rows
@@ -142,8 +143,62 @@ def checked_rows(source: Source, parse, out, data_cfg):
         yield parsed
 
 
-def tokenise_preferences(source: Source, tokenizer, contract, data_cfg) -> PreferenceSource:
+# Bump when what tokenise_preferences produces for the same rows changes: it names the cache entries.
+PAIRS_VERSION = 1
+
+
+def tokenise_preferences(source: Source, tokenizer, contract, data_cfg, tok_digest: str | None = None
+                         ) -> PreferenceSource:
+    """The source's pairs, from the tokenised-data cache when an earlier run (or rank) wrote them:
+    a relaunch or resume does not re-tokenise (as workbench/data/pipeline.py does for SFT)."""
+    from workbench.data import cache, pipeline
+
     _check_format(source, "preference", PREFERENCE_SCHEMAS)
+    fp = pipeline.fingerprint(source, tokenizer, contract, data_cfg, f"pairs-v{PAIRS_VERSION}", tok_digest)
+    use_cache = bool(getattr(data_cfg, "cache", True)) and source.hub is None
+    entry = Path(getattr(data_cfg, "cache_dir", None) or cache.default_dir()) / fp
+    out = _load_pairs(entry, source) if use_cache else None
+    if out is None:
+        out = _tokenise_pairs(source, tokenizer, contract, data_cfg)
+        if use_cache:
+            _save_pairs(entry, out)
+    out.fingerprint = fp
+    if out.identical and int(os.environ.get("RANK", "0")) == 0:
+        print(f"warning: {source.label}: skipped {out.identical} pair(s) whose chosen and rejected are "
+              f"identical (no preference signal); {len(out.pairs)} pairs remain", file=sys.stderr)
+    return out
+
+
+def _save_pairs(entry: Path, out: PreferenceSource) -> None:
+    """Chosen and rejected as examples 2i and 2i+1 of one TokenArrays (labels are the ids where
+    trained, IGNORE elsewhere, which its mask holds); prompt lengths and margins in meta.json."""
+    from workbench.data import cache
+
+    builder = cache.ArrayBuilder()
+    for p in out.pairs:
+        builder.add(*p.chosen)
+        builder.add(*p.rejected)
+    cache.save(entry, builder.build(), {
+        "source": out.source.label, "pairs": len(out.pairs), "skipped": out.skipped, "truncated": out.truncated,
+        "identical": out.identical, "bad": out.bad, "prompt_len": [p.prompt_len for p in out.pairs],
+        "margin": [p.margin for p in out.pairs]})
+
+
+def _load_pairs(entry: Path, source: Source) -> PreferenceSource | None:
+    from workbench.data import cache
+
+    hit = cache.load(entry)
+    if hit is None:
+        return None
+    arrays, meta = hit
+    n = meta.get("pairs", -1)
+    if len(arrays) != 2 * n or len(meta.get("prompt_len", ())) != n or len(meta.get("margin", ())) != n:
+        return None  # not an entry of this shape: tokenise again
+    pairs = [Pair(arrays[2 * i], arrays[2 * i + 1], meta["prompt_len"][i], meta["margin"][i]) for i in range(n)]
+    return PreferenceSource(source, pairs, meta["skipped"], meta["truncated"], meta["identical"], "", meta["bad"])
+
+
+def _tokenise_pairs(source: Source, tokenizer, contract, data_cfg) -> PreferenceSource:
     out = PreferenceSource(source, [])
     def parse(row, where):
         return (*preference_row(row, where), _margin(row, where))
@@ -171,10 +226,6 @@ def tokenise_preferences(source: Source, tokenizer, contract, data_cfg) -> Prefe
                         "completions; DPO needs pairs that differ")
     if not out.pairs:
         raise UserError(f"{source.label}: no usable preference rows; accepted: {PREFERENCE_SCHEMAS}")
-    if out.identical and int(os.environ.get("RANK", "0")) == 0:
-        print(f"warning: {source.label}: skipped {out.identical} pair(s) whose chosen and rejected are "
-              f"identical (no preference signal); {len(out.pairs)} pairs remain", file=sys.stderr)
-    out.fingerprint = _fingerprint(source, tokenizer, contract, data_cfg.seq_len)
     return out
 
 
@@ -221,9 +272,12 @@ def read_pairs(tokenizer, contract, data_cfg) -> tuple[list[PreferenceSource], o
     """The run's recipe (data.recipe) tokenised as pairs, and the Mixture over its sources:
     what DPO and the reference-free pair methods (methods/pairs.py) train on."""
     from workbench.data.mixing import Mixture
+    from workbench.data.pipeline import tokenizer_digest
     from workbench.data.recipes import load_recipe
 
-    sources = [tokenise_preferences(s, tokenizer, contract, data_cfg) for s in load_recipe(data_cfg.recipe).sources]
+    digest = tokenizer_digest(tokenizer)
+    sources = [tokenise_preferences(s, tokenizer, contract, data_cfg, digest)
+               for s in load_recipe(data_cfg.recipe).sources]
     return sources, Mixture([len(s.pairs) for s in sources], [s.source.weight for s in sources],
                             seed=data_cfg.shuffle_seed)
 
