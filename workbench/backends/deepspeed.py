@@ -65,6 +65,13 @@ def _import():
         import deepspeed
     except ImportError:
         raise missing_package("deepspeed", "deepspeed") from None
+    if os.environ["DS_ACCELERATOR"] == "cpu":
+        # DeepSpeed's CPU communicator JIT-compiles its shared-memory all-reduce op (C++, about
+        # 60 s on a 2-core machine) when the process group starts; only inference_all_reduce
+        # (inference tensor parallelism) uses it, and training all-reduces through the gloo
+        # group either way. deepspeed.ops.__compatible_ops__ is the documented, editable list
+        # of the ops this launch may build; marking the op unavailable skips the build.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     return deepspeed
 
 
