@@ -172,6 +172,8 @@ class TrainConfig:
     keep_best: str | None = None
     keep_best_mode: str = "auto"  # auto | min | max
     export_best: bool = False
+    # PNG curves in <run_dir>/plots/, embedded in report.md and sent to the trackers (workbench/plots.py)
+    plots: bool = True
 
 
 @dataclass

@@ -104,7 +104,7 @@ def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
         lines += ["", f"Samples ({task}, after training):", ""]
         lines += [_sample(s) for s in items]
     lines += _generations(results)
-    figures = plots.run_plots(rows, evaluations(results, rows), run_dir / "plots")
+    figures = plots.run_plots(rows, evaluations(results, rows), run_dir / "plots") if cfg.train.plots else []
     if figures:
         lines += ["", "## Plots", ""] + [f"![{title}](plots/{path.name})" for title, path in figures]
     if results.get("export"):

@@ -30,13 +30,18 @@ def _fake_run(run: Path, lr: float, peft: str, losses: list[float], extra: dict 
 
 
 def test_report_embeds_the_plots_of_a_tiny_run(tmp_path):
-    train(["train.max_steps=3"], tmp_path)
+    train(["train.max_steps=3", "train.plots=true"], tmp_path)
     text = (tmp_path / "report.md").read_text()
     embedded = re.findall(r"!\[[^\]]*\]\((plots/[^)]+\.png)\)", text)
     assert {"plots/loss.png", "plots/lr.png", "plots/grad_norm.png", "plots/throughput.png"} <= set(embedded)
     for rel in embedded:
         assert (tmp_path / rel).read_bytes()[:8] == PNG
     assert "MFU" in text and "measured matmul" in text
+
+
+def test_plots_false_writes_no_figures(tmp_path):
+    train(["train.max_steps=2", "train.plots=false"], tmp_path)
+    assert "## Plots" not in (tmp_path / "report.md").read_text() and not (tmp_path / "plots").exists()
 
 
 def test_method_curves_get_their_own_figures(tmp_path):

@@ -70,7 +70,7 @@ def tracked_run(tmp_path_factory):
 
     chosen = ["tensorboard"] + [n for n in OPTIONAL if importlib.util.find_spec(n) is not None]
     overrides = [f"tracker=[{','.join(chosen)}]", f"+hardware.env.WANDB_API_KEY={SECRET}", "train.max_steps=3",
-                 f"+launcher.note={TOKEN}"]
+                 f"+launcher.note={TOKEN}", "train.plots=true"]
     overrides += ["tracker.wandb.mode=offline"] if "wandb" in chosen else []
     overrides += [f"tracker.trackio.project={TRACKIO_PROJECT}"] if "trackio" in chosen else []
 
