@@ -14,7 +14,8 @@ prompt, then the assistant text and the template's end-of-turn token, so what DP
 what inference produces. A row in any other shape stops the run with `file:line` and the
 list of accepted schemas. A pair whose chosen and rejected completions are the same tokens
 carries no preference (loss log 2, zero gradient): it is counted, skipped and reported in one
-line; a file with nothing else is refused.
+line; a file with nothing else is refused. Tokenised pairs are cached by fingerprint beside the
+SFT sources (workbench/data/cache.py), so a relaunch or resume reads them back.
 """
 
 from __future__ import annotations
