@@ -6,7 +6,8 @@ imports and the process group once.
 SPEC.json: {"runs": [{"name": ..., "overrides": [...], "dir": optional}, ...], "out": DIR}. Each
 run's output_dir is DIR/<dir or name> (two runs sharing a dir: the second resumes the first);
 results go to DIR/results/<name>.rank<r>.json: losses, grad norms, what the backend wrapped the
-model in, and the bytes of parameters and optimizer state this rank held after training.
+model in, the bytes of parameters and optimizer state this rank held after training, and the
+run's wall seconds (where a job's time goes).
 """
 
 from __future__ import annotations
