@@ -29,7 +29,7 @@ across seeds, each test runs seed 0.
   100 steps: seeds 0, 1, 2: +25, +22, +19; at 60 steps they were +19, +9, +22, seed 1 short of
   the bar (KTO sees each pair as two unpaired rows, half a DPO pair's signal).
 - method=distill from a 60-step SFT teacher into SmolLM2 itself: the student closes at least half
-  of the teacher-student gap in held-out exact match.
+  of the teacher-student gap in held-out exact match (seeds 0, 1, 2: 89%, 93%, 85%).
 """
 
 from __future__ import annotations
