@@ -26,7 +26,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TINY = [
     "model=tiny", "precision=fp32", "eval=none", "train.max_steps=4", "train.micro_batch_size=4",
     "train.log_every=1", "train.export=false", "optim.warmup_steps=0", "optim.scheduler=constant",
-    "train.plots=false",  # about 1 s a run; tests/unit/test_report.py and test_trackers.py turn them on
+    "train.plots=false",  # 0.5-1 s a run; tests/unit/test_report.py and test_trackers.py turn them on
 ]
 
 

@@ -77,6 +77,14 @@ def fingerprint(source: Source, tokenizer, contract, data_cfg, loss_on: str, tok
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+def cache_entry(source: Source, data_cfg, fp: str) -> Path | None:
+    """Where the source's tokens with fingerprint `fp` are cached (data.cache_dir, else
+    $WORKBENCH_CACHE/tokenised); None with data.cache=false or for a hub source."""
+    if not getattr(data_cfg, "cache", True) or source.hub is not None:
+        return None
+    return Path(getattr(data_cfg, "cache_dir", None) or cache.default_dir()) / fp
+
+
 def doc_end_id(tokenizer, contract) -> int:
     """What ends a plain-text document: the tokenizer's end-of-text token, else end-of-turn."""
     tid = tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -145,9 +153,8 @@ class _Ticker:
 def tokenise_source(source: Source, tokenizer, contract, data_cfg, loss_on="assistant",
                     tok_digest: str | None = None) -> Tokenised:
     fp = fingerprint(source, tokenizer, contract, data_cfg, loss_on, tok_digest)
-    use_cache = bool(getattr(data_cfg, "cache", True)) and source.hub is None
-    entry = Path(getattr(data_cfg, "cache_dir", None) or cache.default_dir()) / fp
-    if use_cache:
+    entry = cache_entry(source, data_cfg, fp)
+    if entry is not None:
         hit = cache.load(entry)
         if hit is not None:
             arrays, meta = hit
@@ -201,7 +208,7 @@ def tokenise_source(source: Source, tokenizer, contract, data_cfg, loss_on="assi
         why += f"; {out.filtered} outside min_tokens/max_tokens" if out.filtered else ""
         raise UserError(f"{source.label}: no usable rows in source {source.name!r}{why}")
     out.fingerprint = fp
-    if use_cache:
+    if entry is not None:
         cache.save(entry, out.examples, {"skipped": out.skipped, "truncated": out.truncated,
                                          "filtered": out.filtered, "rows_read": out.rows_read, "bad": out.bad,
                                          "source": source.label, "rows": len(out.examples)})

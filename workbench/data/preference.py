@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workbench.data import formats
+from workbench.data import cache, formats, pipeline
 from workbench.data.readers import fingerprint_parts, iter_rows
 from workbench.data.recipes import Source
 from workbench.errors import UserError
@@ -152,16 +152,13 @@ def tokenise_preferences(source: Source, tokenizer, contract, data_cfg, tok_dige
                          ) -> PreferenceSource:
     """The source's pairs, from the tokenised-data cache when an earlier run (or rank) wrote them:
     a relaunch or resume does not re-tokenise (as workbench/data/pipeline.py does for SFT)."""
-    from workbench.data import cache, pipeline
-
     _check_format(source, "preference", PREFERENCE_SCHEMAS)
     fp = pipeline.fingerprint(source, tokenizer, contract, data_cfg, f"pairs-v{PAIRS_VERSION}", tok_digest)
-    use_cache = bool(getattr(data_cfg, "cache", True)) and source.hub is None
-    entry = Path(getattr(data_cfg, "cache_dir", None) or cache.default_dir()) / fp
-    out = _load_pairs(entry, source) if use_cache else None
+    entry = pipeline.cache_entry(source, data_cfg, fp)
+    out = _load_pairs(entry, source) if entry is not None else None
     if out is None:
         out = _tokenise_pairs(source, tokenizer, contract, data_cfg)
-        if use_cache:
+        if entry is not None:
             _save_pairs(entry, out)
     out.fingerprint = fp
     if out.identical and int(os.environ.get("RANK", "0")) == 0:
@@ -173,8 +170,6 @@ def tokenise_preferences(source: Source, tokenizer, contract, data_cfg, tok_dige
 def _save_pairs(entry: Path, out: PreferenceSource) -> None:
     """Chosen and rejected as examples 2i and 2i+1 of one TokenArrays (labels are the ids where
     trained, IGNORE elsewhere, which its mask holds); prompt lengths and margins in meta.json."""
-    from workbench.data import cache
-
     builder = cache.ArrayBuilder()
     for p in out.pairs:
         builder.add(*p.chosen)
@@ -186,8 +181,6 @@ def _save_pairs(entry: Path, out: PreferenceSource) -> None:
 
 
 def _load_pairs(entry: Path, source: Source) -> PreferenceSource | None:
-    from workbench.data import cache
-
     hit = cache.load(entry)
     if hit is None:
         return None
@@ -273,10 +266,9 @@ def read_pairs(tokenizer, contract, data_cfg) -> tuple[list[PreferenceSource], o
     """The run's recipe (data.recipe) tokenised as pairs, and the Mixture over its sources:
     what DPO and the reference-free pair methods (methods/pairs.py) train on."""
     from workbench.data.mixing import Mixture
-    from workbench.data.pipeline import tokenizer_digest
     from workbench.data.recipes import load_recipe
 
-    digest = tokenizer_digest(tokenizer)
+    digest = pipeline.tokenizer_digest(tokenizer)
     sources = [tokenise_preferences(s, tokenizer, contract, data_cfg, digest)
                for s in load_recipe(data_cfg.recipe).sources]
     return sources, Mixture([len(s.pairs) for s in sources], [s.source.weight for s in sources],
