@@ -121,3 +121,42 @@ def test_preference_pairs_are_cached_like_sft_sources(tmp_path, monkeypatch):
     assert len(changed.pairs) == 4 and changed.fingerprint != first.fingerprint
     no_cache = preference.tokenise_preferences(src, tokenizer, contract, data_cfg(tmp_path / "off", cache=False))
     assert no_cache.pairs == changed.pairs and not (tmp_path / "off" / "cache").exists()
+
+
+def test_unpaired_rows_are_cached_like_pairs(tmp_path, monkeypatch):
+    """KTO's unpaired rows (prompt ids, completion ids and labels, desirable or not) come back from
+    the cache as tokenised, with their counts; new bytes rebuild; data.cache=false writes nothing."""
+    import json
+
+    from workbench.data import unpaired
+    from workbench.data.recipes import Source
+
+    tokenizer, contract = _tok()
+    rows = [{"prompt": "What is 2 + 2?", "completion": "4", "label": True},
+            {"prompt": [{"role": "user", "content": "2+3="}],
+             "completion": [{"role": "assistant", "content": "six"}], "label": False},
+            {"prompt": "1+1=", "chosen": "2", "rejected": "3"},  # a pair: two rows
+            {"prompt": "no label"}]  # bad, skipped under on_bad_row=skip
+    path = tmp_path / "u.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    src = Source(name="u", path=path)
+    cfg = data_cfg(tmp_path, on_bad_row="skip")
+    first = unpaired.tokenise_unpaired(src, tokenizer, contract, cfg)
+    assert [e.label for e in first.examples] == [True, False, True, False] and first.skipped == 1
+    assert (tmp_path / "cache" / first.fingerprint / ".complete.json").exists()
+
+    def refuse(*a, **k):
+        raise AssertionError("tokenised again")
+
+    monkeypatch.setattr(unpaired, "_tokenise", refuse)
+    again = unpaired.tokenise_unpaired(src, tokenizer, contract, cfg)
+    assert again.examples == first.examples and again.fingerprint == first.fingerprint
+    assert (again.skipped, again.truncated, again.bad) == (first.skipped, first.truncated, first.bad)
+    monkeypatch.undo()
+    with open(path, "a") as fh:
+        fh.write(json.dumps(rows[0]) + "\n")
+    changed = unpaired.tokenise_unpaired(src, tokenizer, contract, cfg)
+    assert len(changed.examples) == 5 and changed.fingerprint != first.fingerprint
+    off = data_cfg(tmp_path / "off", cache=False, on_bad_row="skip")
+    no_cache = unpaired.tokenise_unpaired(src, tokenizer, contract, off)
+    assert no_cache.examples == changed.examples and not (tmp_path / "off" / "cache").exists()

@@ -18,17 +18,18 @@ prompt, then the assistant text and the template's end-of-turn token. An example
 prompt ids and its completion ids and labels separately, because KTO's KL reference point joins
 one example's prompt to another example's completion (workbench/methods/kto.py). A row of any
 other shape stops the run with `file:line` and the accepted schemas; a row whose prompt alone
-fills data.seq_len trains nothing and is skipped (counted).
+fills data.seq_len trains nothing and is skipped (counted). Tokenised rows are cached by
+fingerprint beside the SFT sources and the pairs (workbench/data/cache.py), so a relaunch or
+resume reads them back.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from workbench.data import formats
+from workbench.data import cache, formats, pipeline
 from workbench.data.preference import PREFERENCE_SCHEMAS, checked_rows, messages, preference_row, tokenise_completion
-from workbench.data.readers import fingerprint_parts
 from workbench.data.recipes import Source
 from workbench.errors import UserError
 
@@ -91,17 +92,52 @@ class UnpairedSource:
         return sum(e.label for e in self.examples)
 
 
-def _fingerprint(source: Source, tokenizer, contract, seq_len: int) -> str:
-    parts = "|".join(fingerprint_parts(source.path, getattr(source, "hub", None)))
-    return hashlib.sha256(f"unpaired|{parts}|{contract.template_hash}|{tokenizer.name_or_path}|"
-                          f"{seq_len}".encode()).hexdigest()[:16]
+# Bump when what tokenise_unpaired produces for the same rows changes: it names the cache entries.
+UNPAIRED_VERSION = 1
 
 
-def tokenise_unpaired(source: Source, tokenizer, contract, data_cfg) -> UnpairedSource:
-    """Read and tokenise one source; source.max_samples caps examples (a preference row gives two)."""
+def tokenise_unpaired(source: Source, tokenizer, contract, data_cfg, tok_digest: str | None = None) -> UnpairedSource:
+    """Read and tokenise one source, or read it back from the tokenised-data cache where an earlier
+    run (or rank) wrote it; source.max_samples caps examples (a preference row gives two)."""
     if source.format not in ("auto", "preference", "unpaired"):
         raise UserError(f"{source.label}: format {source.format!r} is not usable here; method=kto reads format "
                         f"auto (or preference): {UNPAIRED_SCHEMAS}")
+    fp = pipeline.fingerprint(source, tokenizer, contract, data_cfg, f"unpaired-v{UNPAIRED_VERSION}", tok_digest)
+    entry = pipeline.cache_entry(source, data_cfg, fp)
+    out = _load(entry, source) if entry is not None else None
+    if out is None:
+        out = _tokenise(source, tokenizer, contract, data_cfg)
+        if entry is not None:
+            _save(entry, out)
+    out.fingerprint = fp
+    return out
+
+
+def _save(entry: Path, out: UnpairedSource) -> None:
+    """Example i as entries 2i (its prompt, nothing trained) and 2i+1 (its completion's ids and
+    labels) of one TokenArrays; the labels in meta.json."""
+    builder = cache.ArrayBuilder()
+    for e in out.examples:
+        builder.add(e.prompt, [formats.IGNORE] * len(e.prompt))
+        builder.add(*e.completion)
+    cache.save(entry, builder.build(), {
+        "source": out.source.label, "examples": len(out.examples), "skipped": out.skipped,
+        "truncated": out.truncated, "bad": out.bad, "label": [e.label for e in out.examples]})
+
+
+def _load(entry: Path, source: Source) -> UnpairedSource | None:
+    hit = cache.load(entry)
+    if hit is None:
+        return None
+    arrays, meta = hit
+    n = meta.get("examples", -1)
+    if len(arrays) != 2 * n or len(meta.get("label", ())) != n:
+        return None  # not an entry of this shape: tokenise again
+    examples = [Unpaired(arrays[2 * i][0], arrays[2 * i + 1], meta["label"][i]) for i in range(n)]
+    return UnpairedSource(source, examples, meta["skipped"], meta["truncated"], "", meta["bad"])
+
+
+def _tokenise(source: Source, tokenizer, contract, data_cfg) -> UnpairedSource:
     out = UnpairedSource(source, [])
     seq_len = data_cfg.seq_len
     for items in checked_rows(source, unpaired_rows, out, data_cfg):
@@ -120,5 +156,4 @@ def tokenise_unpaired(source: Source, tokenizer, contract, data_cfg) -> Unpaired
             break
     if not out.examples:
         raise UserError(f"{source.label}: no usable unpaired rows; accepted: {UNPAIRED_SCHEMAS}")
-    out.fingerprint = _fingerprint(source, tokenizer, contract, seq_len)
     return out

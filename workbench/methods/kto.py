@@ -54,6 +54,7 @@ from workbench.batch import StepBatch
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture
 from workbench.data.overfit import Overfit
+from workbench.data.pipeline import tokenizer_digest
 from workbench.data.recipes import load_recipe
 from workbench.data.unpaired import Unpaired, tokenise_unpaired
 from workbench.errors import UserError
@@ -142,7 +143,8 @@ class KTO(Method):
     def prepare(self, ctx) -> None:
         data = ctx.cfg.data
         recipe = load_recipe(data.recipe)
-        self.sources = [tokenise_unpaired(s, ctx.tokenizer, ctx.contract, data) for s in recipe.sources]
+        digest = tokenizer_digest(ctx.tokenizer)  # once for every source's cache fingerprint
+        self.sources = [tokenise_unpaired(s, ctx.tokenizer, ctx.contract, data, digest) for s in recipe.sources]
         self.mixture = Mixture([len(s.examples) for s in self.sources], [s.source.weight for s in self.sources],
                                seed=data.shuffle_seed)
 
