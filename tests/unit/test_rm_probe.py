@@ -1,0 +1,60 @@
+"""scripts/rm_probe.py: its probe finds a linear signal where there is one and none in noise, and
+its features read each completion's own last token and log-prob through right padding.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/test_rm_probe.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from workbench.data.preference import Pair
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("rm_probe", ROOT / "scripts" / "rm_probe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_probe_separates_a_linear_signal_and_not_noise():
+    rm_probe = _script()
+    g = torch.Generator().manual_seed(0)
+    direction = torch.randn(64, generator=g)
+    signal = lambda n: torch.randn(n, 64, generator=g) + 0.5 * direction  # noqa: E731
+    assert rm_probe.probe(signal(600), signal(400)) > 0.95
+    # 400 held-out pairs of pure noise: accuracy 0.5 with a standard deviation of 0.025
+    assert 0.4 < rm_probe.probe(torch.randn(600, 64, generator=g), torch.randn(400, 64, generator=g)) < 0.6
+
+
+def test_features_read_each_completions_last_token_through_padding():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rm_probe = _script()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    ign = -100
+    pairs = [Pair(([1, 2, 3, 4], [ign, ign, 3, 4]), ([1, 2, 5, 6, 7], [ign, ign, 5, 6, 7]), 2),
+             Pair(([8, 9, 10], [ign, 9, 10]), ([8, 11], [ign, 11]), 1)]
+    diffs, margins = rm_probe.features(model, pairs, pad_id=0)
+    assert diffs.shape == (2, 3, 32)  # pairs, embeddings + 2 layers, hidden
+
+    def alone(seq):
+        ids, labels = seq
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        lp = torch.log_softmax(out.logits[0, :-1], -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        kept = torch.tensor(labels[1:]) != ign
+        return torch.stack([h[0, -1] for h in out.hidden_states]), float(lp[kept].sum())
+
+    for i, p in enumerate(pairs):
+        (hc, lc), (hr, lr) = alone(p.chosen), alone(p.rejected)
+        torch.testing.assert_close(diffs[i], hc - hr, rtol=1e-4, atol=1e-5)
+        assert abs(float(margins[i]) - (lc - lr)) < 1e-4
