@@ -121,3 +121,17 @@ def load(directory: Path) -> tuple[TokenArrays, dict] | None:
     if len(ids) != len(mask) or len(offsets) < 1 or int(offsets[-1]) != len(ids):
         return None
     return TokenArrays(ids, mask, offsets), meta
+
+
+def load_twins(directory: Path, count: str, per_item: tuple[str, ...]) -> tuple[TokenArrays, dict] | None:
+    """An entry of two sequences per item (a preference pair; a KTO row's prompt and completion):
+    meta[count] items, 2 * meta[count] sequences, and a list of one value per item under each key
+    of `per_item`. None when absent or of another shape (then it is rebuilt)."""
+    hit = load(directory)
+    if hit is None:
+        return None
+    arrays, meta = hit
+    n = meta.get(count, -1)
+    if len(arrays) != 2 * n or any(len(meta.get(k, ())) != n for k in per_item):
+        return None
+    return arrays, meta

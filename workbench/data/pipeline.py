@@ -85,6 +85,23 @@ def cache_entry(source: Source, data_cfg, fp: str) -> Path | None:
     return Path(getattr(data_cfg, "cache_dir", None) or cache.default_dir()) / fp
 
 
+def through_cache(source: Source, tokenizer, contract, data_cfg, kind: str, tok_digest: str | None, build, load, save):
+    """`build()`'s result for the source, or `load(entry, source)`'s where an earlier run (or rank)
+    cached it under the fingerprint that `kind` (what is built, with its version) joins; a fresh
+    result is handed to `save(entry, out)`. Its `.fingerprint` is set either way. The preference
+    pairs and KTO's unpaired rows use it; the SFT sources keep their own path below (chunked
+    tokenising and packing)."""
+    fp = fingerprint(source, tokenizer, contract, data_cfg, kind, tok_digest)
+    entry = cache_entry(source, data_cfg, fp)
+    out = load(entry, source) if entry is not None else None
+    if out is None:
+        out = build()
+        if entry is not None:
+            save(entry, out)
+    out.fingerprint = fp
+    return out
+
+
 def doc_end_id(tokenizer, contract) -> int:
     """What ends a plain-text document: the tokenizer's end-of-text token, else end-of-turn."""
     tid = tokenizer.convert_tokens_to_ids("<|endoftext|>")

@@ -153,14 +153,8 @@ def tokenise_preferences(source: Source, tokenizer, contract, data_cfg, tok_dige
     """The source's pairs, from the tokenised-data cache when an earlier run (or rank) wrote them:
     a relaunch or resume does not re-tokenise (as workbench/data/pipeline.py does for SFT)."""
     _check_format(source, "preference", PREFERENCE_SCHEMAS)
-    fp = pipeline.fingerprint(source, tokenizer, contract, data_cfg, f"pairs-v{PAIRS_VERSION}", tok_digest)
-    entry = pipeline.cache_entry(source, data_cfg, fp)
-    out = _load_pairs(entry, source) if entry is not None else None
-    if out is None:
-        out = _tokenise_pairs(source, tokenizer, contract, data_cfg)
-        if entry is not None:
-            _save_pairs(entry, out)
-    out.fingerprint = fp
+    out = pipeline.through_cache(source, tokenizer, contract, data_cfg, f"pairs-v{PAIRS_VERSION}", tok_digest,
+                                 lambda: _tokenise_pairs(source, tokenizer, contract, data_cfg), _load_pairs, _save_pairs)
     if out.identical and int(os.environ.get("RANK", "0")) == 0:
         print(f"warning: {source.label}: skipped {out.identical} pair(s) whose chosen and rejected are "
               f"identical (no preference signal); {len(out.pairs)} pairs remain", file=sys.stderr)
@@ -181,14 +175,12 @@ def _save_pairs(entry: Path, out: PreferenceSource) -> None:
 
 
 def _load_pairs(entry: Path, source: Source) -> PreferenceSource | None:
-    hit = cache.load(entry)
+    hit = cache.load_twins(entry, "pairs", ("prompt_len", "margin"))
     if hit is None:
         return None
     arrays, meta = hit
-    n = meta.get("pairs", -1)
-    if len(arrays) != 2 * n or len(meta.get("prompt_len", ())) != n or len(meta.get("margin", ())) != n:
-        return None  # not an entry of this shape: tokenise again
-    pairs = [Pair(arrays[2 * i], arrays[2 * i + 1], meta["prompt_len"][i], meta["margin"][i]) for i in range(n)]
+    pairs = [Pair(arrays[2 * i], arrays[2 * i + 1], meta["prompt_len"][i], meta["margin"][i])
+             for i in range(meta["pairs"])]
     return PreferenceSource(source, pairs, meta["skipped"], meta["truncated"], meta["identical"], "", meta["bad"])
 
 

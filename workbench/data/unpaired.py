@@ -102,15 +102,8 @@ def tokenise_unpaired(source: Source, tokenizer, contract, data_cfg, tok_digest:
     if source.format not in ("auto", "preference", "unpaired"):
         raise UserError(f"{source.label}: format {source.format!r} is not usable here; method=kto reads format "
                         f"auto (or preference): {UNPAIRED_SCHEMAS}")
-    fp = pipeline.fingerprint(source, tokenizer, contract, data_cfg, f"unpaired-v{UNPAIRED_VERSION}", tok_digest)
-    entry = pipeline.cache_entry(source, data_cfg, fp)
-    out = _load(entry, source) if entry is not None else None
-    if out is None:
-        out = _tokenise(source, tokenizer, contract, data_cfg)
-        if entry is not None:
-            _save(entry, out)
-    out.fingerprint = fp
-    return out
+    return pipeline.through_cache(source, tokenizer, contract, data_cfg, f"unpaired-v{UNPAIRED_VERSION}", tok_digest,
+                                  lambda: _tokenise(source, tokenizer, contract, data_cfg), _load, _save)
 
 
 def _save(entry: Path, out: UnpairedSource) -> None:
@@ -126,14 +119,11 @@ def _save(entry: Path, out: UnpairedSource) -> None:
 
 
 def _load(entry: Path, source: Source) -> UnpairedSource | None:
-    hit = cache.load(entry)
+    hit = cache.load_twins(entry, "examples", ("label",))
     if hit is None:
         return None
     arrays, meta = hit
-    n = meta.get("examples", -1)
-    if len(arrays) != 2 * n or len(meta.get("label", ())) != n:
-        return None  # not an entry of this shape: tokenise again
-    examples = [Unpaired(arrays[2 * i][0], arrays[2 * i + 1], meta["label"][i]) for i in range(n)]
+    examples = [Unpaired(arrays[2 * i][0], arrays[2 * i + 1], meta["label"][i]) for i in range(meta["examples"])]
     return UnpairedSource(source, examples, meta["skipped"], meta["truncated"], "", meta["bad"])
 
 
