@@ -167,3 +167,13 @@ def test_column_mapping_and_length_filters(tmp_path, tok):
     assert short.truncated == int((full > cut).sum()) >= 1 and max(short.examples.lengths()) == cut
     with pytest.raises(Exception, match=r"alpaca.csv:2: no trained token left within data.seq_len=20"):
         pipeline.tokenise_source(source("alpaca.csv"), tokenizer, contract, data_cfg(tmp_path, seq_len=20))
+
+
+def test_bpe_tokenizer_decodes_without_the_wordpiece_clean_up(tok):
+    """SmolLM2's tokenizer config asks for clean_up_tokenization_spaces, which transformers ignores
+    for BPE with a warning on a run's first decode; setup_tokenizer says false, and decoding keeps
+    the spaces before punctuation either way."""
+    tokenizer, _ = tok
+    assert tokenizer.clean_up_tokenization_spaces is False
+    text = "Hello , world . 1 + 2 = 3 ?"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text

@@ -63,6 +63,11 @@ def setup_tokenizer(tokenizer, template_name: str | None = None) -> ChatContract
     if tokenizer.pad_token is None:
         pad = "<|endoftext|>" if "<|endoftext|>" in tokenizer.get_vocab() else eot
         tokenizer.pad_token = pad
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False) and type(getattr(backend, "model", None)).__name__ == "BPE":
+        # transformers ignores this WordPiece clean-up for BPE and warns that it would corrupt the
+        # text on every run's first decode; saying false here decodes the same, without the warning
+        tokenizer.clean_up_tokenization_spaces = False
     digest = hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()[:16]
     return ChatContract(eot, eot_id, digest)
 
