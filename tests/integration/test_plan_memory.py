@@ -15,8 +15,8 @@ are far shorter than data.seq_len.
 
 Each runs single and 2-rank fsdp2, peft none and lora, fp32 and bf16-mixed.
 
-The 2-rank fsdp2 case runs this file as its own torchrun worker (`--worker OUT PEFT`); each rank
-reports its peak and the test holds the prediction against the larger one.
+The 2-rank fsdp2 cases run this file as their torchrun worker (`--worker OUT`), the four tiny
+cases in one job; each rank reports its peak and the test holds the prediction against the larger one.
 """
 
 from __future__ import annotations
@@ -151,35 +151,66 @@ def test_smollm2_135m_single(peft, precision, tmp_path):
                    tmp_path), f"smollm2-135m single {peft} {precision}")
 
 
-@pytest.mark.parametrize("model, micro", [("tiny", 4), pytest.param("smollm2-135m", 8, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("peft", ["none", "lora"])
-def test_fsdp2_two_ranks(model, micro, peft, precision, tmp_path):
+def run_fsdp2(cases: dict[str, list[str]], out: Path) -> dict[str, dict]:
+    """Measure each case (name -> overrides) on 2 fsdp2 ranks in one torchrun job, so the job's
+    processes, imports and process group are paid for once; the larger rank's result per case."""
     import socket
 
     root = Path(__file__).resolve().parents[2]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-           str(Path(__file__).resolve()), "--worker", str(tmp_path), f"model={model}", f"peft={peft}",
-           f"precision={precision}", f"train.micro_batch_size={micro}"]
+           str(Path(__file__).resolve()), "--worker", str(out)]
     done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    worst = max(ranks, key=lambda r: r["measured"])
-    print("per-rank measured MiB:", [round(r["measured"] / 2**20, 1) for r in ranks])
-    _check(worst, f"{model} fsdp2x2 {peft} {precision}")
+    worst = {}
+    for name in cases:
+        ranks = [json.loads((out / name / f"rank{r}.json").read_text()) for r in range(2)]
+        print(f"{name}: per-rank measured MiB:", [round(r["measured"] / 2**20, 1) for r in ranks])
+        worst[name] = max(ranks, key=lambda r: r["measured"])
+    return worst
 
 
-def _worker(out: str, overrides: list[str]) -> None:
-    """One rank of the fsdp2 comparison: measure, write rank<r>.json."""
+def fsdp2_case(model: str, micro: int, peft: str, precision: str) -> list[str]:
+    return [f"model={model}", f"peft={peft}", f"precision={precision}", f"train.micro_batch_size={micro}"]
+
+
+@pytest.fixture(scope="module")
+def tiny_fsdp2(tmp_path_factory):
+    cases = {f"{peft}-{precision}": fsdp2_case("tiny", 4, peft, precision)
+             for peft in ("none", "lora") for precision in PRECISIONS}
+    return run_fsdp2(cases, tmp_path_factory.mktemp("fsdp2"))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_fsdp2_two_ranks(tiny_fsdp2, peft, precision):
+    _check(tiny_fsdp2[f"{peft}-{precision}"], f"tiny fsdp2x2 {peft} {precision}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_smollm2_135m_fsdp2_two_ranks(peft, precision, tmp_path):
+    name = f"{peft}-{precision}"
+    _check(run_fsdp2({name: fsdp2_case("smollm2-135m", 8, peft, precision)}, tmp_path)[name],
+           f"smollm2-135m fsdp2x2 {peft} {precision}")
+
+
+def _worker(out: str) -> None:
+    """One rank of the fsdp2 comparisons: measure each case in turn, write <case>/rank<r>.json."""
+    import gc
+
     rank = int(os.environ["RANK"])
-    res = measure([*overrides, "backend=fsdp2", "hardware.procs=2"], Path(out) / f"r{rank}")
-    Path(out, f"rank{rank}.json").write_text(json.dumps(res, default=float))
+    for name, overrides in json.loads(Path(out, "cases.json").read_text()).items():
+        gc.collect()  # the last case's runner is freed before this one's baseline is taken
+        res = measure([*overrides, "backend=fsdp2", "hardware.procs=2"], Path(out) / name / f"r{rank}")
+        Path(out, name, f"rank{rank}.json").write_text(json.dumps(res, default=float))
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    at = sys.argv.index("--worker")
-    _worker(sys.argv[at + 1], sys.argv[at + 2:])
+    _worker(sys.argv[sys.argv.index("--worker") + 1])
