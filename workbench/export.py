@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.models.load import cast_weights, load_model
+from workbench.models.load import cast_weights, gguf_metadata, load_model
 from workbench.peft.lora import base_model
 
 
@@ -262,7 +262,7 @@ def _gguf(merged_dir, out_dir, kind, merged, tokenizer, contract, convs, cfg, me
     from workbench.to_gguf import write
 
     path = write(merged_dir, out_dir / "gguf" / f"model-{kind}.gguf", kind, eos_id=contract.end_of_turn_id,
-                 pre=_base_gguf_field(cfg, "tokenizer.ggml.pre"))
+                 pre=gguf_metadata(cfg.model).get("tokenizer.ggml.pre"))
     field = GGUFReader(str(path)).fields["tokenizer.ggml.eos_token_id"]
     declared = int(field.contents())
     back = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -270,20 +270,6 @@ def _gguf(merged_dir, out_dir, kind, merged, tokenizer, contract, convs, cfg, me
                    declared_eos=declared)
     gate["path"], gate["bytes"] = str(path), path.stat().st_size
     return gate
-
-
-def _base_gguf_field(cfg, key: str) -> str | None:
-    """A metadata field of the base model's packaged GGUF, when it came from one (the llama.cpp
-    pre-tokenizer name, the license)."""
-    if not cfg.model.gguf_package:
-        return None
-    from gguf import GGUFReader
-
-    from workbench.models.load import _gguf_in_package
-
-    path = _gguf_in_package(cfg.model.gguf_package)
-    field = GGUFReader(str(path)).fields.get(key) if path is not None else None
-    return str(field.contents()) if field is not None else None
 
 
 def model_card(run, results: dict, export: dict) -> str:
@@ -344,7 +330,7 @@ def _overrides() -> list[str]:
 
 
 def _license(cfg) -> str:
-    return _base_gguf_field(cfg, "general.license") or "see the base model's card"
+    return gguf_metadata(cfg.model).get("general.license") or "see the base model's card"
 
 
 def main(argv: list[str]) -> int:

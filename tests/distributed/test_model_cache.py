@@ -48,7 +48,7 @@ def test_two_ranks_convert_once_over_a_broken_entry(tmp_path):
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["kind"] for r in results] == ["converted", "converted"]
     seal = json.loads((entry / ".complete.json").read_text())["files"]
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(seal)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "gguf_metadata.json"} <= set(seal)
     assert not [p for p in entry.parent.iterdir() if p.name.startswith(".smollm2")]  # no temp dirs left
     # a later process finds the entry complete and loads real weights from it
     from workbench import cache as wb_cache
@@ -68,6 +68,28 @@ def test_tokenizer_only_entry_is_not_trusted(tmp_path, monkeypatch):
     _tokenizer_only_folder(load.converted_dir("smollm2-135m"))
     res = load.resolve(load.zoo_entry("smollm2-135m"))
     assert res.kind == "gguf"  # convert again, rather than load a folder with no weights
+
+
+def test_the_gguf_metadata_exports_copy_comes_from_the_cache(monkeypatch):
+    """License and pre-tokenizer name are written once at conversion; an export reads them there
+    instead of parsing the packaged GGUF's vocabulary again (about 4 s each time)."""
+    import gguf
+
+    from tests.conftest import compose
+    from workbench import export
+    from workbench.models import load
+
+    cfg = compose([], base=[])  # the default model, SmolLM2 from its packaged GGUF
+    load.materialise(cfg.model, load.resolve(cfg.model))  # converted (once per cache) before the check
+
+    def no_parse(*a, **k):
+        raise AssertionError("the packaged GGUF was parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", no_parse)
+    meta = load.gguf_metadata(cfg.model)
+    assert meta["tokenizer.ggml.pre"] == "smollm" and meta["general.license"] == "apache-2.0"
+    assert export._license(cfg) == "apache-2.0"
+    assert load.gguf_metadata(compose([]).model) == {}  # the tiny model comes from no GGUF
 
 
 # -- worker ---------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from workbench import cache
 from workbench.errors import UserError
 
 # What a converted model directory must hold besides its seal (workbench/cache.py).
-CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
+CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", "gguf_metadata.json")
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,18 @@ def _convert_gguf(res: Resolved, name: str) -> Resolved:
 
     out = cache.build(converted_dir(name), make, f"converted model {name}", CONVERTED_FILES)
     return Resolved("converted", str(out))
+
+
+def gguf_metadata(model_cfg) -> dict:
+    """The scalar metadata of the GGUF a packaged model was converted from (license, llama.cpp
+    pre-tokenizer name); empty for a model that did not come from one."""
+    if not model_cfg.gguf_package:
+        return {}
+    import json
+
+    res = materialise(model_cfg, resolve(model_cfg))
+    meta = Path(res.path, "gguf_metadata.json")  # written by workbench/models/convert.py
+    return json.loads(meta.read_text()) if res.kind == "converted" and meta.exists() else {}
 
 
 def materialise(model_cfg, res: Resolved) -> Resolved:
