@@ -2,6 +2,7 @@
 
     python scripts/rm_probe.py                                  # the packaged SmolLM2 (converted cache)
     python scripts/rm_probe.py --model runs/<sft run>/export/merged
+    python scripts/rm_probe.py --model ... --readout mean        # another read-out than the head's
 
 A reward model (method=rm) scores a pair from one hidden state: the last token's, through a
 linear head. This script asks whether that state separates a right sum from a wrong one before
@@ -12,6 +13,8 @@ any reward-model training, and compares it with what the model's own likelihood 
   token of each completion (the reward model's read-out), one per decoder layer's output (the
   embeddings are left out: both completions end on the same end-of-turn token), fitted on
   `--train` pairs of data_recipes/data/arith_dpo_train.jsonl, scored on the held-out pairs.
+  `--readout` asks the same of other positions: `last-1`/`last-2` (tokens before the last: the
+  answer's digits) or `mean` (the average over the completion's tokens).
 Both are reported for the pairs whose rejected side is a wrong number (the other half, bare
 answer against rambling, is separable at once). Prints one JSON object.
 """
@@ -30,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 DATA = ROOT / "data_recipes" / "data"
+READOUTS = {"last": 0, "last-1": 1, "last-2": 2, "mean": None}  # tokens back from the last one
 
 
 def number_pairs(path: Path, n: int) -> list[dict]:
@@ -38,9 +42,9 @@ def number_pairs(path: Path, n: int) -> list[dict]:
 
 
 @torch.no_grad()
-def features(model, pairs, pad_id: int, batch: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pairs, layers + 1, hidden) h_chosen - h_rejected at each completion's last token, and
-    (pairs,) log p(chosen) - log p(rejected) over the completion tokens."""
+def features(model, pairs, pad_id: int, batch: int = 32, readout: str = "last") -> tuple[torch.Tensor, torch.Tensor]:
+    """(pairs, layers + 1, hidden) h_chosen - h_rejected at each completion's `readout` (READOUTS),
+    and (pairs,) log p(chosen) - log p(rejected) over the completion tokens."""
     diffs, margins = [], []
     for i in range(0, len(pairs), batch):
         chunk = pairs[i:i + batch]
@@ -54,7 +58,13 @@ def features(model, pairs, pad_id: int, batch: int = 32) -> tuple[torch.Tensor, 
         out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         last = mask.sum(1) - 1
         rows = torch.arange(len(seqs))
-        h = torch.stack([s[rows, last] for s in out.hidden_states], dim=1)
+        if readout == "mean":  # over the completion's tokens (the positions that carry labels)
+            w = (labels != -100).float()
+            w = w / w.sum(1, keepdim=True)
+            h = torch.stack([torch.einsum("bth,bt->bh", s, w) for s in out.hidden_states], dim=1)
+        else:
+            at = last - READOUTS[readout]
+            h = torch.stack([s[rows, at] for s in out.hidden_states], dim=1)
         tgt = labels[:, 1:]
         lp = torch.log_softmax(out.logits[:, :-1].float(), -1).gather(-1, tgt.clamp(min=0)[..., None])[..., 0]
         seq_lp = (lp * (tgt != -100)).sum(1)
@@ -92,6 +102,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(converted_dir("smollm2-135m")),
                     help="an HF model directory (default: the packaged SmolLM2 as the workbench converted it)")
+    ap.add_argument("--readout", choices=list(READOUTS), default="last",
+                    help="the position(s) the probes read (default: the last token, the reward head's input)")
     ap.add_argument("--train", type=int, default=600, help="number pairs of the training file the probes fit on")
     a = ap.parse_args(argv)
     if not Path(a.model, "config.json").exists():
@@ -102,10 +114,10 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     fit = pairs_from_rows(number_pairs(DATA / "arith_dpo_train.jsonl", a.train), tokenizer, contract)
     held = pairs_from_rows(number_pairs(DATA / "arith_pref_eval.jsonl", 10**9), tokenizer, contract)
-    h_fit, _ = features(model, fit, tokenizer.pad_token_id)
-    h_held, margin = features(model, held, tokenizer.pad_token_id)
+    h_fit, _ = features(model, fit, tokenizer.pad_token_id, readout=a.readout)
+    h_held, margin = features(model, held, tokenizer.pad_token_id, readout=a.readout)
     probes = [round(probe(h_fit[:, k], h_held[:, k]), 3) for k in range(1, h_fit.shape[1])]
-    print(json.dumps({"model": a.model, "fit_pairs": len(fit), "held_out_pairs": len(held),
+    print(json.dumps({"model": a.model, "readout": a.readout, "fit_pairs": len(fit), "held_out_pairs": len(held),
                       "logprob": round(float((margin > 0).float().mean()), 3),
                       "probe_best": max(probes), "probe_by_layer": probes}))
     return 0

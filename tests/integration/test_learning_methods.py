@@ -15,7 +15,9 @@ across seeds, each test runs seed 0.
   Initialising it from an SFT model, as RLHF pipelines do, did not help (seed 0: from a 20-step
   SFT, 60 steps, 0.72; from a 60-step SFT, 150 steps, 0.69). scripts/rm_probe.py says why: that
   SFT model ranks 93% of the held-out "wrong number" pairs right by likelihood, but a linear
-  read-out of its last-token state (the head's input) separates them at chance at every layer.
+  read-out of its last-token state (the head's input) separates them at chance at every layer,
+  and so do read-outs of the mean over the completion's tokens (best 0.62) and of the answer's last
+  digit (0.59).
 - GRPO with a reward model as its only reward (`reward=model`), from the 20-step SFT model and
   with the reward model trained from it: held-out exact match should rise by >= 10 points; it
   does not (seed 0: 0.41 -> 0.00; from SmolLM2 itself 0.00 -> 0.00): the policy learns what the

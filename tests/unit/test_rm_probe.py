@@ -1,5 +1,5 @@
 """scripts/rm_probe.py: its probe finds a linear signal where there is one and none in noise, and
-its features read each completion's own last token and log-prob through right padding.
+its features read each completion's own last token (or other read-out) and log-prob through right padding.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/test_rm_probe.py
 """
@@ -33,28 +33,48 @@ def test_probe_separates_a_linear_signal_and_not_noise():
     assert 0.4 < rm_probe.probe(torch.randn(600, 64, generator=g), torch.randn(400, 64, generator=g)) < 0.6
 
 
-def test_features_read_each_completions_last_token_through_padding():
+def _tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    rm_probe = _script()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2)).eval()
-    ign = -100
-    pairs = [Pair(([1, 2, 3, 4], [ign, ign, 3, 4]), ([1, 2, 5, 6, 7], [ign, ign, 5, 6, 7]), 2),
-             Pair(([8, 9, 10], [ign, 9, 10]), ([8, 11], [ign, 11]), 1)]
-    diffs, margins = rm_probe.features(model, pairs, pad_id=0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+IGN = -100
+PAIRS = [Pair(([1, 2, 3, 4], [IGN, IGN, 3, 4]), ([1, 2, 5, 6, 7], [IGN, IGN, 5, 6, 7]), 2),
+         Pair(([8, 9, 10], [IGN, 9, 10]), ([8, 11, 12], [IGN, 11, 12]), 1)]
+
+
+def _alone(model, seq, readout: str):
+    """One completion's read-out and summed log-prob from an unpadded forward of it alone."""
+    ids, labels = seq
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    lp = torch.log_softmax(out.logits[0, :-1], -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    kept = torch.tensor(labels[1:]) != IGN
+    completion = torch.tensor(labels) != IGN
+    if readout == "mean":
+        h = torch.stack([x[0, completion].mean(0) for x in out.hidden_states])
+    else:
+        h = torch.stack([x[0, -1 - int(readout[5:] or 0)] for x in out.hidden_states])
+    return h, float(lp[kept].sum())
+
+
+def test_features_read_each_completions_last_token_through_padding():
+    rm_probe, model = _script(), _tiny_llama()
+    diffs, margins = rm_probe.features(model, PAIRS, pad_id=0)
     assert diffs.shape == (2, 3, 32)  # pairs, embeddings + 2 layers, hidden
-
-    def alone(seq):
-        ids, labels = seq
-        with torch.no_grad():
-            out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
-        lp = torch.log_softmax(out.logits[0, :-1], -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-        kept = torch.tensor(labels[1:]) != ign
-        return torch.stack([h[0, -1] for h in out.hidden_states]), float(lp[kept].sum())
-
-    for i, p in enumerate(pairs):
-        (hc, lc), (hr, lr) = alone(p.chosen), alone(p.rejected)
+    for i, p in enumerate(PAIRS):
+        (hc, lc), (hr, lr) = _alone(model, p.chosen, "last"), _alone(model, p.rejected, "last")
         torch.testing.assert_close(diffs[i], hc - hr, rtol=1e-4, atol=1e-5)
         assert abs(float(margins[i]) - (lc - lr)) < 1e-4
+
+
+def test_other_readouts_read_their_positions_through_padding():
+    rm_probe, model = _script(), _tiny_llama()
+    for readout in ("last-1", "mean"):
+        diffs, _ = rm_probe.features(model, PAIRS, pad_id=0, readout=readout)
+        for i, p in enumerate(PAIRS):
+            (hc, _), (hr, _) = _alone(model, p.chosen, readout), _alone(model, p.rejected, readout)
+            torch.testing.assert_close(diffs[i], hc - hr, rtol=1e-4, atol=1e-5, msg=readout)
