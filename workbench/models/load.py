@@ -28,9 +28,10 @@ import torch
 
 from workbench import cache
 from workbench.errors import UserError
+from workbench.models.convert import METADATA
 
 # What a converted model directory must hold besides its seal (workbench/cache.py).
-CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", "gguf_metadata.json")
+CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", METADATA)
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def gguf_metadata(model_cfg) -> dict:
     import json
 
     res = materialise(model_cfg, resolve(model_cfg))
-    meta = Path(res.path, "gguf_metadata.json")  # written by workbench/models/convert.py
+    meta = Path(res.path, METADATA)  # written by workbench/models/convert.py
     return json.loads(meta.read_text()) if res.kind == "converted" and meta.exists() else {}
 
 
