@@ -229,7 +229,7 @@ def compare_scores(trained, classifier, pairs: list, pad_id: int, kind: str) -> 
     read back by transformers, on the same right-padded batch."""
     from workbench.methods.rm import collate, pair_rewards
 
-    ours = pair_rewards(trained, pairs, pad_id)
+    ours = pair_rewards(trained, pairs, pad_id, share_prompt=False)  # the same rows the classifier reads
     micro = collate(pairs, pad_id)
     classifier.eval()
     theirs = classifier(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"]).logits[:, 0]

@@ -173,6 +173,28 @@ def test_export_is_a_sequence_classifier_with_the_same_scores(rm_run, tiny):
     assert not compare_scores(rm_run.runner.model, clf, pairs, tiny.tok.pad_token_id, "exact")["passed"]
 
 
+def test_evaluation_reads_each_prompt_once_with_the_rewards_of_two_rows(rm_run, tiny, monkeypatch):
+    """pair_rewards (the reward_accuracy and arith_rm evaluations) scores a pair as one row, its
+    prompt read once, as training does; the rewards are those of two rows per pair to the
+    tolerance of test_shared_prompt_rows_equal_two_rows (only the rounding differs)."""
+    pairs = _pairs(tiny, HELD_OUT, n=12)
+    pad, model = tiny.tok.pad_token_id, rm_run.runner.model
+    widths = []
+    real = rm.tree_collate
+
+    def spy(chunk, pad_id):
+        micro = real(chunk, pad_id)
+        widths.append(micro["input_ids"].shape[0])
+        return micro
+
+    monkeypatch.setattr(rm, "tree_collate", spy)
+    tree = rm.pair_rewards(model, pairs, pad, batch_size=5)
+    assert widths == [5, 5, 2]  # one row per pair, in batches of 5
+    rows = rm.pair_rewards(model, pairs, pad, batch_size=5, share_prompt=False)
+    assert len(widths) == 3 and tree.shape == rows.shape == (2, 12) and float(rows.std()) > 0
+    torch.testing.assert_close(tree, rows, rtol=LOSS_RTOL, atol=1e-6)
+
+
 def test_reward_accuracy_eval_matches_the_exported_classifier(rm_run, tiny):
     from transformers import AutoModelForSequenceClassification
 
