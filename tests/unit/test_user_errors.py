@@ -76,6 +76,24 @@ def test_lora_target_absent_from_model(tmp_path):
         run(["peft=lora", "peft.target_modules=[qkv_proj]"], tmp_path)
 
 
+@pytest.mark.parametrize("held_out_label", [True, False])
+def test_kto_held_out_rows_of_one_label_are_refused(tmp_path, held_out_label):
+    """KTO's `preference` evaluation ranks desirable against undesirable held-out examples: a
+    held-out set of one kind is refused before the weights load, not at the first evaluation."""
+    import json
+
+    def row(i, label):
+        return json.dumps({"prompt": f"q{i}", "completion": f"a{i}", "label": label}) + "\n"
+
+    train_file, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train_file.write_text("".join(row(i, i % 2 == 0) for i in range(8)))
+    held.write_text("".join(row(i, held_out_label) for i in range(3)))
+    kind = "desirable" if held_out_label else "undesirable"
+    with pytest.raises(UserError, match=rf"'preference' on unpaired held-out rows needs desirable and undesirable "
+                                        rf"ones; the 3 held out are all {kind}"):
+        run(["method=kto", f"data.path={train_file}", f"data.eval_split={held}", "eval.tasks=[preference]"], tmp_path)
+
+
 def test_negative_lr(tmp_path):
     with pytest.raises(UserError, match="optim.lr"):
         run(["optim.lr=-0.1"], tmp_path)

@@ -62,6 +62,8 @@ def check(task: str, cfg) -> None:
         if not eval_recipe(cfg).eval_sources:
             raise UserError(f"eval.tasks: {task!r} needs held-out rows; set data.eval_split (a fraction such as "
                             "0.05, a row count, or a file)")
+        if task == "preference" and catalog.facts(method).data == "unpaired":
+            _both_labels(_held_out_labels(cfg))
     if task == "generate":
         prompts(cfg.eval)
 
@@ -87,6 +89,34 @@ def prompts(eval_cfg) -> list[list[dict]]:
             return out
         return [[{"role": "user", "content": line}] for line in f.read_text().splitlines() if line.strip()]
     return [[{"role": "user", "content": str(p)}] for p in spec]
+
+
+def _held_out_labels(cfg) -> list[bool]:
+    """The labels of the unpaired held-out examples `preference` will read (the first
+    eval.num_samples), from the rows alone: preflight knows them before any weights load. A row
+    that does not parse is left to the data pipeline, which names it."""
+    from workbench.data.readers import iter_rows
+    from workbench.data.unpaired import unpaired_rows
+
+    labels: list[bool] = []
+    for source in eval_recipe(cfg).eval_sources:
+        for where, row in iter_rows(source):
+            try:
+                labels += [label for _prompt, _completion, label in unpaired_rows(row, where)]
+            except UserError:
+                continue
+            if len(labels) >= cfg.eval.num_samples:
+                return labels[: cfg.eval.num_samples]
+    return labels
+
+
+def _both_labels(labels) -> None:
+    """KTO's held-out `preference` compares desirable with undesirable examples: it needs both."""
+    labels = [bool(x) for x in labels]
+    if labels and (all(labels) or not any(labels)):
+        raise UserError("eval.tasks: 'preference' on unpaired held-out rows needs desirable and undesirable ones; "
+                        f"the {len(labels)} held out are all {'desirable' if labels[0] else 'undesirable'} "
+                        "(hold out more rows with data.eval_split, or give a held-out file with both)")
 
 
 def _held_out(ctx, read) -> list:
@@ -212,9 +242,7 @@ def _unpaired_preference(ctx) -> dict:
 
     rows = ctx.cached("preference/unpaired", lambda: _held_out(ctx, lambda s, *a: tokenise_unpaired(s, *a).examples))
     labels = torch.tensor([e.label for e in rows])
-    if labels.all() or not labels.any():
-        raise UserError("eval.tasks: 'preference' on unpaired held-out rows needs desirable and undesirable ones; "
-                        f"the {len(rows)} held out are all {'desirable' if labels.all() else 'undesirable'}")
+    _both_labels(labels.tolist())  # checked in preflight too; a Runner built from Python skips that
     seqs, bs, pad = [e.sequence(ctx.cfg.data.seq_len) for e in rows], ctx.eval_cfg.batch_size, ctx.tokenizer.pad_token_id
     pi, ref = _policy_and_reference(ctx, [pad_batch(seqs[i:i + bs], pad) for i in range(0, len(seqs), bs)], torch.cat,
                                     "preference/unpaired_reference")
