@@ -74,3 +74,46 @@ def test_bad_reward_functions_name_function_and_sample():
         _score(["tests.unit.test_rewards:returns_nan"])
     with pytest.raises(UserError, match=r"returns_two' returned 2 values for 3 completions"):
         _score(["tests.unit.test_rewards:returns_two"])
+
+
+def needs_solution(completions, solution, *, tolerance=0.0, **_) -> list[float]:
+    """A user's reward reading a `solution` column (tolerance has a default: not a column)."""
+    return [float(c.strip() == s) for c, s in zip(completions, solution)]
+
+
+def test_required_columns_are_the_parameters_only_a_row_gives():
+    assert rewards.required_columns(rewards.arith_exact) == {"answer"}
+    assert rewards.required_columns(rewards.length) == set()  # completion_ids is given, max_new_tokens too
+    assert rewards.required_columns(needs_solution) == {"solution"}
+    assert rewards.required_columns(char_length) == set()
+
+
+@pytest.mark.parametrize("held_out", [False, True])
+def test_a_prompt_row_without_a_reward_column_stops_the_run_before_weights(tmp_path, monkeypatch, held_out):
+    """A row missing a column a reward function requires is named with its file:line before any
+    weights load, whether it trains (GRPO's data) or is held out (the `reward` evaluation), not
+    at the rollout or evaluation that reaches it."""
+    import json
+
+    from tests.conftest import compose
+    from workbench.cli import run_job
+    from workbench.models import build
+
+    def refuse(*a, **k):
+        raise AssertionError("weights were loaded before the error was raised")
+
+    monkeypatch.setattr(build, "load_model", refuse)
+    rows = [{"prompt": f"Say {i}", "solution": str(i)} for i in range(6)]
+    if not held_out:
+        del rows[3]["solution"]
+    train_file = tmp_path / "prompts.jsonl"
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"prompt": "Say 9", "solution": "9"}) + "\n" + json.dumps({"prompt": "Say 8"}) + "\n")
+    overrides = ["method=grpo", f"data.path={train_file}", "train.max_steps=1",
+                 'reward.functions=["tests.unit.test_rewards:needs_solution"]']
+    overrides += [f"data.eval_split={held}", "eval.tasks=[reward]"] if held_out else ["eval=none"]
+    where = f"{held}:2" if held_out else f"{train_file}:4"
+    with pytest.raises(UserError, match=rf"{where}: reward function 'tests.unit.test_rewards:needs_solution' needs "
+                                        r"the column\(s\) \['solution'\].*keys: \['prompt'\]"):
+        run_job(compose(overrides, tmp_path / "run", validate=False))  # the command line's path: preflight, runner

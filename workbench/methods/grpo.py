@@ -240,6 +240,7 @@ class GRPO(Method):
         data = ctx.cfg.data
         recipe = load_recipe(data.recipe)
         self.sources = [read_prompts(s, ctx.tokenizer, ctx.contract, data) for s in recipe.sources]
+        rewards.check_columns(self.reward_fns, ((r["_where"], r) for s in self.sources for r in s.rows))
         self.mixture = Mixture([len(s.rows) for s in self.sources], [s.source.weight for s in self.sources],
                                seed=data.shuffle_seed)
         if ctx.run.layout.is_main:

@@ -12,11 +12,14 @@ Every function is called once per generation batch as
 where `columns` are the prompt rows' other fields (e.g. `answer`), one list entry per
 completion. The name `model` is a trained reward model (workbench/rollout/reward_model.py), read
 from the node's `path`. A function that raises, returns the wrong number of values, or returns NaN / None
-stops the run with one line naming the function and the sample.
+stops the run with one line naming the function and the sample. A parameter a function requires
+(no default) that only a prompt row can give (e.g. `answer`) is checked on every prompt row before
+any weights load (check_columns), so a row without it stops the run at once, with its file:line.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections.abc import Callable
@@ -103,6 +106,34 @@ def resolve(spec) -> list[RewardFn]:
             raise UserError(f"reward.functions[{i}].weight: not a number: {weight!r}") from None
         out.append(RewardFn(name, _lookup(name, spec), weight))
     return out
+
+
+# what score() hands every function besides the prompt rows' columns
+GIVEN = frozenset({"prompts", "completions", "completion_ids", "max_new_tokens"})
+
+
+def required_columns(fn) -> set[str]:
+    """The parameters `fn` requires (no default) that only a prompt row's columns can give."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature: found out at its first call
+        return set()
+    return {p.name for p in params if p.default is p.empty and p.name not in GIVEN
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def check_columns(fns: list[RewardFn], rows) -> None:
+    """Every (where, row) carries the columns each reward function requires (before weights load)."""
+    needs = {rf.name: cols for rf in fns if (cols := required_columns(rf.fn))}
+    if not needs:
+        return
+    for where, row in rows:
+        for name, cols in needs.items():
+            missing = sorted(cols - set(row))
+            if missing:
+                raise UserError(f"{where}: reward function {name!r} needs the column(s) {missing}, which this "
+                                f"prompt row does not have (keys: {sorted(k for k in row if k != '_where')}); "
+                                "add them to every row or choose another reward")
 
 
 def _describe(prompts, completions, i: int) -> str:
