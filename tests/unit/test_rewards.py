@@ -117,3 +117,6 @@ def test_a_prompt_row_without_a_reward_column_stops_the_run_before_weights(tmp_p
     with pytest.raises(UserError, match=rf"{where}: reward function 'tests.unit.test_rewards:needs_solution' needs "
                                         r"the column\(s\) \['solution'\].*keys: \['prompt'\]"):
         run_job(compose(overrides, tmp_path / "run", validate=False))  # the command line's path: preflight, runner
+    if held_out:  # the evaluation reads the first eval.num_samples held-out rows; only those are checked
+        with pytest.raises(AssertionError, match="weights were loaded"):
+            run_job(compose([*overrides, "eval.num_samples=1"], tmp_path / "run1", validate=False))

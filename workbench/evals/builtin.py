@@ -64,12 +64,14 @@ def check(task: str, cfg) -> None:
                             "0.05, a row count, or a file)")
         if task == "preference" and catalog.facts(method).data == "unpaired":
             _both_labels(_held_out_labels(cfg))
-        if task == "reward":  # the held-out prompt rows carry what the reward functions read
+        if task == "reward":  # the held-out prompt rows it reads carry what the reward functions read
+            import itertools
+
             from workbench.data.readers import iter_rows
             from workbench.rollout import rewards
 
-            fns = rewards.resolve(cfg.reward)
-            rewards.check_columns(fns, (item for s in eval_recipe(cfg).eval_sources for item in iter_rows(s)))
+            rows = (item for s in eval_recipe(cfg).eval_sources for item in iter_rows(s))
+            rewards.check_columns(rewards.resolve(cfg.reward), itertools.islice(rows, cfg.eval.num_samples))
     if task == "generate":
         prompts(cfg.eval)
 
