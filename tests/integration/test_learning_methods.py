@@ -10,8 +10,10 @@ across seeds, each test runs seed 0.
 - method=rm: held-out pair accuracy of the reward model (`arith_rm`, 100 held-out pairs) >= 70%.
   Half the pairs are "bare answer vs rambling", which it learns at once; the other half, "right vs
   wrong number", stay near chance (60 steps: 0.29 -> 0.76; 150 steps LoRA 0.74, 300 steps 0.73, 50
-  steps of full fine-tuning 0.68): judging a sum from the last hidden state is beyond what this budget teaches
-  SmolLM2-135M, where DPO with the chosen NLL learns it through the likelihood. 90% is not reached.
+  steps of full fine-tuning 0.68; on 7900 "wrong number" pairs alone, 150 steps, the training loss
+  stays at log 2 and the 99 held-out such pairs go 0.51 -> 0.54): judging a sum from the last
+  hidden state is beyond what this budget teaches SmolLM2-135M, where DPO with the chosen NLL
+  learns it through the likelihood. 90% is not reached.
   Initialising it from an SFT model, as RLHF pipelines do, did not help (seed 0: from a 20-step
   SFT, 60 steps, 0.72; from a 60-step SFT, 150 steps, 0.69). scripts/rm_probe.py says why: that
   SFT model ranks 93% of the held-out "wrong number" pairs right by likelihood, but a linear
