@@ -2,6 +2,7 @@
 
     micro = tree_batch(pairs, pad_id)        # N rows: [prefix | chosen rest | rejected rest]
     reason = tree_unsupported(lm, seq_len)   # None, or why a model must keep two rows per pair
+    takes_pairs(lm, pairs)                   # whether these pairs can be scored as tree rows
 
 `dpo.collate` makes 2N rows (every chosen, then every rejected), so the decoder reads each
 prompt twice and every row is padded to the longest of the 2N. Here a pair is one row:
@@ -135,6 +136,13 @@ def tree_fits(module, seq_len: int, fallback: str) -> bool:
     if reason and int(os.environ.get("RANK", "0")) == 0:
         print(f"note: method.share_prompt: {reason}; {fallback}", file=sys.stderr)
     return reason is None
+
+
+def takes_pairs(module, pairs: list) -> bool:
+    """Whether `module` can score these pairs as tree rows (the held-out evaluations: the
+    longest completion of any pair bounds the window a sliding-window model would need)."""
+    longest = max((max(len(p.chosen[0]), len(p.rejected[0])) for p in pairs), default=0)
+    return tree_unsupported(module, longest) is None
 
 
 def tree_unsupported(module, seq_len: int) -> str | None:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from workbench.batch import StepBatch
 from workbench.data.collate import pad_batch
 from workbench.data.overfit import Overfit
-from workbench.data.pair_tree import tree_batch, tree_fits, tree_unsupported
+from workbench.data.pair_tree import takes_pairs, tree_batch, tree_fits
 from workbench.data.preference import pairs_report, read_pairs
 from workbench.errors import UserError
 from workbench.methods.base import Method
@@ -278,8 +278,7 @@ def preference_accuracy(model, tokenizer, contract, rows: list[dict], batch_size
     was = model.training
     model.eval()
     device = next(model.parameters()).device
-    longest = max((max(len(p.chosen[0]), len(p.rejected[0])) for p in pairs), default=0)
-    tree = tree_unsupported(lm, longest) is None
+    tree = takes_pairs(lm, pairs)
     wins = 0
     for i in range(0, len(pairs), batch_size):
         chunk, pad = pairs[i:i + batch_size], tokenizer.pad_token_id

@@ -169,15 +169,14 @@ def pair_rewards(model, pairs: list, pad_id: int, batch_size: int = 16, autocast
     as training reads it) where the model takes that layout; otherwise two right-padded rows."""
     import contextlib
 
-    from workbench.data.pair_tree import tree_unsupported
+    from workbench.data.pair_tree import takes_pairs
     from workbench.models.head import SelectiveLM
 
     lm = SelectiveLM(model)
     was = model.training
     model.eval()
     device = next(model.parameters()).device
-    longest = max((max(len(p.chosen[0]), len(p.rejected[0])) for p in pairs), default=0)
-    layout = tree_collate if share_prompt and tree_unsupported(lm, longest) is None else collate
+    layout = tree_collate if share_prompt and takes_pairs(lm, pairs) else collate
     out = []
     for i in range(0, len(pairs), batch_size):
         micro = layout(pairs[i:i + batch_size], pad_id)
