@@ -9,6 +9,7 @@ Not a benchmark itself (bench.py skips names starting with "_"). What they share
   add_common_args(ap)       --steps, --rounds, --model and --precision (`auto`: as a default run here)
   trl_args(cls, ...)        a TRL trainer's arguments with the settings every benchmark shares
   trl_lora(task)            the LoRA every benchmark trains (r=16, alpha=32, every linear layer)
+  reward_model()            SmolLM2 with a random scalar head, its tokenizer and chat contract
 """
 
 from __future__ import annotations
@@ -135,3 +136,25 @@ def trl_lora(task: str = "CAUSAL_LM"):
     from peft import LoraConfig
 
     return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type=task)
+
+
+def reward_model():
+    """(model, tokenizer, contract): the packaged SmolLM2 with a scalar head (what method=rm
+    trains), its head drawn from normal(0, 0.05) under seed 0 so that rewards differ, fp32."""
+    import tempfile
+
+    import torch
+
+    from workbench.data.formats import setup_tokenizer
+    from workbench.models import value_head
+    from workbench.models.load import load_model, load_tokenizer
+
+    model_dir("smollm2-135m")  # converted once, offline
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose(["method=rm", "peft=none"], Path(tmp))
+    tok = load_tokenizer(cfg.model)
+    model = value_head.attach(load_model(cfg.model))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.05)
+    return model, tok, setup_tokenizer(tok)

@@ -12,22 +12,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 
 def run(argv: list[str]) -> dict:
-    import torch
 
-    from benchmarks._common import compose, model_dir
+    from benchmarks._common import reward_model
     from workbench import precision
-    from workbench.data.formats import setup_tokenizer
     from workbench.data.preference import pairs_from_rows
     from workbench.evals.hooks import eval_rows
     from workbench.methods.rm import pair_rewards
-    from workbench.models import value_head
-    from workbench.models.load import load_model, load_tokenizer
 
     ap = argparse.ArgumentParser(prog="bench.py pair_eval")
     ap.add_argument("--pairs", type=int, default=100)
@@ -35,17 +29,7 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--batch-size", type=int, default=50)
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed"])
     a = ap.parse_args(argv)
-    model_dir("smollm2-135m")  # converted once, offline
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose(["method=rm", "peft=none"], Path(tmp))
-    tok = load_tokenizer(cfg.model)
-    contract = setup_tokenizer(tok)
-    model = value_head.attach(load_model(cfg.model))
-    torch.manual_seed(0)
-    with torch.no_grad():  # a head away from its zero start, so that rewards differ
-        for n, p in model.named_parameters():
-            if "lm_head" in n:
-                p.normal_(0, 0.05)
+    model, tok, contract = reward_model()
     pairs = pairs_from_rows(eval_rows("arith_pref", a.pairs), tok, contract)
     autocast = precision.autocast(precision.policy(a.precision), "cpu")  # fp32: no autocast
     times: dict[str, list[float]] = {"one_row_per_pair": [], "two_rows_per_pair": []}

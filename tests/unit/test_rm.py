@@ -235,6 +235,47 @@ def test_reward_model_scores_grpo_rollouts(rm_run, tiny, tmp_path):
         assert s["reward"] == pytest.approx(want, rel=1e-4, abs=1e-5)
 
 
+def test_grpo_reward_reads_each_prompt_once_with_the_classifier_scores(rm_run, monkeypatch):
+    """reward=model scores the completions of one prompt as one row (the prompt read once, each
+    completion a branch) and gives the classifier's scores of right-padded rows to the tolerance
+    of test_shared_prompt_rows_equal_two_rows; forwards hold whole groups up to reward.batch_size
+    completions; a classifier whose attention takes no 4-D mask scores rows."""
+    from transformers import AutoModelForSequenceClassification
+
+    from workbench.data import pair_tree
+    from workbench.rollout import reward_model as rmod
+
+    reward = rmod.ModelReward(rmod.model_dir(rm_run.dir), batch_size=8)
+    reward.load()
+    q = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in ((12, 30), (7, 8), (61, 19))]
+    # interleaved prompts; a repeated completion, an empty one, one the prefix of another
+    prompts = [q[0], q[1], q[0], q[2], q[0], q[1], q[2], q[0], q[1], q[2], q[1], q[2]]
+    completions = ["42", "15", "42", "80", "4", "1", "", "4200 is it", "15 because", "80", "16", "81"]
+    widths = []
+    real = pair_tree.branch_batch
+
+    def spy(groups, pad_id):
+        out = real(groups, pad_id)
+        widths.append([len(g) for g in groups])
+        return out
+
+    monkeypatch.setattr(pair_tree, "branch_batch", spy)
+    tree = reward(prompts=prompts, completions=completions)
+    assert widths == [[4, 4], [4]]  # one row per prompt, at most 8 completions a forward
+    rows = reward.row_scores(reward.encode(prompts, completions))
+    assert len(set(rows)) > 3  # the scores tell completions apart
+    torch.testing.assert_close(torch.tensor(tree), torch.tensor(rows), rtol=LOSS_RTOL, atol=1e-6)
+
+    eager = AutoModelForSequenceClassification.from_pretrained(reward.dir, dtype=torch.float32,
+                                                               attn_implementation="eager")
+    assert "4-D mask" in rmod.tree_unsupported(eager, 32)
+    reward.model = eager
+    widths.clear()
+    again = reward(prompts=prompts, completions=completions)
+    assert widths == []  # rows, not trees
+    torch.testing.assert_close(torch.tensor(again), torch.tensor(rows), rtol=LOSS_RTOL, atol=1e-6)
+
+
 def test_reward_path_errors_before_the_policy_loads(tmp_path, tiny, monkeypatch):
     import workbench.runner
 

@@ -66,7 +66,8 @@ def branch_batch(groups: list[list[tuple[list[int], list[int]]]], pad_id: int) -
     completions of one prompt, or a pair). Targets come sequence by sequence, each by position:
     the order a padded batch of the sequences in order (collate.pad_batch) produces, so flat
     log-probs line up with it. `target_seq` is each target's sequence index, `n_tokens` each
-    sequence's target count, `real_tokens` the tokens the model reads."""
+    sequence's target count, `real_tokens` the tokens the model reads, and `seq_row`,
+    `seq_prefix`, `seq_offset` where each sequence lies (`columns` reads them)."""
     n = len(groups)
     prefixes = [common_prefix([x for x, _ in g]) for g in groups]
     lengths = [len(g[0][0]) + sum(len(x) - s for x, _ in g[1:]) for g, s in zip(groups, prefixes)]
@@ -74,7 +75,7 @@ def branch_batch(groups: list[list[tuple[list[int], list[int]]]], pad_id: int) -
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     pos = torch.zeros((n, width), dtype=torch.long)
     seg = torch.full((n, width), -1, dtype=torch.long)  # 0 prefix, j+1 branch j, -1 padding
-    rows, cols, targets, n_tokens = [], [], [], []
+    rows, cols, targets, n_tokens, where = [], [], [], [], []
     for b, (g, s, end) in enumerate(zip(groups, prefixes, lengths)):
         at = s
         ids[b, :s] = torch.as_tensor(g[0][0][:s], dtype=torch.long)
@@ -91,6 +92,7 @@ def branch_batch(groups: list[list[tuple[list[int], list[int]]]], pad_id: int) -
             cols.append(c)
             targets.append(t)
             n_tokens.append(len(t))
+            where.append((b, s, at - s))
             at += rest
         pos[b, end:] = torch.arange(width - end)
     rows_t, cols_t = torch.cat(rows), torch.cat(cols)
@@ -107,7 +109,16 @@ def branch_batch(groups: list[list[tuple[list[int], list[int]]]], pad_id: int) -
     return {"input_ids": ids, "attention_mask": mask.unsqueeze(1), "position_ids": pos, "select": select,
             "head_slot": slot[rows_t, cols_t], "targets": torch.cat(targets),
             "target_seq": torch.repeat_interleave(torch.arange(len(n_tokens)), n_tok), "n_tokens": n_tok,
-            "real_tokens": int((seg >= 0).sum())}
+            "real_tokens": int((seg >= 0).sum()), **dict(zip(("seq_row", "seq_prefix", "seq_offset"),
+                                                             torch.tensor(where, dtype=torch.long).t()))}
+
+
+def columns(tree: dict, positions) -> torch.Tensor:
+    """The column of token `positions[i]` of sequence i (branch_batch's order) in its row
+    (`tree["seq_row"][i]`): a position inside the shared prefix stays, one after it moves with
+    its branch."""
+    p = torch.as_tensor(positions, dtype=torch.long)
+    return torch.where(p < tree["seq_prefix"], p, p + tree["seq_offset"])
 
 
 def tree_batch(pairs: list, pad_id: int, chosen_labels: list[list[int]] | None = None) -> dict:
@@ -160,7 +171,12 @@ def tree_unsupported(module, seq_len: int) -> str | None:
         return f"the backend's model is a {type(module).__name__}, not a SelectiveLM"
     if not module._split:
         return "this model family computes its logits in its own forward (no separate decoder and head)"
-    config = getattr(base_model(module.inner), "config", None)
+    return config_unsupported(getattr(base_model(module.inner), "config", None), seq_len)
+
+
+def config_unsupported(config, seq_len: int) -> str | None:
+    """Why a decoder with this config cannot read tree rows of up to `seq_len` tokens (None when
+    it can): tree_unsupported's attention and window conditions."""
     impl = getattr(config, "_attn_implementation", None)
     if impl not in MASKED_KERNELS:
         return f"attention {impl!r} does not take a 4-D mask (needs one of {list(MASKED_KERNELS)})"

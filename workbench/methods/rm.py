@@ -84,21 +84,17 @@ def tree_collate(pairs: list, pad_id: int) -> dict:
     head's outputs (selected positions in row-major order) is each row of `collate`'s order
     (chosen 0..N-1, then rejected 0..N-1). A micro-batch holding a pair whose two completions are
     the same tokens (both would end on one position) is collated as two rows per pair instead."""
-    from workbench.data.pair_tree import shared_prefix, tree_batch
+    from workbench.data.pair_tree import columns, tree_batch
 
-    ends = []
-    for p in pairs:
-        c, r = p.chosen[0], p.rejected[0]
-        s = shared_prefix(c, r)
-        # the chosen branch fills columns s..len(c)-1, the rejected one follows it
-        ends.append((len(c) - 1, len(c) + len(r) - s - 1 if len(r) > s else len(r) - 1))
-    if any(a == b for a, b in ends):
+    tree = tree_batch(pairs, pad_id)
+    # tree_batch keeps branch_batch's per-sequence fields in pair order (chosen, rejected, ...)
+    cols = columns(tree, [len(x) - 1 for p in pairs for x in (p.chosen[0], p.rejected[0])]).view(-1, 2)
+    if bool((cols[:, 0] == cols[:, 1]).any()):
         micro = collate(pairs, pad_id)
         micro["real_tokens"] = int(micro["attention_mask"].sum())
         return micro
-    tree = tree_batch(pairs, pad_id)
     rows = torch.arange(len(pairs)).repeat(2)
-    cols = torch.tensor([a for a, _ in ends] + [b for _, b in ends])
+    cols = cols.t().reshape(-1)  # chosen 0..N-1, then rejected 0..N-1
     select = torch.zeros_like(tree["input_ids"], dtype=torch.bool)
     select[rows, cols] = True
     slot = (select.flatten().cumsum(0) - 1).view(select.shape)

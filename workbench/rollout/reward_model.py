@@ -13,9 +13,19 @@ the run's hardware.device), and score without gradient.
 
 Each completion is rendered after its prompt with the reward model's own tokenizer and chat
 template, exactly as method=rm tokenised its training pairs (the prompt's generation prompt, the
-assistant text, the end-of-turn token), right-padded in batches of `reward.batch_size`; the
-classifier reads the last non-padding token. The policy's tokenizer may differ from the reward
-model's: only the completion text crosses over.
+assistant text, the end-of-turn token); the classifier reads the last token that is not its pad
+token. The policy's tokenizer may differ from the reward model's: only the completion text
+crosses over.
+
+Layout: GRPO scores `num_generations` completions of each prompt. With `reward.share_prompt`
+(the default) the completions of one prompt are one row, the prompt read once and each
+completion a branch that sees only the prompt and itself (workbench/data/pair_tree.py
+branch_batch, the layout GRPO and method=rm train in), and the score head reads each branch's
+last token; a forward holds whole prompts' groups up to `reward.batch_size` completions (one
+group alone when it is larger). The scores are the classifier's own on right-padded rows up to
+rounding. A classifier without a decoder at `.model` and a linear `.score`, or whose attention
+does not take a 4-D mask (pair_tree.config_unsupported), scores right-padded rows of
+`reward.batch_size` completions, as it does with `reward.share_prompt=false`.
 """
 
 from __future__ import annotations
@@ -89,12 +99,13 @@ class ModelReward:
     """A reward function (`fn(prompts=, completions=, **_) -> [float]`) backed by a sequence
     classifier. Construct with `from_spec(reward_node)`; the weights load at the first call."""
 
-    def __init__(self, directory: Path, batch_size: int = 16, device: str = "cpu"):
+    def __init__(self, directory: Path, batch_size: int = 16, device: str = "cpu", share_prompt: bool = True):
         if batch_size < 1:
             raise UserError(f"reward.batch_size must be >= 1 (got {batch_size})")
         self.dir = Path(directory)
         self.batch_size = int(batch_size)
         self.device = device
+        self.share_prompt = bool(share_prompt)
         self.model = None
         self.tokenizer = None
         self.contract = None
@@ -102,7 +113,9 @@ class ModelReward:
     @classmethod
     def from_spec(cls, spec) -> ModelReward:
         get = spec.get if hasattr(spec, "get") else (lambda k, d=None: d)
-        return cls(model_dir(get("path")), int(get("batch_size", 16) or 16), str(get("device", "cpu") or "cpu"))
+        share = get("share_prompt", True)
+        return cls(model_dir(get("path")), int(get("batch_size", 16) or 16), str(get("device", "cpu") or "cpu"),
+                   True if share is None else bool(share))
 
     def load(self) -> None:
         self.model, self.tokenizer, self.contract = _load(str(self.dir.resolve()), self.device)
@@ -119,6 +132,12 @@ class ModelReward:
         if self.model is None:
             self.load()
         seqs = self.encode(prompts, completions)
+        if self.share_prompt and tree_unsupported(self.model, max((len(x) for x in seqs), default=0)) is None:
+            return self.tree_scores(prompts, seqs)
+        return self.row_scores(seqs)
+
+    def row_scores(self, seqs: list[list[int]]) -> list[float]:
+        """Right-padded rows of `batch_size` sequences through the classifier's own forward."""
         pad = self.model.config.pad_token_id
         out: list[float] = []
         for i in range(0, len(seqs), self.batch_size):
@@ -132,3 +151,49 @@ class ModelReward:
             logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
             out += logits[:, 0].float().cpu().tolist()
         return out
+
+    def tree_scores(self, prompts, seqs: list[list[int]]) -> list[float]:
+        """One row per prompt (its completions as branches), the score head at the position the
+        classifier reads: each sequence's last token that is not the pad token."""
+        from workbench.data.formats import IGNORE
+        from workbench.data.pair_tree import branch_batch, columns
+
+        pad = self.model.config.pad_token_id
+        groups: dict[str, list[int]] = {}  # prompt -> indices of its completions, in first-seen order
+        for i, p in enumerate(prompts):
+            groups.setdefault(repr(p), []).append(i)
+        out = [0.0] * len(seqs)
+        for chunk in _fill(list(groups.values()), self.batch_size):
+            order = [i for g in chunk for i in g]
+            tree = branch_batch([[(seqs[i], [IGNORE] * len(seqs[i])) for i in g] for g in chunk], pad)
+            read = [max((t for t, tok in enumerate(seqs[i]) if tok != pad), default=0) for i in order]
+            hidden = self.model.model(input_ids=tree["input_ids"].to(self.device),
+                                      attention_mask=tree["attention_mask"].to(self.device),
+                                      position_ids=tree["position_ids"].to(self.device),
+                                      use_cache=False).last_hidden_state
+            scores = self.model.score(hidden[tree["seq_row"].to(self.device), columns(tree, read).to(self.device)])
+            for i, v in zip(order, scores[:, 0].float().cpu().tolist()):
+                out[i] = v
+        return out
+
+
+def _fill(groups: list[list[int]], limit: int) -> list[list[list[int]]]:
+    """Consecutive groups packed into forwards of at most `limit` sequences (a larger group alone)."""
+    out: list[list[list[int]]] = []
+    for g in groups:
+        if out and sum(map(len, out[-1])) + len(g) <= limit:
+            out[-1].append(g)
+        else:
+            out.append([g])
+    return out
+
+
+def tree_unsupported(model, seq_len: int) -> str | None:
+    """Why this classifier scores right-padded rows instead of one row per prompt (None: it need not)."""
+    from torch import nn
+
+    from workbench.data.pair_tree import config_unsupported
+
+    if not (isinstance(getattr(model, "model", None), nn.Module) and isinstance(getattr(model, "score", None), nn.Linear)):
+        return f"{type(model).__name__} has no decoder at .model and linear .score"
+    return config_unsupported(model.config, seq_len)
