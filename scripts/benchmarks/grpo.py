@@ -5,6 +5,7 @@
     python scripts/bench.py grpo --completions 32 --precision bf16-mixed
     python scripts/bench.py grpo --plain-rollouts                 # workbench without the shared prefill
     python scripts/bench.py grpo --rows                           # workbench trains one row per completion
+    python scripts/bench.py grpo --reward-model                   # both scored by a reward model
 
 Both sides: LoRA r=16 alpha=32 on every linear layer, the prompts of
 data_recipes/data/arith_grpo_train.jsonl, 8 generations per prompt, at most 16 new tokens,
@@ -31,6 +32,12 @@ The workbench step is split, by timing its pieces from here (no change to the me
                --rows: every completion's row with its own copy of the prompt)
 TRL's generation is timed by wrapping its model's `generate`, with its generated tokens/s.
 
+--reward-model replaces the `digits` function on both sides by a reward model: a sequence
+classifier built from the same SmolLM2 with a random scalar head (scripts/benchmarks/_common.py
+reward_model), saved with its tokenizer; the workbench reads it with `reward=model` (one row per
+prompt, 16 completions a forward), TRL with `reward_funcs=<that directory>` (its own loading, one
+right-padded row per completion, every completion of the step in one forward).
+
 The sides run alternately in rounds in this one process; the first step of every run is dropped.
 """
 
@@ -48,6 +55,7 @@ from benchmarks._common import (
     jsonl,
     model_dir,
     resolve_precision,
+    reward_model,
     step_timer,
     summary,
     trl_args,
@@ -139,9 +147,23 @@ class Split:
             setattr(owner, name, orig)
 
 
+def reward_model_dir(out: Path) -> str:
+    """A sequence classifier (SmolLM2, random scalar head) and its tokenizer saved in `out`."""
+    import torch
+
+    from workbench.models import value_head
+
+    lm, tok, _ = reward_model()
+    value_head.to_sequence_classifier(lm, lm.lm_head.weight, tok.pad_token_id, torch.float32).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
 def workbench_times(steps: int, model: str, precision: str, completions: int, out: Path,
-                    parts: list[dict], plain: bool = False, rows_layout: bool = False) -> list[float]:
-    overrides = [f"model={model}", "method=grpo", "peft=lora", f"precision={precision}", 'reward.functions=["digits"]',
+                    parts: list[dict], plain: bool = False, rows_layout: bool = False,
+                    rm: str | None = None) -> list[float]:
+    reward = ["reward=model", f"reward.path={rm}"] if rm else ['reward.functions=["digits"]']
+    overrides = [f"model={model}", "method=grpo", "peft=lora", f"precision={precision}", *reward,
                  f"method.num_generations={G}", f"method.max_new_tokens={MAX_NEW}", "method.dynamic_sampling=false",
                  "method.beta=0.0", "method.num_iterations=1", "method.log_completions=0",
                  f"method.prompts_per_step={completions // G}", f"train.micro_batch_size={MICRO}",
@@ -158,7 +180,8 @@ def workbench_times(steps: int, model: str, precision: str, completions: int, ou
     return [row["step_seconds"] for row in rows]
 
 
-def trl_times(steps: int, path: str, precision: str, completions: int, out: Path, gens: list[dict]) -> list[float]:
+def trl_times(steps: int, path: str, precision: str, completions: int, out: Path, gens: list[dict],
+              rm: str | None = None) -> list[float]:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -172,7 +195,7 @@ def trl_times(steps: int, path: str, precision: str, completions: int, out: Path
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     lora = trl_lora()
     times: list[float] = []
-    trainer = GRPOTrainer(model=model, reward_funcs=trl_reward, args=args, train_dataset=data, processing_class=tok,
+    trainer = GRPOTrainer(model=model, reward_funcs=rm or trl_reward, args=args, train_dataset=data, processing_class=tok,
                           peft_config=lora, callbacks=[step_timer(times)])
     calls: list[dict] = []
     eos = tok.eos_token_id
@@ -208,6 +231,7 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--plain-rollouts", action="store_true", help="workbench rollouts without the shared prefill")
     ap.add_argument("--rows", action="store_true", help="workbench trains one row per completion")
     ap.add_argument("--completions", type=int, default=16, help="completions per optimizer step (multiple of 16)")
+    ap.add_argument("--reward-model", action="store_true", help="both sides scored by a reward model")
     args = ap.parse_args(argv)
     args.precision = resolve_precision(args.precision)
     if args.completions % MICRO or args.completions < MICRO:
@@ -219,10 +243,11 @@ def run(argv: list[str]) -> dict:
     gens: list[dict] = []  # TRL generate calls (first of each run dropped)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        rm = reward_model_dir(tmp / "rm") if args.reward_model else None
         sides = {
             "workbench": lambda r: workbench_times(args.steps, args.model, args.precision, args.completions,
-                                                   tmp / f"wb{r}", parts, args.plain_rollouts, args.rows),
-            "trl": lambda r: trl_times(args.steps, path, args.precision, args.completions, tmp / f"trl{r}", gens),
+                                                   tmp / f"wb{r}", parts, args.plain_rollouts, args.rows, rm),
+            "trl": lambda r: trl_times(args.steps, path, args.precision, args.completions, tmp / f"trl{r}", gens, rm),
         }
         med = summary(alternate(args.rounds, sides))
     split = {}
@@ -244,7 +269,7 @@ def run(argv: list[str]) -> dict:
     return {"model": args.model, "precision": args.precision, "steps_per_round": args.steps, "rounds": args.rounds,
             "completions_per_step": args.completions, "num_generations": G, "max_new_tokens": MAX_NEW,
             "threads": torch.get_num_threads(), "workbench_shared_prefill": not args.plain_rollouts,
-            "workbench_share_prompt": not args.rows,
+            "workbench_share_prompt": not args.rows, "reward": "reward model" if args.reward_model else "digits",
             "median_seconds_per_step": med,
             "ratio_throughput_workbench_over_trl": med["trl"] / med["workbench"],
             "workbench_split_median_seconds": split, "trl_generation": trl_gen}
