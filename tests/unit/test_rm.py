@@ -276,6 +276,44 @@ def test_grpo_reward_reads_each_prompt_once_with_the_classifier_scores(rm_run, m
     torch.testing.assert_close(torch.tensor(again), torch.tensor(rows), rtol=LOSS_RTOL, atol=1e-6)
 
 
+# tiny random classifiers of other families (the shapes of tests/unit/test_own_model.py)
+CLASSIFIERS = {"qwen2": {}, "mistral": {}, "gemma2": {"head_dim": 16}, "phi3": {}, "qwen3": {"head_dim": 16}}
+
+
+@pytest.mark.parametrize("family", [*CLASSIFIERS, "gemma3_text-window8"])
+def test_grpo_reward_layouts_agree_across_classifier_families(tiny, family):
+    """Each family's sequence classifier scores one row per prompt as it scores right-padded rows;
+    a sliding window shorter than the sequences (Gemma 3 with 8 tokens here) would drop part of
+    the tree's mask, so that classifier is routed to rows."""
+    import transformers as tf
+
+    from workbench.rollout.reward_model import ModelReward, tree_unsupported
+
+    name, _, window = family.partition("-window")
+    extra = {"head_dim": 16, "sliding_window": int(window)} if window else CLASSIFIERS[name]
+    torch.manual_seed(0)
+    config = tf.AutoConfig.for_model(name, vocab_size=49152, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     max_position_embeddings=512, num_labels=1, pad_token_id=tiny.tok.pad_token_id,
+                                     **extra)
+    model = tf.AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa").eval()
+    reward = ModelReward(".", batch_size=8)
+    reward.model, reward.tokenizer, reward.contract = model, tiny.tok, tiny.contract
+    q = [[{"role": "user", "content": f"What is {a} + {b}?"}] for a, b in ((12, 30), (7, 8))]
+    prompts, completions = [q[0], q[1], q[0], q[1], q[0]], ["42", "15", "4200 is it", "", "42"]
+    seqs = reward.encode(prompts, completions)
+    rows = torch.tensor(reward.row_scores(seqs))
+    tree = torch.tensor(reward.tree_scores(prompts, seqs))
+    assert float(rows.std()) > 0
+    if window:
+        assert "sliding-window" in tree_unsupported(model, max(map(len, seqs)))
+        assert not torch.allclose(tree, rows, rtol=LOSS_RTOL, atol=1e-6)  # why it is refused
+        torch.testing.assert_close(torch.tensor(reward(prompts=prompts, completions=completions)), rows)
+    else:
+        assert tree_unsupported(model, max(map(len, seqs))) is None
+        torch.testing.assert_close(tree, rows, rtol=LOSS_RTOL, atol=1e-6)
+
+
 def test_reward_path_errors_before_the_policy_loads(tmp_path, tiny, monkeypatch):
     import workbench.runner
 

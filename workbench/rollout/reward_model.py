@@ -23,9 +23,10 @@ completion a branch that sees only the prompt and itself (workbench/data/pair_tr
 branch_batch, the layout GRPO and method=rm train in), and the score head reads each branch's
 last token; a forward holds whole prompts' groups up to `reward.batch_size` completions (one
 group alone when it is larger). The scores are the classifier's own on right-padded rows up to
-rounding. A classifier without a decoder at `.model` and a linear `.score`, or whose attention
-does not take a 4-D mask (pair_tree.config_unsupported), scores right-padded rows of
-`reward.batch_size` completions, as it does with `reward.share_prompt=false`.
+rounding (tests/unit/test_rm.py checks Llama, Qwen2/3, Mistral, Gemma 2 and Phi-3 classifiers).
+A classifier without a decoder at `.model` and a linear `.score`, whose attention does not take
+a 4-D mask, or whose sliding window is shorter than the sequences (pair_tree.config_unsupported)
+scores right-padded rows of `reward.batch_size` completions, as with `reward.share_prompt=false`.
 """
 
 from __future__ import annotations
