@@ -10,6 +10,7 @@ Not a benchmark itself (bench.py skips names starting with "_"). What they share
   trl_args(cls, ...)        a TRL trainer's arguments with the settings every benchmark shares
   trl_lora(task)            the LoRA every benchmark trains (r=16, alpha=32, every linear layer)
   reward_model()            SmolLM2 with a random scalar head, its tokenizer and chat contract
+  reward_classifier()       the same as a transformers sequence classifier (what method=rm exports)
 """
 
 from __future__ import annotations
@@ -158,3 +159,14 @@ def reward_model():
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 0.05)
     return model, tok, setup_tokenizer(tok)
+
+
+def reward_classifier():
+    """(classifier, tokenizer, contract): reward_model() as the *ForSequenceClassification a
+    method=rm export is."""
+    import torch
+
+    from workbench.models import value_head
+
+    lm, tok, contract = reward_model()
+    return value_head.to_sequence_classifier(lm, lm.lm_head.weight, tok.pad_token_id, torch.float32), tok, contract

@@ -55,7 +55,7 @@ from benchmarks._common import (
     jsonl,
     model_dir,
     resolve_precision,
-    reward_model,
+    reward_classifier,
     step_timer,
     summary,
     trl_args,
@@ -149,12 +149,8 @@ class Split:
 
 def reward_model_dir(out: Path) -> str:
     """A sequence classifier (SmolLM2, random scalar head) and its tokenizer saved in `out`."""
-    import torch
-
-    from workbench.models import value_head
-
-    lm, tok, _ = reward_model()
-    value_head.to_sequence_classifier(lm, lm.lm_head.weight, tok.pad_token_id, torch.float32).save_pretrained(out)
+    clf, tok, _ = reward_classifier()
+    clf.save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
 

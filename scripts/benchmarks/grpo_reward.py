@@ -23,10 +23,9 @@ import time
 def run(argv: list[str]) -> dict:
     import torch
 
-    from benchmarks._common import reward_model
+    from benchmarks._common import reward_classifier
     from workbench.data.pair_tree import common_prefix
     from workbench.evals.hooks import eval_rows
-    from workbench.models import value_head
     from workbench.rollout.reward_model import ModelReward
 
     ap = argparse.ArgumentParser(prog="bench.py grpo_reward")
@@ -35,9 +34,7 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=16)
     a = ap.parse_args(argv)
-    lm, tok, contract = reward_model()  # SmolLM2 with a random scalar head
-    clf = value_head.to_sequence_classifier(lm, lm.lm_head.weight, tok.pad_token_id, torch.float32)
-    del lm
+    clf, tok, contract = reward_classifier()  # SmolLM2 with a random scalar head
 
     rows = eval_rows("arith_pref", a.prompts)
     pool = [r[k] for r in eval_rows("arith_pref", 100) for k in ("chosen", "rejected")]

@@ -49,10 +49,13 @@ def _branch(ids: list[int], labels: list[int], prefix: int, offset: int):
     """(row columns, targets) of one completion: positions t whose next label is trained."""
     lab = torch.as_tensor(labels)
     t = (lab[1:] != IGNORE).nonzero()[:, 0]
+    return _column(t, prefix, offset), lab[1:][t]
+
+
+def _column(t: torch.Tensor, prefix, offset) -> torch.Tensor:
     # Positions inside the shared prefix stay where they are; the rest of a branch is shifted
-    # by `offset` columns (0 for chosen, which follows the prefix directly).
-    cols = torch.where(t < prefix, t, t + offset)
-    return cols, lab[1:][t]
+    # by `offset` columns (0 for the first branch, which follows the prefix directly).
+    return torch.where(t < prefix, t, t + offset)
 
 
 def common_prefix(seqs: list[list[int]]) -> int:
@@ -115,10 +118,8 @@ def branch_batch(groups: list[list[tuple[list[int], list[int]]]], pad_id: int) -
 
 def columns(tree: dict, positions) -> torch.Tensor:
     """The column of token `positions[i]` of sequence i (branch_batch's order) in its row
-    (`tree["seq_row"][i]`): a position inside the shared prefix stays, one after it moves with
-    its branch."""
-    p = torch.as_tensor(positions, dtype=torch.long)
-    return torch.where(p < tree["seq_prefix"], p, p + tree["seq_offset"])
+    (`tree["seq_row"][i]`)."""
+    return _column(torch.as_tensor(positions, dtype=torch.long), tree["seq_prefix"], tree["seq_offset"])
 
 
 def tree_batch(pairs: list, pad_id: int, chosen_labels: list[list[int]] | None = None) -> dict:
