@@ -76,7 +76,7 @@ class Check:
         if self.dry:
             self.weights = "tiny (dry run)"
             return ["model=tiny"]
-        from workbench.errors import UserError
+        from workbench.core.errors import UserError
         from workbench.models.load import converted_dir, resolve, zoo_entry
 
         try:
@@ -94,7 +94,7 @@ class Check:
     def compose(self, overrides: list[str]):
         from hydra import compose, initialize_config_dir
 
-        from workbench.config import validate
+        from workbench.config.validate import validate
 
         self.n += 1
         ov = ["eval=none", "train.export=false", "train.log_every=1000", "optim.warmup_steps=0",
@@ -107,9 +107,9 @@ class Check:
         """Run the shared runner; per-step medians excluding the first (warm-up) step."""
         import torch
 
-        from workbench import preflight
-        from workbench.errors import UserError
-        from workbench.runner import Runner
+        from workbench.config import preflight
+        from workbench.core.errors import UserError
+        from workbench.train.runner import Runner
 
         cfg = self.compose([f"train.max_steps={steps}", f"train.micro_batch_size={mbs}", *overrides])
         try:
@@ -124,7 +124,7 @@ class Check:
         # fine-tune would otherwise write ~15 GB of optimizer state per run.
         runner = Runner(cfg)
         runner.build()
-        from workbench.flops import FlopCount
+        from workbench.telemetry.flops import FlopCount
 
         count = FlopCount.from_model(runner.model, runner.run_facts)
         rows = []
@@ -145,7 +145,7 @@ class Check:
                "step_s": statistics.median(r["step_s"] for r in timed),
                "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
                "n_params": runner.n_params, "n_trainable": runner.n_trainable}
-        from workbench.tracking import measured_peak_flops
+        from workbench.telemetry.peak import measured_peak_flops
 
         achieved = statistics.median(r["flops_per_s"] for r in timed)
         out["mfu_vs_measured_peak"] = achieved / measured_peak_flops(cfg.hardware.device, runner.pol)
@@ -221,10 +221,10 @@ def fp8(c: Check) -> dict:
 def rollout(c: Check) -> dict:
     import torch
 
-    from workbench.data.formats import setup_tokenizer
+    from workbench.data.chat import setup_tokenizer
     from workbench.models.load import load_model, load_tokenizer
-    from workbench.precision import autocast, policy
     from workbench.rollout.generate import generate
+    from workbench.train.precision import autocast, policy
 
     prompts, gens, new = (2, 2, 4) if c.dry else (64, 8, 128)
     cfg = c.compose(c.model_135m() + ["peft=none", "precision=bf16-mixed"])
@@ -250,8 +250,8 @@ def rollout(c: Check) -> dict:
         model, tok, convs, new, contract.end_of_turn_id, do_sample=True, temperature=1.0,
         num_return_sequences=gens, autocast=autocast(policy("bf16-mixed"), dev)))
     try:
-        from workbench import rules
-        from workbench.errors import UserError
+        from workbench.config import rules
+        from workbench.core.errors import UserError
         from workbench.rollout.vllm_engine import VLLMEngine
 
         vcfg = c.compose(c.model_135m() + ["peft=none", "precision=bf16-mixed", "method=grpo", "method.engine=vllm"])
@@ -278,7 +278,7 @@ def planner(c: Check) -> dict:
     """Predicted (workbench.plan.make_plan) vs measured peak memory; packed rows so every
     micro-batch holds seq_len tokens, as the planner assumes."""
     try:
-        from workbench.plan import make_plan
+        from workbench.plan.make import make_plan
     except ImportError as exc:
         raise Skip(f"the planner is not importable: {exc}") from None
     mbs = 2 if c.dry else 16
@@ -306,9 +306,9 @@ def planner(c: Check) -> dict:
 
 
 def megatron(c: Check) -> dict:
-    from workbench.backends import CHOICES
+    from workbench.backends.registry import SPECS
 
-    if "megatron" not in CHOICES:
+    if "megatron" not in SPECS:
         raise Skip("backend=megatron is not registered in workbench.backends")
     if c.dry:
         raise Skip("--dry: the Megatron forward check runs on the GPU only")

@@ -95,7 +95,7 @@ def probe(train: torch.Tensor, test: torch.Tensor) -> float:
 def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workbench.data import formats
+    from workbench.data import chat
     from workbench.data.preference import pairs_from_rows
     from workbench.models.load import converted_dir
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"{a.model}: no HF model there (run `make run` once to convert the packaged SmolLM2)")
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(a.model)
-    contract = formats.setup_tokenizer(tokenizer)
+    contract = chat.setup_tokenizer(tokenizer)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     fit = pairs_from_rows(number_pairs(DATA / "arith_dpo_train.jsonl", a.train), tokenizer, contract)
     held = pairs_from_rows(number_pairs(DATA / "arith_pref_eval.jsonl", 10**9), tokenizer, contract)

@@ -39,7 +39,7 @@ _COMPOSED: dict[tuple[str, ...], object] = {}
 
 
 def compose(overrides: list[str] = (), out: Path | None = None, validate: bool = True, base=TINY):
-    from workbench.config import validate as _validate
+    from workbench.config.validate import validate as _validate
 
     ov = (*base, *overrides)
     if ov not in _COMPOSED:
@@ -52,7 +52,7 @@ def compose(overrides: list[str] = (), out: Path | None = None, validate: bool =
 
 
 def train(overrides: list[str] = (), out: Path | None = None, base=TINY) -> dict:
-    from workbench.runner import Runner
+    from workbench.train.runner import Runner
 
     cfg = compose(overrides, out, base=base)
     return Runner(cfg).run()
@@ -72,7 +72,7 @@ def saved_tiny(tmp_path_factory, overrides: list[str]):
     and chat contract, and the composed config of `overrides`."""
     from types import SimpleNamespace
 
-    from workbench.data.formats import setup_tokenizer
+    from workbench.data.chat import setup_tokenizer
     from workbench.models.load import load_model, load_tokenizer
 
     cfg = compose(overrides)

@@ -1,8 +1,8 @@
 """`python -m workbench ...`: see workbench/cli.py."""
 
-from workbench import startup
+from workbench.core import startup
 
-startup.pause()  # before the imports: workbench/startup.py
+startup.pause()  # before the imports: workbench/core/startup.py
 
 from workbench.cli import main  # noqa: E402
 

@@ -8,7 +8,7 @@
 Exit status: 0 done; 2 a mistake in config, data or environment (one `error:` line, before any
 weights load), a checkpoint that could not be written (disk full) or more NaN/Inf steps than
 `train.max_bad_steps`; 75 preempted by SIGTERM/SIGINT after writing a checkpoint (relaunch with
-the same output_dir to continue); 143/130 a second SIGTERM/SIGINT, at once (workbench/faults.py).
+the same output_dir to continue); 143/130 a second SIGTERM/SIGINT, at once (workbench/train/faults.py).
 Secret-looking values given on the command line are redacted from Hydra's own copies in
 `<run>/.hydra/` too.
 """
@@ -23,10 +23,11 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from workbench import startup
-from workbench.config import CONF_DIR, validate
-from workbench.errors import UserError
-from workbench.imports import import_without_incidentals
+from workbench.config.files import CONF_DIR
+from workbench.config.validate import validate
+from workbench.core import startup
+from workbench.core.errors import UserError
+from workbench.core.imports import import_without_incidentals
 
 
 def _skip_bitsandbytes(cfg: DictConfig) -> None:
@@ -37,7 +38,7 @@ def _skip_bitsandbytes(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from workbench.resolved import needs_bitsandbytes
+    from workbench.config.run import needs_bitsandbytes
 
     if needs_bitsandbytes(cfg) or "peft" in sys.modules or "bitsandbytes" in sys.modules:
         return
@@ -50,7 +51,7 @@ def _skip_bitsandbytes(cfg: DictConfig) -> None:
 
 def secret_values(cfg: DictConfig) -> set[str]:
     """The values of secret-looking keys (manifest.SECRET_KEY) anywhere in the composed config."""
-    from workbench.manifest import SECRET_KEY
+    from workbench.telemetry.manifest import SECRET_KEY
 
     found: set[str] = set()
 
@@ -69,7 +70,7 @@ def secret_values(cfg: DictConfig) -> set[str]:
 
 def scrub_files(paths, secrets: set[str]) -> None:
     """Replace each secret (and anything token-shaped) in these text files with <redacted>."""
-    from workbench.manifest import REDACTED, TOKEN_SHAPE
+    from workbench.telemetry.manifest import REDACTED, TOKEN_SHAPE
 
     for path in paths:
         if not path.is_file():
@@ -123,10 +124,10 @@ class RedactSecrets(Callback):
 
 
 def run_job(cfg: DictConfig) -> dict | None:
-    from workbench import preflight
+    from workbench.config import preflight
 
     cfg = validate(cfg)
-    from workbench.faults import check_config
+    from workbench.train.faults import check_config
 
     check_config(cfg)  # fault/checkpoint settings, train.resume, a writable output_dir
     if cfg.data.preview:  # tokenizer only: render samples with their loss mask and stop
@@ -135,7 +136,7 @@ def run_job(cfg: DictConfig) -> dict | None:
         return preview(cfg)
     facts = preflight.check(cfg)
     if cfg.dry_run:
-        from workbench.plan import render, to_json
+        from workbench.plan.make import render, to_json
 
         if cfg.plan.json:  # machine-readable: the plan plus what preflight found
             print(to_json({k: v for k, v in facts.items() if k not in ("run", "tokenizer")}))
@@ -152,7 +153,7 @@ def run_job(cfg: DictConfig) -> dict | None:
     remote = dispatch(cfg)
     if remote is not None:
         return remote
-    from workbench.runner import Runner
+    from workbench.train.runner import Runner
 
     return Runner(cfg, facts["run"], facts.get("tokenizer")).run()
 
@@ -165,13 +166,13 @@ def _hydra_main(cfg: DictConfig):
     try:
         _skip_bitsandbytes(cfg)
         if not cfg.data.preview:  # a preview loads the tokenizer only
-            import_without_incidentals("transformers.modeling_utils")  # workbench/imports.py
+            import_without_incidentals("transformers.modeling_utils")  # workbench/core/imports.py
         results = run_job(cfg)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     finally:
-        startup.after_job()  # the garbage collector as it was before the launch (workbench/startup.py)
+        startup.after_job()  # the garbage collector as it was before the launch (workbench/core/startup.py)
     # Hydra's Optuna sweeper and the sweep summary read the job's return value.
     if isinstance(results, dict):
         end = results.get("eval_end") or {}

@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _tokenizer():
     import yaml
 
-    from workbench.config import ModelConfig
-    from workbench.data.formats import setup_tokenizer
+    from workbench.config.schema import ModelConfig
+    from workbench.data.chat import setup_tokenizer
     from workbench.models.load import load_tokenizer
 
     spec = yaml.safe_load((ROOT / "conf" / "model" / "tiny.yaml").read_text())

@@ -108,7 +108,7 @@ class Split:
 
         def generate(orig):
             def timed(method, backend, convs):
-                from workbench.data.formats import prompt_ids
+                from workbench.data.chat import prompt_ids
 
                 t = time.perf_counter()
                 out = orig(method, backend, convs)

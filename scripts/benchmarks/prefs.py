@@ -99,7 +99,7 @@ def trl_times(method: str, steps: int, path: str, precision: str, out: Path) -> 
     trainer_cls, config_cls, options, load, task = _trl_trainer(method)
     args = trl_args(config_cls, out, precision, _rows_per_step(method), steps, **options)
     tok = trl_tokenizer(path)
-    if tok.pad_token is None:  # the pad the workbench gives this tokenizer (workbench/data/formats.py)
+    if tok.pad_token is None:  # the pad the workbench gives this tokenizer (workbench/data/chat.py)
         tok.pad_token = "<|endoftext|>"
     model = load(path, dtype=torch.float32)
     if model.config.pad_token_id is None:  # the sequence-classification head finds each row's last token by it

@@ -10,7 +10,7 @@ bytecode) and is not counted. Reported: the median and every launch, split into 
 started (imports, config, preflight, model load) and the step itself (`step_seconds` of
 metrics.jsonl), and how long a bare `python -c` importing torch, transformers, peft and the Llama
 modelling code takes on this machine: as the launch imports them (garbage collector paused,
-scipy and boto3 hidden: workbench/startup.py, workbench/imports.py), the floor under the time
+scipy and boto3 hidden: workbench/core/startup.py, workbench/core/imports.py), the floor under the time
 before the step, and plainly.
 """
 
@@ -34,7 +34,7 @@ ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 # when nothing quantises (workbench/cli.py)
 IMPORTS = ("import sys; sys.modules['bitsandbytes'] = None; import torch, transformers, peft; "
            "from transformers import AutoModelForCausalLM; from transformers.models.llama import modeling_llama")
-AS_LAUNCHED = ("from workbench import startup; startup.pause(); from workbench.imports import import_without_incidentals; "
+AS_LAUNCHED = ("from workbench import startup; startup.pause(); from workbench.core.imports import import_without_incidentals; "
                "import_without_incidentals('transformers.modeling_utils'); " + IMPORTS)
 
 

@@ -37,7 +37,7 @@ def held_bytes(backend) -> dict[str, int]:
 
 def main(spec_path: str) -> None:
     from tests.conftest import compose
-    from workbench.runner import Runner
+    from workbench.train.runner import Runner
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     spec = json.loads(Path(spec_path).read_text())

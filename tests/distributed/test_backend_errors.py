@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from tests.conftest import compose
-from workbench import rules
-from workbench.errors import UserError
-from workbench.resolved import resolve
+from workbench.config import rules
+from workbench.config.resolved import resolve
+from workbench.core.errors import UserError
 
 # what the rules see on a machine with every engine installed (tests pass their own Env)
 ENGINES = rules.Env(packages=frozenset({"deepspeed", "megatron", "bitsandbytes"}))
@@ -21,7 +21,7 @@ ENGINES = rules.Env(packages=frozenset({"deepspeed", "megatron", "bitsandbytes"}
 
 def test_deepspeed_missing_names_the_install_hint(monkeypatch, tmp_path):
     from workbench.cli import run_job
-    from workbench.runner import Runner
+    from workbench.train.runner import Runner
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     cfg = compose(["backend=deepspeed", "hardware.procs=2"], tmp_path, validate=False)
@@ -71,7 +71,7 @@ def test_worker_command_forwards_overrides_and_pins_output_dir(tmp_path, monkeyp
 
     from types import SimpleNamespace
 
-    from workbench.config import CONF_DIR
+    from workbench.config.files import CONF_DIR
 
     class Fake:  # what HydraConfig.get() exposes
         class overrides:

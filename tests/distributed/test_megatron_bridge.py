@@ -79,7 +79,8 @@ def worker(out: str, layouts: list[str]) -> None:
     from transformers import AutoModelForCausalLM
 
     from workbench.megatron import bridge
-    from workbench.megatron.cpu_shim import attention_mask, cpu_device
+    from workbench.megatron.attention import attention_mask
+    from workbench.megatron.cpu_shim import cpu_device
     from workbench.megatron.model import Parallel, build_gpt
 
     torch.set_num_threads(1)

@@ -66,7 +66,7 @@ def launch(out: Path, overrides: list[str], timeout: int = 300) -> dict:
 def run_here(out: Path, overrides: list[str]):
     """Run in this process; (results, the HF model's final weights)."""
     from tests.conftest import compose
-    from workbench.runner import Runner
+    from workbench.train.runner import Runner
 
     runner = Runner(compose(overrides, out))
     res = runner.run()

@@ -51,7 +51,7 @@ def test_two_ranks_convert_once_over_a_broken_entry(tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json", "gguf_metadata.json"} <= set(seal)
     assert not [p for p in entry.parent.iterdir() if p.name.startswith(".smollm2")]  # no temp dirs left
     # a later process finds the entry complete and loads real weights from it
-    from workbench import cache as wb_cache
+    from workbench.core import cache as wb_cache
 
     assert wb_cache.problem(entry) is None
     from safetensors import safe_open
@@ -76,7 +76,7 @@ def test_the_gguf_metadata_exports_copy_comes_from_the_cache(monkeypatch):
     import gguf
 
     from tests.conftest import compose
-    from workbench import export
+    from workbench.export import card as export
     from workbench.models import load
 
     cfg = compose([], base=[])  # the default model, SmolLM2 from its packaged GGUF

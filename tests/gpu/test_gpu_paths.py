@@ -35,7 +35,7 @@ def test_fp8_trains_close_to_bf16(tmp_path):
     pytest.importorskip("torchao")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability >= 8.9")
-    from workbench.runner import Runner
+    from workbench.train.runner import Runner
 
     r = Runner(compose(CUDA + ["precision=fp8", "peft=none"], tmp_path / "fp8"))
     res = r.run()
@@ -67,7 +67,7 @@ def test_unsloth_lora_trains(tmp_path):
 
 def test_vllm_engine_follows_weights(tmp_path):
     pytest.importorskip("vllm")
-    from workbench.data.formats import setup_tokenizer
+    from workbench.data.chat import setup_tokenizer
     from workbench.models.load import load_model, load_tokenizer
     from workbench.rollout.vllm_engine import VLLMEngine
 

@@ -4,7 +4,7 @@
 
 On the tiny model (fp32, a few steps at a learning rate high enough that the adapters matter):
 adapter -> merged for lora, qlora (merged into the dequantised fp32 base) and dora, and merged ->
-GGUF f16 and q8_0 (written by workbench/to_gguf.py, read back by transformers' own GGUF loader).
+GGUF f16 and q8_0 (written by workbench/export/gguf.py, read back by transformers' own GGUF loader).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import train
-from workbench import parity
+from workbench.export import parity
 
 RUN = ["train.max_steps=3", "optim.lr=1e-2", "train.export=true", "train.resume=never", "export.parity_prompts=6"]
 
@@ -39,7 +39,7 @@ def test_gguf_exports_load_back_and_pass(tmp_path):
     assert q8["passed"] and q8["rounding"] == "q8_0", q8
     assert q8["bytes"] < f16["bytes"]
     assert f16["declared_eos"] == q8["declared_eos"]  # the end-of-turn token, not the tokenizer's eos
-    from workbench.data.formats import setup_tokenizer
+    from workbench.data.chat import setup_tokenizer
     from workbench.models.load import load_tokenizer, zoo_entry
 
     assert f16["declared_eos"] == setup_tokenizer(load_tokenizer(zoo_entry("smollm2-135m"))).end_of_turn_id
@@ -49,7 +49,7 @@ def test_a_corrupted_export_fails_the_gate(tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from workbench.data.formats import setup_tokenizer
+    from workbench.data.chat import setup_tokenizer
     from workbench.evals.hooks import eval_rows
     from workbench.models.load import load_tokenizer, zoo_entry
 
@@ -72,8 +72,8 @@ def test_a_corrupted_export_fails_the_gate(tmp_path):
 
 
 def test_a_failed_gate_stops_the_run_unless_allowed(tmp_path, monkeypatch):
-    from workbench import export
-    from workbench.errors import UserError
+    from workbench.core.errors import UserError
+    from workbench.export import write as export
 
     real = export.merged_model
 

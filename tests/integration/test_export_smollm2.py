@@ -37,7 +37,7 @@ def test_smollm2_merges_and_f16_pass_the_gate(tmp_path, peft):
 def test_trained_default_exports_answer_alike(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from workbench.data.formats import setup_tokenizer
+    from workbench.data.chat import setup_tokenizer
     from workbench.evals.hooks import exact_match
     from workbench.models.load import load_tokenizer
 

@@ -14,7 +14,7 @@ import errno
 import pytest
 
 from tests.conftest import train
-from workbench import checkpoint
+from workbench.train import checkpoint
 
 CKPT = ["train.checkpoint_every=2", "train.keep_checkpoints=3"]
 
@@ -67,7 +67,7 @@ def test_changed_bytes_are_caught_by_the_checksum(tmp_path):
 
 
 def test_explicit_resume_path_that_does_not_verify_is_refused(tmp_path):
-    from workbench.errors import UserError
+    from workbench.core.errors import UserError
 
     out = tmp_path / "run"
     train(["train.max_steps=2"], out)
@@ -116,7 +116,7 @@ def test_nan_step_is_skipped_and_counted(tmp_path, baseline):
 
 
 def test_nan_beyond_max_bad_steps_stops_naming_the_last_good_checkpoint(tmp_path):
-    from workbench.faults import NumericalFault
+    from workbench.train.faults import NumericalFault
 
     with pytest.raises(NumericalFault, match=r"step 4: loss=nan; .*last good checkpoint is .*step-00000002"):
         train(["debug.nan_at_step=3", "train.checkpoint_every=2"], tmp_path)
@@ -176,7 +176,7 @@ def test_sigterm_in_process_checkpoints_and_resumes_exactly(tmp_path, baseline, 
     import os
     import signal
 
-    from workbench import faults
+    from workbench.train import faults
 
     real_step = faults.Guard.step
 
@@ -204,7 +204,7 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(tmp_path):
     """End to end, as a scheduler does it: three subprocess runs (about 45 s on 2 busy cores)."""
     import signal
 
-    from workbench.faults import PREEMPTED_EXIT
+    from workbench.train.faults import PREEMPTED_EXIT
 
     full = _launch(tmp_path / "full")
     assert full.communicate(timeout=300) is not None and full.returncode == 0

@@ -23,7 +23,7 @@ ENGINES = ("deepspeed", "megatron", "ray", "vllm", "unsloth", "liger_kernel", "w
 DRIVER = """
 import json, sys
 from tests.conftest import compose
-from workbench.runner import Runner
+from workbench.train.runner import Runner
 cfg = compose(["eval=arith", "eval.num_samples=4", "eval.batch_size=4", "train.max_steps=2", "train.export=true",
                "train.resume=never"], out=sys.argv[1])
 res = Runner(cfg).run()
@@ -57,8 +57,8 @@ json.dump(seen, open(found, "w"))
 
 def test_cli_launch_skips_incidental_imports_and_restores_the_collector(tmp_path):
     """`python -m workbench` imports transformers' modelling code and tensorboard without scipy or
-    boto3 (workbench/imports.py INCIDENTAL) and pauses the garbage collector during start-up
-    (workbench/startup.py); after the job the collector is on again with nothing left frozen."""
+    boto3 (workbench/core/imports.py INCIDENTAL) and pauses the garbage collector during start-up
+    (workbench/core/startup.py); after the job the collector is on again with nothing left frozen."""
     found = tmp_path / "found.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", LAUNCH, str(tmp_path / "run"), str(found)],

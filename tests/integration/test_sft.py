@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import compose, train
-from workbench.runner import Runner
+from workbench.train.runner import Runner
 
 
 def _params(runner):

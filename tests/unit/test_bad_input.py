@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import ROOT, compose
 from workbench.cli import run_job
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 from workbench.models import build
 
 U, A = "user", "assistant"

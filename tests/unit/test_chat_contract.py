@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import compose
-from workbench.data.formats import IGNORE, prompt_ids, setup_tokenizer, tokenize_chat
+from workbench.data.chat import IGNORE, prompt_ids, setup_tokenizer, tokenize_chat
 from workbench.models.load import load_tokenizer
 
 

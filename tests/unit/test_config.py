@@ -9,7 +9,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from tests.conftest import CONF, compose
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 
 GROUPS = ["method", "peft", "model", "backend", "data", "precision", "optim", "eval", "hardware", "launcher"]
 
@@ -43,15 +43,41 @@ def test_model_70b_alias_resolves_to_llama3_70b():
     assert cfg.model.name == "llama3-70b" and cfg.model.arch.layers == 80
 
 
-def test_group_files_map_to_modules():
-    from workbench import backends, methods
+def test_group_files_map_to_the_registries():
+    from workbench.backends import registry as backends
+    from workbench.methods import registry as methods
 
     aliases = {"lora": "sft", "qlora": "sft", "simpo": "cpo", "gspo": "grpo", "rloo": "grpo"}
-    plugin_methods = {n for n in choices("method") if n not in aliases}
-    assert plugin_methods == set(methods.CHOICES)
-    for alias, name in aliases.items():  # an alias is its method with other options
-        assert compose([f"method={alias}"], validate=False).method.name == name, alias
-    assert set(choices("backend")) == set(backends.CHOICES)
+    assert {n for n in choices("method") if n not in aliases} == set(methods.SPECS)
+    for name in choices("method"):  # every file composes a registered method; an alias with other options
+        assert compose([f"method={name}"], validate=False).method.name == aliases.get(name, name), name
+    assert set(choices("backend")) == set(backends.SPECS)
+
+
+def test_an_unknown_method_is_refused_not_read_as_sft():
+    from workbench.methods import registry
+
+    with pytest.raises(UserError, match=r"method.name='nope' is not one of \['cpo', 'distill'"):
+        registry.spec("nope")
+    with pytest.raises(UserError, match="method.name='nope'"):
+        compose(["method.name=nope"])
+
+
+def test_a_half_made_method_spec_fails_where_it_is_written():
+    from dataclasses import dataclass
+
+    from workbench.methods.spec import MethodFacts, MethodSpec
+
+    @dataclass
+    class Options:
+        name: str = "mine"
+
+    with pytest.raises(TypeError, match="facts is not a MethodFacts"):
+        MethodSpec("mine", Options, lambda cfg, ctx: None, facts=None)
+    with pytest.raises(TypeError, match="config's name defaults to 'mine'"):
+        MethodSpec("other", Options, lambda cfg, ctx: None, facts=MethodFacts(data="sft"))
+    with pytest.raises(TypeError, match="facts.data must be one of"):
+        MethodSpec("mine", Options, lambda cfg, ctx: None, facts=MethodFacts(data="pairs"))
 
 
 def test_typo_in_key_is_rejected_by_hydra():

@@ -25,11 +25,11 @@ from omegaconf import OmegaConf
 from tests.conftest import compose, train
 from tests.tolerances import LOSS_RTOL, grad_atol
 from tests.unit import test_dpo
-from workbench.data.formats import prompt_ids
+from workbench.config.run import derive
+from workbench.core.errors import UserError
+from workbench.data.chat import prompt_ids
 from workbench.data.preference import Pair, preference_row, tokenise_completion
-from workbench.errors import UserError
 from workbench.methods import cpo, orpo
-from workbench.resolved import derive
 
 tiny = test_dpo.tiny  # the tiny model saved to a directory (a module-scoped fixture)
 

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 
 from tests.unit.test_data_formats import ASSETS, _tok, data_cfg, source
-from workbench.data import formats, pipeline
+from workbench.data import chat, formats, pipeline
 
 
 def test_second_run_reads_the_cache_and_a_change_rebuilds(tmp_path, monkeypatch):
@@ -21,14 +21,14 @@ def test_second_run_reads_the_cache_and_a_change_rebuilds(tmp_path, monkeypatch)
     first = pipeline.tokenise_source(src, tokenizer, contract, data_cfg(tmp_path))
     assert not first.cached
     entry = tmp_path / "cache" / first.fingerprint
-    # the four files and the cache's seal (workbench/cache.py), nothing half-written beside it
+    # the four files and the cache's seal (workbench/core/cache.py), nothing half-written beside it
     assert sorted(p.name for p in entry.iterdir()) == [".complete.json", "ids.npy", "mask.npy", "meta.json",
                                                        "offsets.npy"]
     assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name, entry.name + ".lock"]
     np.load(entry / "ids.npy", allow_pickle=False)  # plain arrays: loadable with pickle disabled
 
     calls = []
-    real = formats.tokenize_chats
+    real = chat.tokenize_chats
 
     def counting(*a, **k):
         calls.append(1)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.test_data_formats import ASSETS, _tok, data_cfg, source
+from workbench.core.errors import UserError
 from workbench.data import pipeline, readers
 from workbench.data.recipes import load_recipe
-from workbench.errors import UserError
 
 
 def tokenise(tmp_path, src, **kw):

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from workbench.data import formats, pipeline, readers
-from workbench.data.formats import IGNORE
+from workbench.data import chat, formats, pipeline, readers
+from workbench.data.chat import IGNORE
 from workbench.data.recipes import Source
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "data"
@@ -24,7 +24,7 @@ def _tok():
     from workbench.models.load import load_tokenizer
 
     tok = load_tokenizer(compose([]).model)
-    return tok, formats.setup_tokenizer(tok)
+    return tok, chat.setup_tokenizer(tok)
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_multi_turn_trains_every_assistant_turn_and_nothing_else(tok):
     msgs = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2 + 3?"},
             {"role": "assistant", "content": "5"}, {"role": "user", "content": "times 4?"},
             {"role": "assistant", "content": "20"}]
-    ids, labels = formats.tokenize_chat(tokenizer, msgs, contract)
+    ids, labels = chat.tokenize_chat(tokenizer, msgs, contract)
     spans = trained_spans(ids, labels)
     assert len(spans) == 2
     texts = [tokenizer.decode(ids[a:b]) for a, b in spans]
@@ -113,7 +113,7 @@ def test_train_infer_parity_for_every_assistant_turn(tok):
     msgs = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
             {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Green, of course."},
             {"role": "user", "content": "Last one."}, {"role": "assistant", "content": "Red"}]
-    ids, labels = formats.tokenize_chat(tokenizer, msgs, contract)
+    ids, labels = chat.tokenize_chat(tokenizer, msgs, contract)
     spans = trained_spans(ids, labels)
     turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     assert len(spans) == len(turns)
@@ -122,7 +122,7 @@ def test_train_infer_parity_for_every_assistant_turn(tok):
                                                return_dict=True)["input_ids"]
         answer = tokenizer(msgs[i]["content"], add_special_tokens=False)["input_ids"]
         assert ids[:b] == list(prompt) + answer + [contract.end_of_turn_id]
-        assert ids[:a] == formats.prompt_ids(tokenizer, msgs[:i])  # what generation is given
+        assert ids[:a] == chat.prompt_ids(tokenizer, msgs[:i])  # what generation is given
     # the EOS the model learns is the EOS generation stops on
     assert tokenizer.eos_token_id == contract.end_of_turn_id == ids[-1]
 
@@ -130,17 +130,17 @@ def test_train_infer_parity_for_every_assistant_turn(tok):
 def test_named_template_override_and_tool_calls_pass_through(tmp_path, tok):
     tokenizer, _ = tok
     saved = tokenizer.chat_template
-    formats.TEMPLATES["_test_tools"] = (
+    chat.TEMPLATES["_test_tools"] = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
         "{% if m.get('tool_calls') %}<tool_call>{{ m['tool_calls'][0]['function'] | tojson }}</tool_call>{% endif %}"
         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     try:
-        contract = formats.setup_tokenizer(tokenizer, "_test_tools")
+        contract = chat.setup_tokenizer(tokenizer, "_test_tools")
         out = pipeline.tokenise_source(source("messages.jsonl", "messages"), tokenizer, contract, data_cfg(tmp_path))
     finally:
-        del formats.TEMPLATES["_test_tools"]
+        del chat.TEMPLATES["_test_tools"]
         tokenizer.chat_template = saved
-        formats.setup_tokenizer(tokenizer)
+        chat.setup_tokenizer(tokenizer)
     ids, labels = out.examples[1]
     texts = [tokenizer.decode(ids[a:b]) for a, b in trained_spans(ids, labels)]
     assert texts[0].startswith("<tool_call>") and '"city": "Paris"' in texts[0] and texts[0].endswith("<|im_end|>")

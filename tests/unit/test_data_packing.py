@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tests.unit.test_data_formats import _tok, data_cfg
 from workbench.data import collate, packing
-from workbench.data.formats import IGNORE
+from workbench.data.chat import IGNORE
 
 
 def test_bfd_respects_capacity_and_places_everything():

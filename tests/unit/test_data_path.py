@@ -12,10 +12,10 @@ import re
 import pytest
 
 from tests.conftest import compose
-from workbench.data import formats
+from workbench.core.errors import UserError
+from workbench.data import chat
 from workbench.data.readers import iter_rows
 from workbench.data.recipes import load_recipe
-from workbench.errors import UserError
 
 HH = "\n\nHuman: {q}\n\nAssistant: {a}\n\nHuman: now say {w}\n\nAssistant: {b}"
 
@@ -79,7 +79,7 @@ def test_split_file_and_list_of_files(chat_file, tmp_path):
 
 
 def test_eval_rows_never_reach_training_batches(chat_file, tmp_path):
-    from workbench.runner import Runner
+    from workbench.train.runner import Runner
 
     cfg = compose([f"data.path={chat_file}", "data.eval_split=0.25", "train.micro_batch_size=8"], tmp_path)
     held = set(ids_of(load_recipe(cfg.data.recipe).eval_sources[0]))
@@ -96,7 +96,7 @@ def test_eval_rows_never_reach_training_batches(chat_file, tmp_path):
 
 
 def _trained_text(tokenizer, ids, labels) -> str:
-    return tokenizer.decode([i for i, lab in zip(ids, labels) if lab != formats.IGNORE])
+    return tokenizer.decode([i for i, lab in zip(ids, labels) if lab != chat.IGNORE])
 
 
 def test_hh_transcripts_sft_mask_is_on_assistant_turns_only(tmp_path):
@@ -107,7 +107,7 @@ def test_hh_transcripts_sft_mask_is_on_assistant_turns_only(tmp_path):
                                              "rejected": HH.format(q="name a fruit", a="apple", w="blue", b="no")}])
     cfg = compose([f"data.path={f}"])
     tok = load_tokenizer(cfg.model)
-    contract = formats.setup_tokenizer(tok)
+    contract = chat.setup_tokenizer(tok)
     src = load_recipe(cfg.data.recipe).sources[0]
     ids, labels = tokenise_source(src, tok, contract, cfg.data).examples[0]
     trained = _trained_text(tok, ids, labels)
@@ -129,7 +129,7 @@ def test_hh_transcripts_dpo_prompt_is_the_shared_prefix(tmp_path):
 
 
 def test_dpo_trains_on_hh_and_sft_on_question_answer(tmp_path):
-    from workbench.runner import Runner
+    from workbench.train.runner import Runner
 
     hh = write_jsonl(tmp_path / "hh.jsonl", [{"chosen": HH.format(q=f"q{i}", a="a", w="w", b=f"yes {i}"),
                                               "rejected": HH.format(q=f"q{i}", a="a", w="w", b="no")}
@@ -150,7 +150,7 @@ def test_question_answer_keeps_the_gsm8k_answer_as_completion(tmp_path):
                                               "answer": "3+2=5\n#### 5"}])
     cfg = compose([f"data.path={f}"])
     tok = load_tokenizer(cfg.model)
-    contract = formats.setup_tokenizer(tok)
+    contract = chat.setup_tokenizer(tok)
     ids, labels = tokenise_source(load_recipe(cfg.data.recipe).sources[0], tok, contract, cfg.data).examples[0]
     trained = _trained_text(tok, ids, labels)
     assert "3+2=5\n#### 5" in trained and "apples" not in trained
@@ -164,11 +164,11 @@ def test_other_shapes_still_name_file_and_line(tmp_path):
     cfg = compose([f"data.path={f}"])
     tok = load_tokenizer(cfg.model)
     with pytest.raises(UserError, match=rf"{re.escape(str(f))}:2: row has no 'prompt' field"):
-        tokenise_source(load_recipe(cfg.data.recipe).sources[0], tok, formats.setup_tokenizer(tok), cfg.data)
+        tokenise_source(load_recipe(cfg.data.recipe).sources[0], tok, chat.setup_tokenizer(tok), cfg.data)
     broken = write_jsonl(tmp_path / "hh_bad.jsonl", [{"chosen": "\n\nHuman: hi\n\nAssistant: ", "rejected": "x"}])
     with pytest.raises(UserError, match=r"hh_bad.jsonl:1: cannot tell"):
         tokenise_source(load_recipe(compose([f"data.path={broken}"]).data.recipe).sources[0], tok,
-                        formats.setup_tokenizer(tok), cfg.data)
+                        chat.setup_tokenizer(tok), cfg.data)
 
 
 @pytest.mark.parametrize("value, match", [("1.5", "between 0 and 1"), ("0", ">= 1"), ("nope.jsonl", "existing file"),

@@ -15,10 +15,10 @@ import torch
 
 from tests.conftest import ROOT, compose, train
 from tests.tolerances import LOSS_RTOL, grad_atol
-from workbench.data.formats import tokenize_chat
-from workbench.errors import UserError
+from workbench.config.run import derive
+from workbench.core.errors import UserError
+from workbench.data.chat import tokenize_chat
 from workbench.methods import distill
-from workbench.resolved import derive
 
 ROWS = ROOT / "data_recipes" / "data" / "arith_add2_train.jsonl"
 TEMPERATURE = 0.7  # not 1, so the test sees where the temperature enters
@@ -28,7 +28,7 @@ TEMPERATURE = 0.7  # not 1, so the test sees where the temperature enters
 def tiny(tmp_path_factory):
     """The tiny student and a tiny teacher of the same architecture with another init seed, saved
     with the (shared) tokenizer, as TRL and `method.teacher` load them."""
-    from workbench.data.formats import setup_tokenizer
+    from workbench.data.chat import setup_tokenizer
     from workbench.models.load import load_model, load_tokenizer
 
     cfg = compose(["method=distill", "peft=none"])

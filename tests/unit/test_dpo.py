@@ -15,11 +15,11 @@ from omegaconf import OmegaConf
 
 from tests.conftest import ROOT, saved_tiny, train
 from tests.tolerances import LOSS_RTOL, grad_atol
+from workbench.config.run import derive
+from workbench.core.errors import UserError
 from workbench.data.preference import Pair, pairs_from_rows, tokenise_preferences
 from workbench.data.recipes import Source
-from workbench.errors import UserError
 from workbench.methods import dpo
-from workbench.resolved import derive
 
 PAIRS = ROOT / "data_recipes" / "data" / "arith_dpo_train.jsonl"
 
@@ -174,7 +174,7 @@ def test_reference_strategies_agree_and_cache(tmp_path):
     a = train(base + ["method.reference=copy"], tmp_path / "a")["losses"]
     b = train(base + ["method.reference=precomputed"], tmp_path / "b")["losses"]
     assert a == pytest.approx(b, rel=1e-6)
-    from workbench import cache
+    from workbench.core import cache
 
     cached = sorted((cache.root() / "ref_logps").glob("*/logps.safetensors"))
     assert cached

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tests.conftest import compose, train
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 from workbench.evals.hooks import EvalHookError, check_tasks
 
 HOOKS = '''
@@ -59,7 +59,7 @@ def test_unknown_and_unimportable_tasks_are_one_line(hook_module):
 
 
 def test_builtins_check_the_run_before_weights_load(chat_file):
-    from workbench import preflight
+    from workbench.config import preflight
 
     with pytest.raises(UserError, match="needs held-out rows; set data.eval_split"):
         preflight.check(compose(["eval.tasks=[loss]"]))  # a named recipe has no split unless asked
@@ -149,7 +149,7 @@ def test_keep_best_keeps_the_best_evaluated_checkpoint_apart_and_exports_it(tmp_
 
 
 def test_keep_best_is_checked_before_training(chat_file):
-    from workbench import preflight
+    from workbench.config import preflight
 
     base = [f"data.path={chat_file}", "data.eval_split=4", "eval.tasks=[loss]"]
     with pytest.raises(UserError, match=r"train.keep_best='acc/x'.*eval.tasks=\['loss'\]"):
@@ -157,7 +157,7 @@ def test_keep_best_is_checked_before_training(chat_file):
     with pytest.raises(UserError, match="multiple of train.checkpoint_every"):
         preflight.check(compose([*base, "train.keep_best=loss/loss", "eval.every_n_steps=3",
                                  "train.checkpoint_every=2"]))
-    from workbench.evals.best import mode_of
+    from workbench.train.keep_best import mode_of
 
     assert mode_of("eval/loss/loss", "auto") == "min" and mode_of("eval/preference/accuracy", "auto") == "max"
 

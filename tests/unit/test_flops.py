@@ -8,8 +8,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.conftest import compose, train
-from workbench.flops import FlopCount, _reference_weights
-from workbench.resolved import reference
+from workbench.config.run import reference
+from workbench.telemetry.flops import FlopCount, _reference_weights
 
 # model=tiny (conf/model/tiny.yaml): 2 layers, hidden 64, 4 heads x 16, 2 kv heads, MLP 128,
 # vocab 49152, tied embeddings. conf/peft/lora.yaml: r=16 on every block Linear.
@@ -32,8 +32,8 @@ def hand_count(peft: str, rows: int, seq: int, selected: int) -> float:
 
 
 def _built(peft: str, tmp_path):
-    from workbench.runner import Runner
-    from workbench.state import TrainState
+    from workbench.train.runner import Runner
+    from workbench.train.state import TrainState
 
     cfg = compose([f"peft={peft}"], tmp_path / peft)
     runner = Runner(cfg)
@@ -66,8 +66,8 @@ def test_kto_step_counts_its_reference_and_kl_passes(tmp_path):
     count is what PyTorch's counter sees in the loss plus the attention of those three no-grad
     passes, which run SDPA's CPU flash kernel, a kernel the counter has no formula for (the
     training pass runs the math kernel, which it counts)."""
-    from workbench.runner import Runner
-    from workbench.state import TrainState
+    from workbench.train.runner import Runner
+    from workbench.train.state import TrainState
 
     runner = Runner(compose(["method=kto", "peft=lora"], tmp_path))
     runner.build()
@@ -113,8 +113,8 @@ def test_tiny_run_never_logs_mfu_above_100_percent(tmp_path):
 @pytest.mark.slow
 def test_smollm2_step_flops_equal_torch_flop_counter(tmp_path):
     """The same check on SmolLM2-135M (GQA, 30 layers, tied 49k head), LoRA, answer-only batch."""
-    from workbench.runner import Runner
-    from workbench.state import TrainState
+    from workbench.train.runner import Runner
+    from workbench.train.state import TrainState
 
     cfg = compose(["model=smollm2-135m", "train.micro_batch_size=2"], tmp_path)
     runner = Runner(cfg)
@@ -135,7 +135,7 @@ def test_rollout_forward_passes_equal_torch_flop_counter(dedup):
     tokens so far. Attention runs SDPA's math kernel here so that the counter sees it too."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from workbench.data.formats import setup_tokenizer
+    from workbench.data.chat import setup_tokenizer
     from workbench.models.load import load_model, load_tokenizer
     from workbench.rollout.generate import generate
 
@@ -163,8 +163,8 @@ def test_rollout_forward_passes_equal_torch_flop_counter(dedup):
 def test_grpo_step_counts_its_rollout_once_per_generation(tmp_path):
     """A GRPO step's FLOPs include its rollout's passes; with num_iterations=2 the second
     optimisation step on the same rollout adds only its training."""
-    from workbench.runner import Runner
-    from workbench.state import TrainState
+    from workbench.train.runner import Runner
+    from workbench.train.state import TrainState
 
     runner = Runner(compose(["method=grpo", "method.num_iterations=2", "method.dynamic_sampling=false"], tmp_path))
     runner.build()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import compose
-from workbench.data.formats import prompt_ids
+from workbench.data.chat import prompt_ids
 from workbench.rollout.generate import generate
 
 G, NEW = 4, 10
@@ -23,7 +23,7 @@ TEXTS = ["What is 12 + 30?", "Hi", "What is 45 + 17? Answer with the number only
 
 @pytest.fixture(scope="module")
 def tiny():
-    from workbench.data.formats import setup_tokenizer
+    from workbench.data.chat import setup_tokenizer
     from workbench.models.load import load_model, load_tokenizer
 
     cfg = compose(["method=grpo", "peft=none"])

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, compose
-from workbench import preflight, rules
-from workbench.errors import UserError
+from workbench.config import preflight, rules
+from workbench.config.run import derive
+from workbench.core.errors import UserError
 from workbench.models import unsloth_loader
 from workbench.models.load import attention_for, load_model, load_tokenizer
-from workbench.resolved import derive
 from workbench.rollout import vllm_engine
 
 
@@ -44,7 +44,7 @@ def test_gpu_options_refused_on_cpu(overrides, needle, tmp_path):
 
 
 def test_runner_refuses_fp8_before_loading(tmp_path):
-    from workbench.runner import Runner
+    from workbench.train.runner import Runner
 
     with pytest.raises(UserError, match="fp8"):
         Runner(compose(["precision=fp8"], tmp_path))
@@ -79,7 +79,7 @@ def test_missing_gpu_packages(blocked, overrides, rule, monkeypatch, tmp_path):
 
 
 def test_fp8_missing_package(monkeypatch):
-    from workbench import precision
+    from workbench.train import precision
 
     monkeypatch.setitem(sys.modules, "torchao", None)
     monkeypatch.setitem(sys.modules, "transformer_engine", None)
@@ -175,7 +175,7 @@ class HFStandIn:
 
 
 def test_engine_sync_generate_and_stale_check(tmp_path):
-    from workbench.data.formats import setup_tokenizer
+    from workbench.data.chat import setup_tokenizer
 
     cfg, model = _lora_model(tmp_path)
     tok = load_tokenizer(cfg.model)

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 from tests.conftest import compose, train
 from tests.tolerances import LOSS_RTOL, grad_atol
 from tests.unit.test_dpo import tiny, trl_on_cpu  # noqa: F401 - shared fixtures
-from workbench.data.formats import IGNORE, prompt_ids
-from workbench.errors import UserError
+from workbench.core.errors import UserError
+from workbench.data.chat import IGNORE, prompt_ids
 from workbench.methods import grpo
 from workbench.methods.reference import Reference
 from workbench.rollout.advantages import group_advantages

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.conftest import compose, train
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 
 # Rewards that have no spread within any group for the first FLAT calls, then do.
 CALLS = {"n": 0}

@@ -22,8 +22,8 @@ from tests.golden import GRPO_SHAPE
 from tests.tolerances import LOSS_RTOL, NEAR_ZERO_ATOL, grad_atol
 from tests.unit.test_dpo import tiny, trl_on_cpu  # noqa: F401 - shared fixtures
 from tests.unit.test_grpo import MAX_NEW, G, _completions
-from workbench.data.formats import IGNORE, prompt_ids
-from workbench.errors import UserError
+from workbench.core.errors import UserError
+from workbench.data.chat import IGNORE, prompt_ids
 from workbench.methods import grpo
 from workbench.methods.reference import Reference
 from workbench.rollout.advantages import group_advantages, rloo_advantages

@@ -17,11 +17,11 @@ from omegaconf import OmegaConf
 from tests.conftest import ROOT, compose, train
 from tests.tolerances import LOSS_RTOL, grad_atol
 from tests.unit.test_dpo import trl_on_cpu  # noqa: F401  (TRL's log-prob kernel in plain torch on CPU)
+from workbench.config.run import derive
+from workbench.core.errors import UserError
 from workbench.data.recipes import Source
 from workbench.data.unpaired import tokenise_unpaired, unpaired_rows
-from workbench.errors import UserError
 from workbench.methods import kto
-from workbench.resolved import derive
 
 PAIRS = ROOT / "data_recipes" / "data" / "arith_dpo_train.jsonl"
 DATA = SimpleNamespace(on_bad_row="error", seq_len=256)
@@ -51,8 +51,8 @@ def tiny(tmp_path_factory):
     KL estimate is well above its clamp at 0 (about 2; the test asserts it). Both sides use a chat template that ends an
     assistant turn at its end-of-turn token: TRL counts everything after the generation prompt
     as the completion, the trailing newline of the default template included, which the
-    workbench never trains (formats.py); without it the two tokenisations are the same."""
-    from workbench.data.formats import setup_tokenizer
+    workbench never trains (chat.py); without it the two tokenisations are the same."""
+    from workbench.data.chat import setup_tokenizer
     from workbench.models.load import load_model, load_tokenizer
 
     cfg = compose(["method=kto", "peft=none"])
@@ -227,7 +227,7 @@ def test_trains_on_the_shipped_pairs(tmp_path, peft):
 @pytest.mark.parametrize("peft", ["none", "lora"])
 def test_unpaired_held_out_rows_are_evaluated(tmp_path, peft):
     """KTO on the user's own unpaired rows with a held-out split: its default evaluation
-    (`preference`, workbench/catalog.py) reads the held-out unpaired rows, before and after training, with no pairs
+    (`preference`, workbench/methods/spec.py) reads the held-out unpaired rows, before and after training, with no pairs
     to compare: the ranking accuracy of desirable over undesirable rewards starts at 0.5 (the
     policy is its own reference) and every metric is finite."""
     rows = _unpaired([i % 3 != 0 for i in range(40)])

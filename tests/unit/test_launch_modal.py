@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, compose
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 
 pytest.importorskip("modal")
 

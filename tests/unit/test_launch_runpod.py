@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.conftest import compose
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 
 GPU = {"id": "NVIDIA H100 80GB HBM3", "displayName": "H100 SXM", "memoryInGb": 80, "maxGpuCount": 8}
 NO_CAPACITY = "There are no longer any instances available with the requested specifications. Please refresh and try again."

@@ -12,10 +12,10 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 
 from tests.conftest import CONF, TINY, compose
-from workbench.config import register_resolvers
-from workbench.errors import UserError
+from workbench.config.schema import register_resolvers
+from workbench.core.errors import UserError
 
-register_resolvers()  # conf/train.yaml's output_dir resolver (importing workbench.config registers it)
+register_resolvers()  # conf/train.yaml's output_dir resolver (importing workbench.config.schema registers it)
 
 submitit = pytest.importorskip("submitit")
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")

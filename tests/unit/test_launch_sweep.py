@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from workbench import config
+from workbench.config import schema as config
 from workbench.launch import sweep
 
 

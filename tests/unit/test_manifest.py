@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workbench.manifest import REDACTED, redact
+from workbench.telemetry.manifest import REDACTED, redact
 
 
 def test_secret_keys_are_redacted_and_settings_are_kept():

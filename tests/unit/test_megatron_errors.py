@@ -12,8 +12,8 @@ import torch
 import transformers as tf
 
 from tests.conftest import compose
-from workbench import rules
-from workbench.errors import UserError
+from workbench.config import rules
+from workbench.core.errors import UserError
 from workbench.megatron.model import Parallel, check_parallel, family, padded_vocab, rope
 
 SMALL = dict(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -16,7 +16,7 @@ import torch
 import transformers as tf
 
 from tests.conftest import TINY, compose
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 
 # TINY without `model=tiny`: the default catalog entry (SmolLM2) is what model.path overrides.
 BASE = [x for x in TINY if not x.startswith("model=")]
@@ -50,7 +50,7 @@ def _loaded_numel(d) -> int:
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2"])
 def test_model_path_trains_and_dry_run_counts_exactly(model_dirs, family, tmp_path, capsys):
     from workbench.cli import run_job
-    from workbench.runner import Runner
+    from workbench.train.runner import Runner
 
     d = model_dirs[family]
     cfg = compose([f"model.path={d}", "train.max_steps=2", "dry_run=true"], tmp_path / "plan", base=BASE)
@@ -123,7 +123,7 @@ def test_hub_id_without_a_local_config_says_what_to_do():
 
 
 def test_megatron_refuses_an_unmapped_family_clearly(model_dirs):
-    from workbench.resolved import resolve
+    from workbench.config.resolved import resolve
 
     cfg = compose([f"model.path={model_dirs['gemma2']}", "backend=megatron", "peft=none"], base=BASE)
     with pytest.raises(UserError, match=r"\[megatron-family\].*no HF<->Megatron mapping.*gemma2"):

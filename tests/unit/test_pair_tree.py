@@ -21,7 +21,7 @@ import torch
 from tests.conftest import compose, train
 from tests.tolerances import LOSS_RTOL, grad_atol
 from tests.unit import test_dpo
-from workbench.data.formats import prompt_ids
+from workbench.data.chat import prompt_ids
 from workbench.data.pair_tree import shared_prefix, tree_batch, tree_unsupported
 from workbench.data.preference import Pair, preference_row, tokenise_completion
 from workbench.methods import dpo
@@ -46,10 +46,10 @@ def _pairs(tiny, n=8) -> list[Pair]:
 
 
 def _policy(peft: str):
+    from workbench.config.run import derive
     from workbench.models.head import SelectiveLM
     from workbench.models.load import load_model
     from workbench.peft import lora
-    from workbench.resolved import derive
 
     cfg = compose(["method=dpo", f"peft={peft}"])
     model = lora.apply(load_model(cfg.model), derive(cfg))
@@ -161,7 +161,7 @@ def test_grpo_branches_equal_one_row_per_completion(tiny, first):
     per-token log-probs and gradients as one row per completion, in the same flat order, with a
     micro-batch that starts inside a group (`first`), a completion repeated verbatim and an
     empty one (the end-of-turn token alone). Tolerance as test_tree_equals_two_rows."""
-    from workbench.data.formats import IGNORE
+    from workbench.data.chat import IGNORE
     from workbench.methods import grpo
 
     tok, eot, G = tiny.tok, tiny.contract.end_of_turn_id, 3

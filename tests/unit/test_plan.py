@@ -10,15 +10,16 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import compose
-from workbench.config import ModelConfig, PeftConfig
+from workbench.config.schema import ModelConfig, PeftConfig
 from workbench.models.load import zoo_entry
-from workbench.plan import catalog, make_plan, refusal
+from workbench.plan import catalog
 from workbench.plan.counts import build_full, count, probe
 from workbench.plan.fit import verdict
+from workbench.plan.make import make_plan, refusal
 from workbench.plan.memory import estimate, nf4_bytes_per_param
 from workbench.plan.setup import Setup
 from workbench.plan.speed import cost_per_million_tokens, speed, train_flops_per_token
-from workbench.tracking import Tracker, usd_per_million_tokens
+from workbench.telemetry.metrics import Tracker, usd_per_million_tokens
 
 
 def model_cfg(name: str, **arch):
@@ -160,7 +161,7 @@ def test_dpo_reference_and_grpo_generation_terms():
 
 
 def test_each_method_is_counted_as_the_catalog_says():
-    """workbench/catalog.py: pair methods put two sequences through the model, KTO keeps a copied
+    """workbench/methods/spec.py: pair methods put two sequences through the model, KTO keeps a copied
     reference without peft (CPO/ORPO/RM none), distillation holds its teacher (sized by
     plan.teacher_scale), and methods that generate keep a KV cache; the resolved run decides the
     reference, so a config without one plans none."""
@@ -181,7 +182,7 @@ def test_each_method_is_counted_as_the_catalog_says():
 
 
 def setup_from(overrides):
-    from workbench.plan.setup import from_cfg
+    from workbench.plan.make import from_cfg
 
     extra = ["method.teacher=tiny"] if "method=distill" in overrides else []
     return from_cfg(compose([*overrides, *extra]))

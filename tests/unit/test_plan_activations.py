@@ -17,13 +17,13 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tests.conftest import compose
-from workbench import precision
 from workbench.peft.lora import base_model
 from workbench.plan.activations import block_bytes, block_cast_bytes
 from workbench.plan.counts import count, probe
-from workbench.plan.setup import from_cfg
-from workbench.runner import Runner
-from workbench.tracking import Tracker
+from workbench.plan.make import from_cfg
+from workbench.telemetry.metrics import Tracker
+from workbench.train import precision
+from workbench.train.runner import Runner
 
 BATCH, SEQ = 4, 50
 

@@ -18,9 +18,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import ROOT, compose
-from workbench import preflight, rules
 from workbench.backends import megatron  # noqa: F401  registers its rules (rules.register)
-from workbench.errors import UserError
+from workbench.config import preflight, rules
+from workbench.core.errors import UserError
 
 ALL = frozenset({"bitsandbytes", "deepspeed", "megatron", "torchao", "vllm", "unsloth"})
 CPU = rules.Env(cuda=False, gpus=0, packages=ALL)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, train
-from workbench import plots, report
+from workbench.telemetry import plots, report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -60,7 +60,7 @@ def test_compare_runs_in_one_table_and_one_figure(tmp_path):
     sweep = tmp_path / "multirun"
     for i, (lr, peft) in enumerate([(1e-4, "lora"), (1e-4, "none"), (3e-4, "lora"), (3e-4, "none")]):
         _fake_run(sweep / str(i), lr, peft, [2.0, 1.5 - i * 0.1])
-    out = subprocess.run([sys.executable, "-m", "workbench.report", str(sweep)], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "workbench.telemetry.report", str(sweep)], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     lines = [line for line in out.splitlines() if line.startswith("|")]
     assert "optim.lr" in lines[0] and "peft.kind" in lines[0] and "output_dir" not in lines[0]

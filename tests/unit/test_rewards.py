@@ -16,7 +16,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from workbench.errors import UserError  # noqa: E402
+from workbench.core.errors import UserError  # noqa: E402
 from workbench.rollout import rewards  # noqa: E402
 
 PROMPTS = [[{"role": "user", "content": "What is 2 + 3?"}]] * 3

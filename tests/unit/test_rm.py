@@ -18,9 +18,9 @@ from omegaconf import OmegaConf
 
 from tests.conftest import ROOT, compose, saved_tiny, train
 from tests.tolerances import LOSS_RTOL, grad_atol
+from workbench.core.errors import UserError
 from workbench.data.preference import Pair, pairs_from_rows, tokenise_preferences
 from workbench.data.recipes import Source
-from workbench.errors import UserError
 from workbench.methods import rm
 from workbench.models import value_head
 
@@ -110,7 +110,7 @@ def test_pool_is_the_last_non_pad_token():
 @pytest.fixture(scope="module")
 def rm_run(tmp_path_factory):
     """A 2-step method=rm run on the tiny model with LoRA, exported, evaluated on 8 held-out pairs."""
-    from workbench.runner import Runner
+    from workbench.train.runner import Runner
 
     out = tmp_path_factory.mktemp("rm_run")
     cfg = compose(["method=rm", "peft=lora", "train.max_steps=2", "train.export=true", "train.resume=never",
@@ -166,7 +166,7 @@ def test_export_is_a_sequence_classifier_with_the_same_scores(rm_run, tiny):
     gate = rm_run.results["export"]["parity"]["merged"]
     assert gate["passed"] and gate["rounding"] == "exact"
     # the gate fails when the head did not make it into the file
-    from workbench.export import compare_scores
+    from workbench.export.reward_model import compare_scores
 
     with torch.no_grad():
         clf.score.weight.mul_(-1.0)
@@ -315,12 +315,12 @@ def test_grpo_reward_layouts_agree_across_classifier_families(tiny, family):
 
 
 def test_reward_path_errors_before_the_policy_loads(tmp_path, tiny, monkeypatch):
-    import workbench.runner
+    import workbench.train.runner
 
     def no_weights(*_a, **_k):
         raise AssertionError("the policy's weights were loaded before the reward path was checked")
 
-    monkeypatch.setattr(workbench.runner, "build_model", no_weights)
+    monkeypatch.setattr(workbench.train.runner, "build_model", no_weights)
     base = ["method=grpo", "reward=model", "train.max_steps=1"]
     with pytest.raises(UserError, match="reward=model needs reward.path"):
         train(base, tmp_path / "a")
@@ -369,10 +369,10 @@ def test_shared_prompt_rows_equal_two_rows(tiny, peft):
     each reward agrees to LOSS_RTOL relative (rewards near zero: atol 1e-6, a few fp32 ulps of the
     hidden state's scale) and gradients to grad_atol."""
     from tests.unit.test_pair_tree import _pairs as varied_pairs
+    from workbench.config.run import derive
     from workbench.models.head import SelectiveLM
     from workbench.models.load import load_model
     from workbench.peft import lora
-    from workbench.resolved import derive
 
     pairs = varied_pairs(tiny)  # prompts and completions of several lengths
     pairs[1] = replace(pairs[1], margin=0.75)

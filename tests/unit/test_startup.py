@@ -1,4 +1,4 @@
-"""The garbage-collector pause of a command-line launch (workbench/startup.py), in-process.
+"""The garbage-collector pause of a command-line launch (workbench/core/startup.py), in-process.
 
     .venv/bin/python -m pytest -q tests/unit/test_startup.py
 """
@@ -9,7 +9,7 @@ import gc
 
 import pytest
 
-from workbench import startup
+from workbench.core import startup
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import compose, train
-from workbench.tracking import Tracker
+from workbench.telemetry.metrics import Tracker
 
 SECRET = "sk-test-not-a-real-key-1234"  # under a secret-looking key
 TOKEN = "hf_" + "Zq7" * 12  # token-shaped, under an ordinary key
@@ -189,7 +189,7 @@ def test_rich_bar_shows_step_loss_and_speed(tmp_path):
 
     from rich.console import Console
 
-    from workbench.progress import Progress
+    from workbench.telemetry.progress import Progress
 
     buf = io.StringIO()
     p = Progress(5, 1, Console(file=buf, force_terminal=True, width=120), rich=True)
@@ -205,7 +205,7 @@ def test_status_of_long_work_plain_and_under_the_bar():
 
     from rich.console import Console
 
-    from workbench.progress import Progress
+    from workbench.telemetry.progress import Progress
 
     buf = io.StringIO()
     plain = Progress(5, 1, Console(file=buf, width=200), rich=False)

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from workbench import precision, tracking
+from workbench.telemetry import peak as tracking
+from workbench.train import precision
 
 BF16 = precision.spec("bf16-mixed")
 FP32 = precision.spec("fp32")
@@ -70,7 +71,7 @@ def test_a_peak_below_its_fewer_thread_entry_is_measured_again(fake, tmp_path, m
 
 
 def test_datasheet_peak_wins_where_the_profile_has_one(fake):
-    from workbench.config import load_group_file
+    from workbench.config.files import load_group_file
 
     h200 = load_group_file("hardware", "h200")
     peak, source = tracking.peak_flops(h200, BF16, "cuda")

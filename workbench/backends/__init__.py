@@ -1,6 +1,3 @@
-"""Backends: how the model is wrapped, stepped and saved. Each module defines `Config` and
-`build(cfg, ctx)`. CHOICES maps `backend.name` to the module; `conf/backend/<name>.yaml`
-selects it.
-"""
-
-CHOICES = {"single": "single", "fsdp2": "fsdp2", "deepspeed": "deepspeed", "megatron": "megatron"}
+"""Backends: how the model is wrapped, stepped and saved. Each module defines its options
+(`Config`), its Backend class and `build(cfg, ctx)`; the list of them is
+workbench/backends/registry.py."""

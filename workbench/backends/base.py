@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from workbench.batch import StepBatch
+from workbench.train.batch import StepBatch
 
 LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]]
 

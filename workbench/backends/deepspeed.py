@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from workbench.backends.base import Backend
 from workbench.backends.step import all_sum
-from workbench.batch import StepBatch
-from workbench.errors import missing_package
-from workbench.optim import build_optimizer, build_scheduler
+from workbench.core.errors import missing_package
+from workbench.train.batch import StepBatch
+from workbench.train.optim import build_optimizer, build_scheduler
 
 TAG = "zero"  # DeepSpeed's checkpoint tag inside each workbench step directory
 
@@ -128,7 +128,7 @@ class DeepSpeedBackend(Backend):
     # -- setup ---------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, ctx) -> None:
         deepspeed = _import()
-        from workbench.distributed import ensure_process_group
+        from workbench.train.distributed import ensure_process_group
 
         ensure_process_group(ctx.device)
         deepspeed.init_distributed(dist_backend="nccl" if ctx.device == "cuda" else "gloo")

@@ -25,10 +25,10 @@ import torch.distributed as dist
 
 from workbench.backends.base import Backend
 from workbench.backends.step import accumulate, clip_and_step
-from workbench.batch import StepBatch
-from workbench.distributed import ensure_process_group
-from workbench.optim import build_optimizer, build_scheduler
 from workbench.peft.lora import base_model
+from workbench.train.batch import StepBatch
+from workbench.train.distributed import ensure_process_group
+from workbench.train.optim import build_optimizer, build_scheduler
 
 
 @dataclass

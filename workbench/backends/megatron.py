@@ -13,7 +13,7 @@ method must call the model once per micro-batch). Gradients are then summed over
 ranks, sequence-parallel norms over TP and tied embeddings between first and last stage.
 
 Data: a rank's *data-parallel* rank and size decide its slice of the global batch (TP and PP
-peers train on the same examples); the resolved run's layout (workbench/resolved.py) holds them
+peers train on the same examples); the resolved run's layout (workbench/config/resolved.py) holds them
 and `wrap()` checks that Megatron-Core's process groups agree.
 Checkpoints: the workbench format, one file per rank (`sharded=True`) holding its Megatron-Core
 shard, with the TP/PP/EP layout recorded; resuming needs the same layout.
@@ -30,14 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from workbench import precision as prec
-from workbench import rules
 from workbench.backends.base import Backend
-from workbench.batch import StepBatch
-from workbench.distributed import ensure_process_group
-from workbench.errors import UserError
-from workbench.optim import build_optimizer, build_scheduler
-from workbench.rules import Rule
+from workbench.core.errors import UserError
+from workbench.train import precision as prec
+from workbench.train.batch import StepBatch
+from workbench.train.distributed import ensure_process_group
+from workbench.train.optim import build_optimizer, build_scheduler
 
 
 @dataclass
@@ -60,22 +58,9 @@ def parallel(cfg):
                     recompute=cfg.recompute)
 
 
-def _unmapped(c) -> bool:
-    from workbench.megatron.model import FAMILIES
-
-    return c.backend.name == "megatron" and c.model.arch.family not in FAMILIES
-
-
-rules.register(Rule(
-    "megatron-family", {"backend": "megatron", "model": "a family without an HF<->Megatron mapping"},
-    lambda c, e: _unmapped(c),
-    lambda c, e: f"backend=megatron has no HF<->Megatron mapping for model family {c.model.arch.family!r} "
-                 f"(model={c.model.name}); use backend=fsdp2 for it"))
-
-
 def check(cfg, hf_config, world_size: int) -> None:
     """The loaded model against the parallel sizes (its config.json is the truth: a hub model's
-    intermediate size is not in model.arch). Combinations of options are rules (workbench/rules.py)."""
+    intermediate size is not in model.arch). Combinations of options are rules (workbench/config/rules.py)."""
     from workbench.megatron.model import check_parallel, require_megatron
 
     require_megatron()
@@ -99,7 +84,7 @@ class MegatronLM(nn.Module):
 
 def stage_forward(gpt, input_ids, attention_mask, position_ids):
     """One PP stage's output: hidden states [s,b,h], or logits [b,s,V/tp] on the last stage."""
-    from workbench.megatron.cpu_shim import attention_mask as build_mask
+    from workbench.megatron.attention import attention_mask as build_mask
     from workbench.megatron.cpu_shim import cpu_device
 
     b, s = input_ids.shape

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from workbench.backends.base import Backend
 from workbench.backends.step import accumulate, clip_and_step
-from workbench.batch import StepBatch
-from workbench.optim import build_optimizer, build_scheduler
+from workbench.train.batch import StepBatch
+from workbench.train.optim import build_optimizer, build_scheduler
 
 
 @dataclass

@@ -16,9 +16,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from workbench import precision as prec
-from workbench.batch import StepBatch
 from workbench.peft import lora
+from workbench.train import precision as prec
+from workbench.train.batch import StepBatch
 
 
 def all_sum(value: float) -> float:

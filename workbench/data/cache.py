@@ -9,7 +9,7 @@ A source's tokens live in one directory per fingerprint:
 
 The arrays are opened memory-mapped (`np.load(mmap_mode="r", allow_pickle=False)`), so a
 large source costs page cache, not process memory, and a re-run or resume does not
-re-tokenise. Entries are written through workbench/cache.py (one writer, sealed, renamed into
+re-tokenise. Entries are written through workbench/core/cache.py (one writer, sealed, renamed into
 place), so a killed run never leaves a half-written entry that a later run would trust.
 
     TokenArrays.build(chunks)   # from (ids, labels) pairs
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from workbench import cache as workbench_cache
-from workbench.data.formats import IGNORE
+from workbench.core import cache as workbench_cache
+from workbench.data.chat import IGNORE
 
 
 class TokenArrays:
@@ -96,7 +96,7 @@ def default_dir() -> Path:
 
 
 def save(directory: Path, arrays: TokenArrays, meta: dict) -> None:
-    """Publish the entry once (workbench/cache.py: one writer, sealed, renamed into place)."""
+    """Publish the entry once (workbench/core/cache.py: one writer, sealed, renamed into place)."""
 
     def make(tmp: Path) -> None:
         np.save(tmp / "ids.npy", np.ascontiguousarray(arrays.ids, dtype=np.int32))

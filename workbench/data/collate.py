@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.data.formats import IGNORE
+from workbench.data.chat import IGNORE
 from workbench.models.head import shift_targets
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.data.formats import IGNORE
+from workbench.data.chat import IGNORE
 
 # Attention kernels that apply a boolean 4-D mask as given (eager adds the mask to the scores,
 # flash-attention takes no mask at all).

@@ -19,10 +19,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workbench.data import cache, formats, readers
+from workbench.core.errors import UserError
+from workbench.data import cache, chat, formats, readers
 from workbench.data.cache import ArrayBuilder, TokenArrays
 from workbench.data.recipes import Recipe, Source
-from workbench.errors import UserError
 
 PIPELINE_VERSION = 3  # bump when tokenisation output changes for the same inputs
 CHUNK_ROWS = 512
@@ -130,17 +130,17 @@ def _render_chunk(chunk, tokenizer, contract, loss_on, run: _Run, end_id: int):
     texts = [(w, c) for w, c in chunk if isinstance(c, str)]
     results: dict[str, tuple] = {}
     try:
-        for (w, _), r in zip(convs, formats.tokenize_chats(tokenizer, [c for _, c in convs], contract, loss_on)):
+        for (w, _), r in zip(convs, chat.tokenize_chats(tokenizer, [c for _, c in convs], contract, loss_on)):
             results[w] = r
     except Exception:  # a template error in one row: find it, row by row
         for w, c in convs:
             try:
-                results[w] = formats.tokenize_chat(tokenizer, c, contract, loss_on)
+                results[w] = chat.tokenize_chat(tokenizer, c, contract, loss_on)
             except Exception as exc:  # jinja raises TemplateError, TypeError, ... for odd rows
                 run.bad(UserError(f"{w}: the chat template could not render this row ({type(exc).__name__}: "
                                   f"{str(exc)[:120]})"))
     if texts:
-        for (w, _), ids in zip(texts, formats._batch_ids(tokenizer, [t for _, t in texts])):
+        for (w, _), ids in zip(texts, chat._batch_ids(tokenizer, [t for _, t in texts])):
             ids = list(ids) + [end_id]
             results[w] = (ids, list(ids))
     return [(w, results[w]) for w, _ in chunk if w in results]
@@ -196,7 +196,7 @@ def tokenise_source(source: Source, tokenizer, contract, data_cfg, loss_on="assi
             if len(ids) > seq_len:
                 ids, labels = ids[:seq_len], labels[:seq_len]
                 out.truncated += 1
-            if all(x == formats.IGNORE for x in labels[1:]):
+            if all(x == chat.IGNORE for x in labels[1:]):
                 run.bad(UserError(f"{where}: no trained token left within data.seq_len={seq_len} "
                                   "(the prompt fills the window); raise seq_len or shorten the prompt"))
                 continue

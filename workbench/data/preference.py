@@ -9,7 +9,7 @@ Accepted preference rows (one JSON object per line):
 Accepted prompt rows (GRPO): {"prompt": "text" | [messages], ...}; every other column (e.g.
 `answer`) is handed to the reward functions by name.
 
-Completions are tokenised exactly like SFT targets (formats.tokenize_chat): the generation
+Completions are tokenised exactly like SFT targets (chat.tokenize_chat): the generation
 prompt, then the assistant text and the template's end-of-turn token, so what DPO scores is
 what inference produces. A row in any other shape stops the run with `file:line` and the
 list of accepted schemas. A pair whose chosen and rejected completions are the same tokens
@@ -27,10 +27,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workbench.data import cache, formats, pipeline
+from workbench.core.errors import UserError
+from workbench.data import cache, chat, formats, pipeline
 from workbench.data.readers import fingerprint_parts, iter_rows
 from workbench.data.recipes import Source
-from workbench.errors import UserError
 
 PREFERENCE_SCHEMAS = (
     '{"prompt": str, "chosen": str, "rejected": str}; '
@@ -82,9 +82,9 @@ def preference_row(row: dict, where: str) -> tuple[list[dict], list[dict], list[
 
 def tokenise_completion(tokenizer, contract, prompt: list[dict], turns: list[dict], p_ids: list[int]):
     """(input_ids, labels) of prompt + completion; labels only on the completion's assistant tokens."""
-    ids, labels = formats.tokenize_chat(tokenizer, prompt + turns, contract, "assistant")
+    ids, labels = chat.tokenize_chat(tokenizer, prompt + turns, contract, "assistant")
     # assistant turns inside a multi-turn prompt are context, not the compared completion
-    labels = [formats.IGNORE] * len(p_ids) + labels[len(p_ids):]
+    labels = [chat.IGNORE] * len(p_ids) + labels[len(p_ids):]
     return ids, labels
 
 
@@ -190,7 +190,7 @@ def _tokenise_pairs(source: Source, tokenizer, contract, data_cfg) -> Preference
         return (*preference_row(row, where), _margin(row, where))
 
     for prompt, chosen, rejected, margin in checked_rows(source, parse, out, data_cfg):
-        p_ids = formats.prompt_ids(tokenizer, prompt)
+        p_ids = chat.prompt_ids(tokenizer, prompt)
         seqs = []
         for turns in (chosen, rejected):
             ids, labels = tokenise_completion(tokenizer, contract, prompt, turns, p_ids)
@@ -198,7 +198,7 @@ def _tokenise_pairs(source: Source, tokenizer, contract, data_cfg) -> Preference
                 ids, labels = ids[: data_cfg.seq_len], labels[: data_cfg.seq_len]
                 out.truncated += 1
             seqs.append((ids, labels))
-        if any(all(x == formats.IGNORE for x in lab[1:]) for _, lab in seqs):
+        if any(all(x == chat.IGNORE for x in lab[1:]) for _, lab in seqs):
             out.skipped += 1  # the prompt alone fills seq_len: nothing to compare
             continue
         if seqs[0] == seqs[1]:
@@ -243,7 +243,7 @@ def read_prompts(source: Source, tokenizer, contract, data_cfg) -> PromptSource:
 
 def pairs_from_rows(rows: list[dict], tokenizer, contract) -> list[Pair]:
     """Pairs of in-memory preference rows (the embedded held-out pairs), tokenised as in training."""
-    from workbench.data.formats import prompt_ids
+    from workbench.data.chat import prompt_ids
 
     out = []
     for i, row in enumerate(rows):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from workbench.data.formats import IGNORE, setup_tokenizer
+from workbench.data.chat import IGNORE, setup_tokenizer
 from workbench.data.mixing import Mixture
 from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe

@@ -30,7 +30,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from workbench.errors import UserError, missing_package
+from workbench.core.errors import UserError, missing_package
 
 FILE_KINDS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 

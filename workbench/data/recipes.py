@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "data_recipes"
 

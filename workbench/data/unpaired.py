@@ -28,10 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workbench.data import cache, formats, pipeline
+from workbench.core.errors import UserError
+from workbench.data import cache, chat, pipeline
 from workbench.data.preference import PREFERENCE_SCHEMAS, checked_rows, messages, preference_row, tokenise_completion
 from workbench.data.recipes import Source
-from workbench.errors import UserError
 
 UNPAIRED_SCHEMAS = (
     '{"prompt": str | [messages], "completion": str | [assistant messages], "label": true | false}; '
@@ -75,7 +75,7 @@ class Unpaired:
     def sequence(self, seq_len: int, completion: tuple[list[int], list[int]] | None = None):
         """(input_ids, labels) of this prompt followed by `completion` (default: its own), cut to seq_len."""
         ids, labels = completion or self.completion
-        return ((self.prompt + ids)[:seq_len], ([formats.IGNORE] * len(self.prompt) + labels)[:seq_len])
+        return ((self.prompt + ids)[:seq_len], ([chat.IGNORE] * len(self.prompt) + labels)[:seq_len])
 
 
 @dataclass
@@ -111,7 +111,7 @@ def _save(entry: Path, out: UnpairedSource) -> None:
     labels) of one TokenArrays; the labels in meta.json."""
     builder = cache.ArrayBuilder()
     for e in out.examples:
-        builder.add(e.prompt, [formats.IGNORE] * len(e.prompt))
+        builder.add(e.prompt, [chat.IGNORE] * len(e.prompt))
         builder.add(*e.completion)
     cache.save(entry, builder.build(), {
         "source": out.source.label, "examples": len(out.examples), "skipped": out.skipped,
@@ -131,7 +131,7 @@ def _tokenise(source: Source, tokenizer, contract, data_cfg) -> UnpairedSource:
     out = UnpairedSource(source, [])
     seq_len = data_cfg.seq_len
     for items in checked_rows(source, unpaired_rows, out, data_cfg):
-        p_ids = formats.prompt_ids(tokenizer, items[0][0])
+        p_ids = chat.prompt_ids(tokenizer, items[0][0])
         for prompt, turns, label in items:
             ids, labels = tokenise_completion(tokenizer, contract, prompt, turns, p_ids)
             if len(p_ids) >= seq_len:  # the prompt alone fills seq_len: no completion token to score

@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from workbench import catalog
-from workbench.errors import UserError
+from workbench.core.errors import UserError
+from workbench.methods import registry
 
 # the built-ins that read held-out rows of the run's own data; each fits the methods whose
-# default evaluation (workbench/catalog.py `eval`) it is
+# default evaluation (workbench/methods/spec.py `eval`) it is
 NEEDS_SPLIT = ("loss", "preference", "reward", "reward_accuracy")
 
 
@@ -54,15 +54,15 @@ def check(task: str, cfg) -> None:
     """Preflight: the task fits the method and has held-out data (UserError otherwise)."""
     if task in NEEDS_SPLIT:
         method = cfg.method.name
-        fits = catalog.facts(method).eval
+        fits = registry.spec(method).facts.eval
         if task != fits:
-            users = ", ".join(n for n, f in catalog.METHODS.items() if f.eval == task)
+            users = ", ".join(n for n, s in registry.SPECS.items() if s.facts.eval == task)
             raise UserError(f"eval.tasks: {task!r} is for method={users}; with method={method} use {fits!r} "
                             "(or generate, or your own module:function)")
         if not eval_recipe(cfg).eval_sources:
             raise UserError(f"eval.tasks: {task!r} needs held-out rows; set data.eval_split (a fraction such as "
                             "0.05, a row count, or a file)")
-        if task == "preference" and catalog.facts(method).data == "unpaired":
+        if task == "preference" and registry.spec(method).facts.data == "unpaired":
             _both_labels(_held_out_labels(cfg))
         if task == "reward":  # the held-out prompt rows it reads carry what the reward functions read
             import itertools
@@ -189,7 +189,7 @@ def preference(ctx) -> dict:
     from workbench.data.preference import tokenise_preferences
     from workbench.methods.dpo import collate
 
-    if catalog.facts(ctx.cfg.method.name).data == "unpaired" and _unpaired_held_out(ctx):
+    if registry.spec(ctx.cfg.method.name).facts.data == "unpaired" and _unpaired_held_out(ctx):
         return _unpaired_preference(ctx)
     rows = ctx.cached("preference/pairs", lambda: _held_out(ctx, lambda s, *a: tokenise_preferences(s, *a).pairs))
     bs, pad = ctx.eval_cfg.batch_size, ctx.tokenizer.pad_token_id

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workbench.core.errors import UserError
 from workbench.data import arith
 from workbench.data.recipes import RECIPES_DIR
-from workbench.errors import UserError
 from workbench.rollout.generate import generate
 
 ARITH = ("arith_add2", "arith_add3", "arith_mul1", "arith_pref", "arith_rm")
@@ -94,7 +94,7 @@ def lookup(task: str) -> Callable:
     if ":" not in task:
         raise UserError(f"eval.tasks: unknown task {task!r}; built-ins are {list(TASKS)}, or name your own "
                         "hook as 'package.module:function'")
-    from workbench.imports import user_function
+    from workbench.core.imports import user_function
 
     return user_function(task, "eval.tasks")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from workbench.errors import UserError, missing_package
+from workbench.core.errors import UserError, missing_package
 
 PREFIX = "lm_eval:"
 

@@ -7,11 +7,9 @@ proceed in this process.
 
 from __future__ import annotations
 
-import importlib
 import os
 
-# launcher name -> module in this package with `launch(cfg) -> dict`
-LAUNCHERS: dict[str, str] = {"slurm": "slurm", "ray": "ray_train", "modal": "modal_app", "runpod": "runpod_pod"}
+LAUNCHERS = ("slurm", "ray", "modal", "runpod")  # besides local; each module has `launch(cfg) -> dict`
 
 
 def under_distributed_launcher() -> bool:
@@ -23,10 +21,25 @@ def dispatch(cfg):
     name = cfg.launcher.name if cfg.launcher is not None else "local"
     if name != "local":
         if name not in LAUNCHERS:
-            from workbench.errors import UserError
+            from workbench.core.errors import UserError
 
             raise UserError(f"launcher={name!r} is not one of {['local', *sorted(LAUNCHERS)]}")
-        return importlib.import_module(f"workbench.launch.{LAUNCHERS[name]}").launch(cfg)
+        return _module(name).launch(cfg)
     if cfg.hardware.procs * cfg.hardware.nodes > 1 and not under_distributed_launcher():
-        return importlib.import_module("workbench.launch.torchrun").launch(cfg)
+        from workbench.launch import torchrun
+
+        return torchrun.launch(cfg)
     return None
+
+
+def _module(name: str):
+    """The launcher's module, imported only when chosen (its engine is an optional extra)."""
+    if name == "slurm":
+        from workbench.launch import slurm as module
+    elif name == "ray":
+        from workbench.launch import ray_train as module
+    elif name == "modal":
+        from workbench.launch import modal_app as module
+    else:
+        from workbench.launch import runpod_pod as module
+    return module

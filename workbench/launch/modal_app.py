@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workbench.errors import UserError, missing_package
+from workbench.core.errors import UserError, missing_package
 from workbench.launch import remote
 
 ROOT = Path(__file__).resolve().parents[2]

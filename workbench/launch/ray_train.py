@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workbench.errors import UserError, missing_package
+from workbench.core.errors import UserError, missing_package
 from workbench.launch import remote
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,8 +65,8 @@ def worker(loop_cfg: dict) -> None:
     import ray.train
     from omegaconf import OmegaConf
 
-    from workbench.config import validate
-    from workbench.runner import Runner
+    from workbench.config.validate import validate
+    from workbench.train.runner import Runner
 
     os.environ.update(loop_cfg["env"])
     ctx = ray.train.get_context()

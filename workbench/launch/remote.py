@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from workbench import manifest
+from workbench.telemetry import manifest
 
 CONFIG_NAME = "job_config"
 LAUNCH_SUBDIR = "launch"
@@ -95,7 +95,7 @@ def read_results(run_dir: str | Path) -> dict:
 
 def launcher_config(schema, cfg: DictConfig):
     """`cfg.launcher` checked against a launcher module's `Config` dataclass (UserError names the field)."""
-    from workbench.config import _merge
+    from workbench.config.validate import _merge
 
     node = OmegaConf.to_container(cfg.launcher, resolve=True) if cfg.launcher is not None else {}
     return _merge(schema, OmegaConf.create(node), "launcher")

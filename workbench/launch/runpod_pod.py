@@ -20,7 +20,7 @@ import shlex
 import time
 from dataclasses import dataclass, field
 
-from workbench.errors import UserError, missing_package
+from workbench.core.errors import UserError, missing_package
 from workbench.launch import remote
 
 # hardware.accelerator -> RunPod gpuTypeId

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from workbench.errors import UserError, missing_package
+from workbench.core.errors import UserError, missing_package
 from workbench.launch import remote
 
 

@@ -39,7 +39,7 @@ def worker_args(cfg) -> list[str]:
         main = [s for s in hc.runtime.config_sources if s.provider == "main"]
         if main and main[0].schema == "file":
             path = Path(main[0].path).resolve()
-            from workbench.config import CONF_DIR
+            from workbench.config.files import CONF_DIR
 
             if path != CONF_DIR.resolve() or hc.job.config_name != "train":
                 primary = ["--config-path", str(path), "--config-name", hc.job.config_name]
@@ -68,7 +68,7 @@ def launch(cfg) -> dict | None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from workbench.resolved import resolve
+    from workbench.config.resolved import resolve
 
     resolve(cfg)  # the rule table (e.g. deepspeed missing) speaks before any worker starts
     # Presets of the hardware profile (NCCL transport settings and the like) reach every worker;

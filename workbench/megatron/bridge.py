@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 from workbench.megatron.model import family, head_dim, n_experts, padded_vocab
 
 

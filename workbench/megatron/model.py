@@ -10,7 +10,7 @@ RoPE (default or llama3 scaling) -> position_embedding_type="rope"; GQA -> num_q
 Qwen2's q/k/v biases -> add_qkv_bias; Qwen3's q/k RMSNorm -> qk_layernorm; Mixtral's sparse
 MoE -> Megatron-Core MoE layers (SequentialMLP experts, top-k softmax router, no aux loss,
 as Mixtral's HF forward computes). The layer spec is Megatron-Core's local (non-TE) spec with
-the attention core replaced (see cpu_shim.py for why).
+the attention core of attention.py (torch SDPA, on every device).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.errors import UserError, missing_package
+from workbench.core.errors import UserError, missing_package
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mixtral")
 
@@ -142,7 +142,7 @@ def transformer_config(hf_config, par: Parallel, dtype: torch.dtype):
 def layer_spec(hf_config, config):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from workbench.megatron.cpu_shim import sdp_attention
+    from workbench.megatron.attention import sdp_attention
 
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=config.qk_layernorm, normalization="RMSNorm")

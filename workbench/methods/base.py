@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from workbench.batch import StepBatch
+from workbench.train.batch import StepBatch
 
 
 class Method(Protocol):

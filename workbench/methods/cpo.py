@@ -41,12 +41,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workbench.batch import StepBatch
+from workbench.core.errors import UserError
 from workbench.data.pair_tree import tree_batch
-from workbench.errors import UserError
 from workbench.methods.base import Method
 from workbench.methods.dpo import pair_logps
 from workbench.methods.pairs import PairStream, preference_metrics
+from workbench.methods.spec import MethodFacts, MethodSpec
+from workbench.train.batch import StepBatch
 
 LOSSES = ("sigmoid", "hinge", "ipo", "simpo")
 AVERAGED = ("ipo", "simpo")  # losses on per-token mean log-probs (length-normalised)
@@ -142,3 +143,7 @@ class CPO(Method):
 
 def build(cfg, ctx) -> CPO:
     return CPO(cfg, ctx)
+
+
+SPEC = MethodSpec(name="cpo", config=Config, build=build,
+                  facts=MethodFacts(data="preference", sequences=2, eval="preference"))

@@ -49,16 +49,17 @@ from pathlib import Path
 
 import torch
 
-from workbench.batch import StepBatch
+from workbench.core.errors import UserError
+from workbench.data.chat import IGNORE
 from workbench.data.collate import pad_batch
-from workbench.data.formats import IGNORE
 from workbench.data.mixing import Mixture
 from workbench.data.overfit import Overfit
 from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
-from workbench.errors import UserError
 from workbench.methods.base import Method
+from workbench.methods.spec import MethodFacts, MethodSpec
 from workbench.rollout.generate import generate_ids
+from workbench.train.batch import StepBatch
 
 
 @dataclass
@@ -91,10 +92,11 @@ def check(cfg, root) -> None:
 
 # -- the teacher: which model, and is its vocabulary the student's --------------------------
 def teacher_config(spec: str, student):
-    """The teacher as a model config (workbench/config.py ModelConfig), read from files only."""
+    """The teacher as a model config (workbench/config/schema.py ModelConfig), read from files only."""
     from omegaconf import OmegaConf
 
-    from workbench.config import CONF_DIR, ModelConfig, load_group_file
+    from workbench.config.files import CONF_DIR, load_group_file
+    from workbench.config.schema import ModelConfig
     from workbench.models.auto import adopt
 
     where = f"method.teacher={spec!r}"
@@ -215,9 +217,9 @@ class Distill(Method):
     # -- teacher -------------------------------------------------------------------------
     def attach(self, backend) -> None:
         """Load the teacher once, frozen, in eval mode, on the run's device."""
-        from workbench import precision
         from workbench.models.head import SelectiveLM
         from workbench.models.load import load_model
+        from workbench.train import precision
 
         run = self.ctx.run
         try:
@@ -251,8 +253,8 @@ class Distill(Method):
 
     def _student_rows(self, backend, examples: list) -> tuple[list, list[int], list]:
         """(prompt + sampled completion, labels on the completion) for each example, the
-        completions' lengths and the generation's forward passes (workbench.batch.Forward)."""
-        from workbench import precision
+        completions' lengths and the generation's forward passes (workbench.train.batch.Forward)."""
+        from workbench.train import precision
 
         c, tok, eot = self.cfg, self.ctx.tokenizer, self.ctx.contract.end_of_turn_id
         prompts = [ids[:prompt_length(labels)] for ids, labels in examples]
@@ -311,3 +313,7 @@ class Distill(Method):
 
 def build(cfg, ctx) -> Distill:
     return Distill(cfg, ctx)
+
+
+SPEC = MethodSpec(name="distill", config=Config, build=build,
+                  facts=MethodFacts(data="sft", teacher=True, generates=True))  # on-policy on a share (lmbda) of steps

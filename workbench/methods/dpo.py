@@ -39,14 +39,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workbench.batch import StepBatch
+from workbench.core.errors import UserError
 from workbench.data.collate import pad_batch
 from workbench.data.overfit import Overfit
 from workbench.data.pair_tree import takes_pairs, tree_batch, tree_fits
 from workbench.data.preference import pairs_report, read_pairs
-from workbench.errors import UserError
 from workbench.methods.base import Method
 from workbench.methods.reference import Reference
+from workbench.methods.spec import MethodFacts, MethodSpec
+from workbench.train.batch import StepBatch
 
 LOSSES = ("sigmoid", "ipo", "hinge")
 REFERENCES = ("auto", "adapter", "copy", "precomputed")
@@ -142,7 +143,7 @@ class DPO(Method):
         self.ctx = ctx
         self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
         check(cfg)
-        self.reference = ctx.run.reference  # workbench/resolved.py
+        self.reference = ctx.run.reference  # workbench/config/resolved.py
         self.ref: Reference | None = None  # adapter / copy (workbench/methods/reference.py)
         self.ref_logps: list[torch.Tensor] | None = None  # per source: (rows, 2) chosen, rejected
         self._pairs_in_step = 1.0
@@ -187,7 +188,8 @@ class DPO(Method):
     def _precompute(self, module) -> list[torch.Tensor]:
         from safetensors.torch import load_file, save_file
 
-        from workbench import cache, precision
+        from workbench.core import cache
+        from workbench.train import precision
 
         entry = cache.root() / "ref_logps" / self._fingerprint()
         if cache.problem(entry, ("logps.safetensors",)) is None:
@@ -293,3 +295,7 @@ def preference_accuracy(model, tokenizer, contract, rows: list[dict], batch_size
 
 def build(cfg, ctx) -> DPO:
     return DPO(cfg, ctx)
+
+
+SPEC = MethodSpec(name="dpo", config=Config, build=build,
+                  facts=MethodFacts(data="preference", sequences=2, reference="method", eval="preference"))

@@ -43,18 +43,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from workbench.batch import Forward, StepBatch
+from workbench.core.errors import UserError
+from workbench.data.chat import IGNORE, prompt_ids
 from workbench.data.collate import pad_batch
-from workbench.data.formats import IGNORE, prompt_ids
 from workbench.data.mixing import Mixture
 from workbench.data.overfit import Overfit
 from workbench.data.pair_tree import branch_batch, tree_fits
 from workbench.data.preference import read_prompts
 from workbench.data.recipes import load_recipe
-from workbench.errors import UserError
 from workbench.methods.base import Method
 from workbench.methods.reference import Reference
+from workbench.methods.spec import MethodFacts, MethodSpec
 from workbench.rollout import advantages, objectives, rewards
+from workbench.train.batch import Forward, StepBatch
 
 
 @dataclass
@@ -254,7 +255,7 @@ class GRPO(Method):
         module = backend.unwrapped()
         self.tree = self.cfg.share_prompt and tree_fits(module, self.ctx.cfg.data.seq_len + self.cfg.max_new_tokens,
                                                         "using one row per completion")
-        reference = self.ctx.run.reference  # none (beta=0) | adapter | copy: workbench/resolved.py
+        reference = self.ctx.run.reference  # none (beta=0) | adapter | copy: workbench/config/resolved.py
         if reference != "none":
             self.ref = Reference(reference, module)
         if self.cfg.engine == "vllm":
@@ -272,8 +273,8 @@ class GRPO(Method):
                 out = [ids for group in out for ids in group]
             eot, pad = self.ctx.contract.end_of_turn_id, self.ctx.tokenizer.pad_token_id
             return [[t for t in (ids[: ids.index(eot)] if eot in ids else ids) if t != pad] for ids in out]
-        from workbench import precision
         from workbench.rollout.generate import generate
+        from workbench.train import precision
 
         with backend.generation() as (model, synced):
             return generate(model, self.ctx.tokenizer, convs, c.max_new_tokens, self.ctx.contract.end_of_turn_id,
@@ -484,3 +485,7 @@ def _all_max(value: int) -> int:
 
 def build(cfg, ctx) -> GRPO:
     return GRPO(cfg, ctx)
+
+
+SPEC = MethodSpec(name="grpo", config=Config, build=build,
+                  facts=MethodFacts(data="prompts", reference="kl", generates=True, eval="reward"))

@@ -50,17 +50,18 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.batch import StepBatch
+from workbench.core.errors import UserError
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture
 from workbench.data.overfit import Overfit
 from workbench.data.pipeline import tokenizer_digest
 from workbench.data.recipes import load_recipe
 from workbench.data.unpaired import Unpaired, tokenise_unpaired
-from workbench.errors import UserError
 from workbench.methods.base import Method
 from workbench.methods.dpo import REFERENCES, sequence_logps
 from workbench.methods.reference import Reference
+from workbench.methods.spec import MethodFacts, MethodSpec
+from workbench.train.batch import StepBatch
 
 LOSSES = ("kto", "apo_zero_unpaired")
 
@@ -134,7 +135,7 @@ class KTO(Method):
         self.ctx = ctx
         self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
         check(cfg, ctx.cfg.train)
-        self.reference = ctx.run.reference  # workbench/resolved.py (auto -> adapter / copy)
+        self.reference = ctx.run.reference  # workbench/config/resolved.py (auto -> adapter / copy)
         self.ref: Reference | None = None  # adapter / copy (workbench/methods/reference.py)
         self.kl = cfg.loss_type == "kto"
         self._counts = (1.0, 1.0, 1.0)  # examples, desirable, undesirable in this rank's step
@@ -211,3 +212,7 @@ class KTO(Method):
 
 def build(cfg, ctx) -> KTO:
     return KTO(cfg, ctx)
+
+
+SPEC = MethodSpec(name="kto", config=Config, build=build,
+                  facts=MethodFacts(data="unpaired", sequences=2, reference="method", eval="preference"))

@@ -35,14 +35,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workbench.batch import StepBatch
-from workbench.data.formats import IGNORE
+from workbench.core.errors import UserError
+from workbench.data.chat import IGNORE
 from workbench.data.pair_tree import tree_batch
 from workbench.data.preference import Pair
-from workbench.errors import UserError
 from workbench.methods.base import Method
 from workbench.methods.dpo import collate, tree_token_logps
 from workbench.methods.pairs import PairStream, completion_tokens, preference_metrics
+from workbench.methods.spec import MethodFacts, MethodSpec
+from workbench.train.batch import StepBatch
 
 
 @dataclass
@@ -174,3 +175,7 @@ class ORPO(Method):
 
 def build(cfg, ctx) -> ORPO:
     return ORPO(cfg, ctx)
+
+
+SPEC = MethodSpec(name="orpo", config=Config, build=build,
+                  facts=MethodFacts(data="preference", sequences=2, eval="preference"))

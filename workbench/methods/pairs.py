@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from workbench.batch import StepBatch
-from workbench.data.formats import IGNORE
+from workbench.data.chat import IGNORE
 from workbench.data.overfit import Overfit
 from workbench.data.preference import Pair, pairs_report, read_pairs
 from workbench.methods.dpo import collate
+from workbench.train.batch import StepBatch
 
 
 def completion_tokens(pair: Pair) -> int:

@@ -1,6 +1,6 @@
 """The frozen reference model a loss compares against (DPO, KTO, GRPO's KL), set up once.
 
-`workbench/resolved.py` decides which (`run.reference`): `adapter`, the policy itself with its
+`workbench/config/resolved.py` decides which (`run.reference`): `adapter`, the policy itself with its
 PEFT adapters disabled (no second copy in memory), or `copy`, a frozen deep copy of the initial
 model. `precomputed` log-probs are the method's own business (DPO caches them).
 """
@@ -12,7 +12,7 @@ import copy
 
 import torch
 
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 
 
 class Reference:

@@ -29,7 +29,7 @@ scripts/bench.py pair_eval`); the export's parity gate keeps two right-padded ro
 the classifier reads.
 
 With peft the head trains beside the adapters (it is created after PEFT froze the base). The
-export (workbench/export.py) is a transformers *ForSequenceClassification with the adapters
+export (workbench/export/write.py) is a transformers *ForSequenceClassification with the adapters
 merged: `AutoModelForSequenceClassification.from_pretrained(<run>/export/merged)` scores as the
 trained model did.
 
@@ -44,12 +44,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workbench.batch import StepBatch
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 from workbench.methods import dpo
 from workbench.methods.base import Method
 from workbench.methods.pairs import PairStream
+from workbench.methods.spec import MethodFacts, MethodSpec
 from workbench.models import value_head
+from workbench.train.batch import StepBatch
 
 
 @dataclass
@@ -185,3 +186,8 @@ def pair_rewards(model, pairs: list, pad_id: int, batch_size: int = 16, autocast
 
 def build(cfg, ctx) -> RewardModel:
     return RewardModel(cfg, ctx)
+
+
+SPEC = MethodSpec(name="rm", config=Config, build=build,
+                  facts=MethodFacts(data="preference", sequences=2, scalar_head=True, eval="reward_accuracy",
+                                    embedded_eval="arith_rm"))

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
-from workbench.batch import StepBatch
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture
 from workbench.data.overfit import Overfit
 from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
 from workbench.methods.base import Method
+from workbench.methods.spec import MethodFacts, MethodSpec
+from workbench.train.batch import StepBatch
 
 
 @dataclass
@@ -128,3 +129,7 @@ class SFT(Method):
 
 def build(cfg, ctx) -> SFT:
     return SFT(cfg, ctx)
+
+
+SPEC = MethodSpec(name="sft", config=Config, build=build,
+                  facts=MethodFacts(data="sft"))

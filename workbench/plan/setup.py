@@ -1,27 +1,8 @@
-"""What the planner reads from a run config, in one flat record.
-
-Precision, peft, the reference strategy and the parallel layout come from the resolved run
-(workbench/resolved.py); fields owned by one backend or method (stage, offload, generations) are
-read by their schema names with defaults, so the planner works for any backend or method config.
-"""
+"""What the planner reads from a run config, in one flat record (made by plan/make.py from_cfg)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-
-from omegaconf import OmegaConf
-
-from workbench.catalog import facts as method_facts
-from workbench.resolved import derive
-
-
-def pick(cfg, keys, default):
-    """The first of `keys` that is set in cfg, else default."""
-    for key in [keys] if isinstance(keys, str) else keys:
-        value = OmegaConf.select(cfg, key, default=None)
-        if value is not None:
-            return value
-    return default
 
 
 @dataclass(frozen=True)
@@ -64,40 +45,3 @@ class Setup:
 
     def but(self, **kw) -> Setup:
         return replace(self, **kw)
-
-
-def _flag(value) -> bool:
-    if isinstance(value, str):
-        return value.lower() not in ("", "none", "false", "no", "0")
-    return bool(value)
-
-
-def from_cfg(cfg, devices: int | None = None) -> Setup:
-    """Fields by their schema names (a backend or method without one gets the default)."""
-    backend = pick(cfg, "backend.name", "single")
-    stage = int(pick(cfg, "backend.stage", 3 if backend == "fsdp2" else 0))
-    ckpt = pick(cfg, "backend.activation_checkpointing" if backend != "megatron" else "backend.recompute", None)
-    if ckpt is None or not _flag(ckpt):
-        ckpt = "full" if cfg.model.gradient_checkpointing else "none"
-    elif ckpt not in ("selective",):
-        ckpt = "full"
-    method = pick(cfg, "method.name", "sft")
-    use_vllm = method_facts(method).generates and pick(cfg, "method.engine", "hf") == "vllm"
-    run = derive(cfg)  # precision, peft and the reference strategy, as the run will have them
-    ref = {"precomputed": "precompute"}.get(run.reference, run.reference)
-    host = _flag(pick(cfg, "backend.cpu_offload", False))  # fsdp2: parameters, gradients and optimizer state
-    return Setup(
-        method=method, peft=run.peft.kind, lora_r=int(cfg.peft.r), double_quant=bool(cfg.peft.double_quant),
-        precision=run.precision.name, optimizer=cfg.optim.name, backend=backend, stage=stage,
-        offload_optimizer=host or _flag(pick(cfg, "backend.offload_optimizer", False)),
-        offload_params=host or _flag(pick(cfg, "backend.offload_param", False)),
-        devices=devices or cfg.hardware.procs * cfg.hardware.nodes, device=cfg.hardware.device,
-        tp=run.layout.tp, pp=run.layout.pp, cp=run.layout.cp, ep=int(pick(cfg, "backend.ep", 1)),
-        micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum, seq_len=cfg.data.seq_len,
-        checkpointing=ckpt, checkpoint_every=int(pick(cfg, "backend.selective_every", 2)),
-        select_fraction=float(pick(cfg, "plan.select_fraction", 1.0)),
-        dpo_ref=ref, teacher_scale=float(pick(cfg, "plan.teacher_scale", 1.0)),
-        generations=int(pick(cfg, "method.num_generations", 8)),
-        completion_len=int(pick(cfg, "method.max_new_tokens", 256)),
-        vllm_fraction=float(pick(cfg, "method.vllm_gpu_memory_utilization", 0.3)) if use_vllm else 0.0,
-    )

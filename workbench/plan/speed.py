@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workbench.catalog import facts as method_facts
+from workbench.methods import registry
 
 
 def train_flops_per_token(n_active: float, n_trainable: float, peft: str, method: str = "sft",
                           ref: str = "none") -> float:
     flops = 6.0 * n_active if peft == "none" else 4.0 * n_active + 2.0 * n_trainable
-    need = method_facts(method)
+    need = registry.spec(method).facts
     if ref in ("adapter", "copy"):
         flops += 2.0 * n_active  # the reference model's forward pass
     if need.teacher:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.data.formats import prompt_ids
+from workbench.data.chat import prompt_ids
 
 
 def gumbel_max():
@@ -91,7 +91,7 @@ def _forward_passes(distinct: int | None, width: int, rows: int, generated: int,
     last position (keep_one) or on all of them, then one decode step per generated token after
     the first, each row attending to the prompt and the tokens so far. On the shared path the
     first "decode" step is the prompts' last token."""
-    from workbench.batch import Forward
+    from workbench.train.batch import Forward
 
     if distinct is not None:
         prefill = Forward(distinct, width - 1, width - 1, distinct * (1 if keep_one else width - 1))
@@ -111,7 +111,7 @@ def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: 
     synced: every rank keeps stepping until all ranks are done (parameters sharded over ranks).
     dedup: prefill each distinct prompt once and share its KV cache (see the module docstring);
     False: HF's plain path, which prefills every one of the len(conversations) x G rows.
-    passes: a list that receives the forward passes made (workbench.batch.Forward), for the FLOP count."""
+    passes: a list that receives the forward passes made (workbench.train.batch.Forward), for the FLOP count."""
     prompts = [prompt_ids(tokenizer, c) for c in conversations]
     return generate_ids(model, prompts, max_new_tokens, eot_id, tokenizer.pad_token_id, do_sample=do_sample,
                         temperature=temperature, top_p=top_p, num_return_sequences=num_return_sequences,

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 
 LEVELS = ("token", "sequence", "sequence_sum")
 CLIPPED = ("grpo", "dapo", "dr_grpo")  # hard clipping, differing only in normalisation

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.errors import UserError
+from workbench.core.errors import UserError
 
 
 def model_dir(path) -> Path:
@@ -83,7 +83,7 @@ def _load(directory: str, device: str):
     training rollouts and the `reward` evaluation resolve the reward separately and share these."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from workbench.data.formats import setup_tokenizer
+    from workbench.data.chat import setup_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     contract = setup_tokenizer(tokenizer)
@@ -123,7 +123,7 @@ class ModelReward:
 
     def encode(self, prompts: list, completions: list[str]) -> list[list[int]]:
         """Token ids of each prompt + completion as method=rm tokenised its pairs."""
-        from workbench.data.formats import tokenize_chats
+        from workbench.data.chat import tokenize_chats
 
         convs = [list(p) + [{"role": "assistant", "content": c}] for p, c in zip(prompts, completions)]
         return [ids for ids, _labels in tokenize_chats(self.tokenizer, convs, self.contract, "assistant")]
@@ -156,7 +156,7 @@ class ModelReward:
     def tree_scores(self, prompts, seqs: list[list[int]]) -> list[float]:
         """One row per prompt (its completions as branches), the score head at the position the
         classifier reads: each sequence's last token that is not the pad token."""
-        from workbench.data.formats import IGNORE
+        from workbench.data.chat import IGNORE
         from workbench.data.pair_tree import branch_batch, columns
 
         pad = self.model.config.pad_token_id

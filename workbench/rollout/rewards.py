@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.core.errors import UserError
 from workbench.data import arith
-from workbench.errors import UserError
 
 _NUMBER = re.compile(r"-?\d+")
 
@@ -80,7 +80,7 @@ def _lookup(name: str, spec) -> Callable:
     if ":" not in name:
         raise UserError(f"reward: unknown reward function {name!r}; built-ins are {sorted(REGISTRY)} and 'model', "
                         "or name your own as 'package.module:function'")
-    from workbench.imports import user_function
+    from workbench.core.imports import user_function
 
     return user_function(name, "reward")
 

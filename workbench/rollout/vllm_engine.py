@@ -186,7 +186,7 @@ class VLLMEngine:
         """Completion ids, grouped per prompt: prompt 0's generations, then prompt 1's, ...
 
         End-of-turn and anything after it are stripped, as in rollout.generate."""
-        from workbench.data.formats import prompt_ids
+        from workbench.data.chat import prompt_ids
 
         self.wake()
         prompts = [prompt_ids(self.tokenizer, c) for c in conversations]

@@ -1,0 +1,217 @@
+"""The run, derived: every decision the validated config implies, made once.
+
+    from workbench.config.resolved import resolve
+    run = resolve(cfg)        # cfg from config.validate(); refuses a broken combination (rules.py)
+    run = derive(cfg)         # the same facts without the rules (the planner sizes anything)
+    run.precision.compute_dtype, run.load_dtype, run.export_dtype
+    run.peft.adapter, run.peft.quantised, run.peft.quant_storage
+    run.reference             # none | adapter | copy | precomputed
+    run.layout.dp, run.layout.dp_rank, run.layout.tp, run.layout.pp
+    run.batch.size            # sequences (or completions) per optimizer step, all ranks
+
+Preflight, the planner, the runner, the backends, the methods and export read this object. None
+of them derives these facts again, and none writes to the config: `config.validate` returns it
+read-only. `tests/unit/test_resolved.py` holds the code to that (grep-level).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+from omegaconf import DictConfig
+
+from workbench.methods import registry
+from workbench.methods.spec import MethodFacts
+from workbench.train import precision
+
+REFERENCES = ("none", "adapter", "copy", "precomputed")
+
+
+@dataclass(frozen=True)
+class Peft:
+    kind: str  # none | lora | qlora | dora
+    quant_storage: str  # storage dtype of packed 4-bit weights (a float dtype when sharded)
+
+    @property
+    def adapter(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def quantised(self) -> bool:
+        return self.kind == "qlora"
+
+    @property
+    def dora(self) -> bool:
+        return self.kind == "dora"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Ranks and parallel degrees. Megatron orders ranks tensor-fastest, then context, then data,
+    then pipeline, so the data-parallel rank of global rank r is (r // (tp * cp)) % dp."""
+
+    rank: int = 0
+    world: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        return max(1, self.world // self.model_parallel)
+
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // (self.tp * self.cp)) % self.dp
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    micro: int  # rows per micro-batch on one rank
+    accum: int  # micro-batches per optimizer step
+    dp: int  # data-parallel ranks
+
+    @property
+    def size(self) -> int:
+        return self.micro * self.accum * self.dp
+
+    def describe(self) -> str:
+        return f"{self.micro} per micro-batch x {self.accum} accumulated x {self.dp} data-parallel = {self.size}"
+
+
+@dataclass(frozen=True)
+class Run:
+    cfg: DictConfig  # validated and read-only
+    device: str
+    precision: precision.Policy
+    peft: Peft
+    reference: str
+    layout: Layout
+    batch: GlobalBatch
+    facts: MethodFacts  # what the method needs (workbench/methods/spec.py)
+    warnings: tuple[str, ...] = ()  # rules about this machine that only warn (planning, remote launch)
+
+    def on(self, device: str) -> Run:
+        """The same run with its weights on another device (a plain copy rebuilt on the CPU)."""
+        return replace(self, device=device)
+
+    @property
+    def load_dtype(self) -> torch.dtype:
+        """Base weights load in the policy's half dtype under adapters (they stay frozen);
+        a full fine-tune loads fp32 and casts per parameter (precision.cast_params)."""
+        return self.precision.load_dtype if self.peft.adapter else torch.float32
+
+    @property
+    def export_dtype(self) -> torch.dtype:
+        """Merged weights are written in fp32 for fp32 runs, else in bf16."""
+        return torch.float32 if self.precision.name == "fp32" else torch.bfloat16
+
+    @property
+    def pad_free(self) -> bool:
+        """SFT micro-batches may be packed padding-free (data.pad_free), except under Megatron,
+        whose RoPE takes positions 0..T-1 only (packed rows restart them per example)."""
+        return bool(self.cfg.data.get("pad_free", False)) and self.cfg.backend.name != "megatron"
+
+    @property
+    def merge_source(self) -> torch.dtype:
+        """The dtype merged weights come from: adapters merge in fp32 (peft), a full fine-tune's
+        weights are its trainable dtype."""
+        return torch.float32 if self.peft.adapter else self.precision.trainable_dtype
+
+    def summary(self) -> dict:
+        return {"device": self.device, "precision": self.precision.name, "compute_dtype": _name(self.precision.compute_dtype),
+                "load_dtype": _name(self.load_dtype), "export_dtype": _name(self.export_dtype), "peft": self.peft.kind,
+                "quant_storage": self.peft.quant_storage if self.peft.quantised else None, "reference": self.reference,
+                "world": self.layout.world, "dp": self.layout.dp, "tp": self.layout.tp, "pp": self.layout.pp,
+                "cp": self.layout.cp, "global_batch": self.batch.size,
+                **({"precision_auto": precision.choose(self.device)[1]} if self.cfg.precision.name == "auto" else {})}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _method(cfg) -> DictConfig | None:
+    return cfg.get("method")
+
+
+def _backend(cfg) -> DictConfig | None:
+    return cfg.get("backend")
+
+
+def sharded(cfg) -> bool:
+    """Whether the backend shards parameters (FSDP2, ZeRO-3)."""
+    b = _backend(cfg)
+    name = b.name if b is not None else "single"
+    return name == "fsdp2" or (name == "deepspeed" and int(b.get("stage", 0)) == 3)
+
+
+def reference(cfg) -> str:
+    """The reference model a method's loss needs (workbench/methods/spec.py): DPO and KTO by
+    method.reference (auto: the adapter-free base under peft, a frozen copy without), GRPO only
+    for its KL term (beta > 0), reference-free methods none."""
+    m = _method(cfg)
+    need = registry.spec(m.name if m is not None else "sft").facts.reference
+    adapter = cfg.peft.kind != "none"
+    if need == "method":
+        ref = m.get("reference", "auto")
+        return ("adapter" if adapter else "copy") if ref == "auto" else ref
+    if need == "kl" and m.get("beta", 0.0):
+        return "adapter" if adapter else "copy"
+    return "none"
+
+
+def quant_storage(cfg) -> str:
+    """QLoRA under sharding: packed 4-bit weights are stored in a float dtype so FSDP/ZeRO can
+    flatten and shard them with the other parameters (uint8 storage cannot be); the policy's
+    frozen dtype unless a float one was chosen."""
+    storage = cfg.peft.quant_storage
+    if cfg.peft.kind == "qlora" and sharded(cfg) and storage not in ("float32", "bfloat16", "float16"):
+        return _name(precision.spec(precision_name(cfg)).frozen_dtype)
+    return storage
+
+
+def precision_name(cfg) -> str:
+    """The precision the run trains in: the configured one, or for `precision=auto` what the
+    run's device does fastest (precision.choose)."""
+    name = cfg.precision.name
+    return precision.choose(cfg.hardware.device)[0] if name == "auto" else name
+
+
+def layout(cfg, rank: int | None = None, world: int | None = None) -> Layout:
+    """Inside a launched process the launcher's RANK / WORLD_SIZE are the truth; before launch,
+    the request (hardware.procs x hardware.nodes)."""
+    if world is None:
+        world = int(os.environ.get("WORLD_SIZE") or int(cfg.hardware.procs) * int(cfg.hardware.nodes))
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    b = _backend(cfg)
+    par = {k: int(b[k]) for k in ("tp", "pp", "cp") if b is not None and k in b}
+    return Layout(rank=rank, world=world, **par)
+
+
+def derive(cfg: DictConfig, rank: int | None = None, world: int | None = None, here: bool = False) -> Run:
+    """The facts alone, no rules: the planner sizes whatever it is asked about. `here`: the run
+    trains in this process (fp8 picks its library)."""
+    lay = layout(cfg, rank, world)
+    name = precision_name(cfg)
+    pol = precision.policy(name) if here else precision.spec(name)
+    return Run(cfg=cfg, device=cfg.hardware.device, precision=pol, peft=Peft(cfg.peft.kind, quant_storage(cfg)),
+               reference=reference(cfg), layout=lay,
+               batch=GlobalBatch(cfg.train.micro_batch_size, cfg.train.grad_accum, lay.dp),
+               facts=registry.spec(cfg.method.name).facts)
+
+
+def needs_bitsandbytes(cfg) -> bool:
+    """QLoRA, or a loader that may quantise (unsloth); others need not import bitsandbytes."""
+    return cfg.peft.kind == "qlora" or cfg.model.loader != "hf"

@@ -1,0 +1,336 @@
+"""Typed schemas for every config group: the dataclasses Hydra composes onto.
+
+Each YAML of a schema-backed group (conf/<group>/) starts with `defaults: [_schema, _self_]`, so
+Hydra composes it onto the dataclass here; an unknown key (`optim.lrr`) or a wrong type
+(`optim.lr=abc`) fails while it composes. Method and backend options live beside their code
+(`workbench/methods/<name>.py`, `workbench/backends/<name>.py`, each with a `Config` dataclass,
+registered in `workbench/methods/registry.py` and `workbench/backends/registry.py`).
+`workbench/config/validate.py` applies all of them to a composed config.
+
+Run `python -m workbench --cfg job` to see the composed config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import OmegaConf
+
+
+def job_dir(default: str) -> str:
+    """`output_dir` under Hydra: the job's sweep subdir in multirun, else `default`."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+    except ImportError:
+        return default
+    if not HydraConfig.initialized():
+        return default
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        out = OmegaConf.select(hc, "runtime.output_dir", default=None)
+        if out:
+            return str(out)
+    return default
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("workbench.job_dir"):
+        OmegaConf.register_new_resolver("workbench.job_dir", job_dir)
+
+
+# conf/train.yaml's output_dir goes through ${workbench.job_dir:...}: each multirun job trains in
+# its own sweep subdir.
+register_resolvers()
+
+
+@dataclass
+class ArchConfig:
+    """Architecture numbers: enough to build the model on the meta device and plan it."""
+
+    family: str = "llama"  # llama | qwen2 | qwen3 | mixtral
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int | None = None
+    intermediate: int = 128
+    vocab: int = 49152
+    max_position: int = 2048
+    experts: int = 0  # MoE: experts per layer (0 = dense)
+    experts_per_token: int = 0
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m"
+    # Where weights come from: `hub_id` (HF cache, then hub), `path` (a local HF dir wins over
+    # hub_id), `gguf_package` (a Python package shipping a .gguf file), or `tiny` (random init
+    # from `arch`, fixed seed; no weights at all).
+    hub_id: str | None = None
+    path: str | None = None
+    gguf_package: str | None = None
+    tokenizer: str | None = None  # a model name or dir whose tokenizer to use (tiny borrows one)
+    init_seed: int = 0
+    loader: str = "hf"  # hf | unsloth
+    attn_implementation: str = "sdpa"
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    arch: ArchConfig = field(default_factory=ArchConfig)
+    # Set by validation, not by hand: the config.json that `arch` was read from when the model is
+    # given by path or by a hub id of its own (workbench/models/auto.py); null for catalog entries.
+    arch_from: str | None = None
+
+
+@dataclass
+class PeftConfig:
+    kind: str = "none"  # none | lora | qlora | dora
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    # "all-linear" = every Linear in the decoder blocks; or an explicit list of module names.
+    target_modules: Any = "all-linear"
+    # QLoRA: frozen base weights stored as NF4 with double-quantised constants.
+    quant_type: str = "nf4"
+    double_quant: bool = True
+    # The dtype the packed 4-bit weights are stored in. uint8 is bitsandbytes' default; FSDP
+    # needs a float dtype it can shard (accelerate#3983), so backends may override it.
+    quant_storage: str = "uint8"
+
+
+@dataclass
+class DataConfig:
+    recipe: str | None = None  # data_recipes/<recipe>.yaml; null: the method's own (method.recipe)
+    seq_len: int = 256
+    packing: bool = False
+    # SFT: a micro-batch whose examples fit in fewer rows is packed into them (same examples,
+    # same loss, no compute on padding; workbench/data/packing.py pad_free)
+    pad_free: bool = True
+    chat_template: str | None = None  # a named override; default: the tokenizer's own
+    shuffle_seed: int = 1234
+    on_bad_row: str = "error"  # error | skip
+    preview: bool = False
+    preview_samples: int = 3
+    pack_len: int = 0  # tokens per packed row (0 = seq_len); must be >= seq_len
+    cache: bool = True  # reuse tokenised sources by fingerprint (workbench/data/cache.py)
+    cache_dir: str | None = None  # default: $WORKBENCH_CACHE/tokenised
+    # One file (or a list of files) instead of a recipe; validation turns it into an inline
+    # recipe held in `recipe` (workbench/data/recipes.py).
+    path: Any = None
+    format: str = "auto"  # the format of data.path's files (auto-detected per row by default)
+    # Held-out rows: a fraction (0.05), a row count (200) or a file; never trained on.
+    eval_split: Any = None
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    scheduler: str = "cosine"  # constant | linear | cosine
+    warmup_steps: int = 5
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class PrecisionConfig:
+    # fp32 | bf16 (pure bf16 weights and optimizer) | bf16-mixed (fp32 master weights,
+    # bf16 autocast) | fp16 (fp16 autocast with dynamic loss scaling) | fp8 (GPU only) | auto
+    # (bf16-mixed where the device has bf16 arithmetic, else fp32: precision.choose)
+    name: str = "auto"
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    micro_batch_size: int = 16
+    grad_accum: int = 1
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 0  # 0 = only at the end
+    keep_checkpoints: int = 2
+    resume: str = "auto"  # auto (latest in output_dir, if any) | never | <checkpoint dir>
+    export: bool = True
+    export_merged: bool = True
+    compile: bool = False
+    # NaN/Inf loss or gradients: skip up to this many steps, then stop (workbench/train/faults.py); 0 = stop
+    max_bad_steps: int = 0
+    # Keep the best evaluated checkpoint in checkpoints/best/ (workbench/train/keep_best.py): a metric
+    # such as loss/loss; mode auto = min for losses/perplexity, else max; export_best exports it.
+    keep_best: str | None = None
+    keep_best_mode: str = "auto"  # auto | min | max
+    export_best: bool = False
+    # PNG curves in <run_dir>/plots/, embedded in report.md and sent to the trackers (workbench/telemetry/plots.py)
+    plots: bool = True
+
+
+@dataclass
+class LmEvalConfig:
+    """eval.tasks=[lm_eval:<task or task.yaml>] (workbench/evals/lm_eval_task.py)."""
+
+    limit: int | None = None  # at most this many documents per task (None: all)
+    batch_size: int = 8
+    num_fewshot: int | None = None  # None: the task's own default
+
+
+@dataclass
+class EvalConfig:
+    every_n_steps: int = 0  # 0 = only before and after training
+    at_start: bool = True
+    at_end: bool = True
+    # built-ins (loss, preference, reward, generate, arith_*) or `package.module:function`
+    # (workbench/evals/hooks.py)
+    tasks: list[str] = field(default_factory=lambda: ["arith_add2"])
+    num_samples: int = 100  # at most this many held-out rows / questions per task
+    batch_size: int = 50
+    max_new_tokens: int = 8
+    prompts: Any = None  # `generate`: a list of prompts, or a .txt (one per line) / .jsonl file
+    generate_max_new_tokens: int = 64
+    lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)
+
+
+@dataclass
+class HardwareConfig:
+    name: str = "cpu"
+    device: str = "cpu"  # cpu | cuda
+    procs: int = 1  # processes per node (torchrun's nproc_per_node)
+    nodes: int = 1
+    threads: int = 0  # torch intra-op threads per process; 0 = leave as is
+    # Catalog facts (per device) used by the planner; 0 / empty where unknown.
+    accelerator: str = "cpu"
+    memory_gb: float = 0.0
+    bf16_tflops: float = 0.0
+    fp8_tflops: float = 0.0
+    interconnect: str = ""
+    price_per_hour: list[float] = field(default_factory=list)  # [low, high] USD per device-hour
+    price_date: str = ""
+    # Launch: torchrun elastic agent and rendezvous.
+    max_restarts: int = 0
+    rdzv_endpoint: str = ""  # host:port of the rendezvous (multi-node)
+    rdzv_id: str = "workbench"
+    node_rank: int = -1  # -1: let the rendezvous assign it
+    timeout_minutes: int = 30  # collective timeout
+    env: dict[str, str] = field(default_factory=dict)  # NCCL and other presets for this profile
+
+
+@dataclass
+class PlanConfig:
+    """The planner (workbench/plan/): printed by dry_run=true, checked before every run."""
+
+    json: bool = False  # dry_run prints the plan as JSON instead of tables
+    mfu: float = 0.4  # model-FLOPs utilisation assumed for time and cost
+    tokens: float = 0.0  # tokens the run trains on; 0 = max_steps x global batch x seq_len
+    select_fraction: float = 1.0  # share of positions with a loss (answer-only SFT needs fewer)
+    teacher_scale: float = 1.0  # method=distill: teacher parameters / student parameters (its frozen copy's memory)
+    hardware: list[str] = field(default_factory=list)  # profiles to compare; empty = all
+    enforce: bool = True  # refuse a real run whose plan does not fit the configured hardware
+
+
+@dataclass
+class ExportConfig:
+    """What the export writes besides the adapter and merged folders (workbench/export/write.py)."""
+
+    gguf: list[str] = field(default_factory=list)  # f32 | f16 | bf16 | q8_0 (workbench/export/gguf.py)
+    parity_prompts: int = 20  # held-out prompts the parity gate compares on (workbench/export/parity.py)
+    allow_mismatch: bool = False  # a failed parity gate is reported, not fatal
+    card: bool = True  # README.md model card in export/merged
+    push_to_hub: str | None = None  # org/name: upload export/merged (+ GGUF files); token from $HF_TOKEN
+    private: bool = True  # a repo push_to_hub creates is private
+
+
+@dataclass
+class DebugConfig:
+    crash_at_step: int = -1  # fault injection for restart tests
+    nan_at_step: int = -1  # fault injection: this step's loss is NaN (workbench/train/faults.py)
+    crash_rank: int = 0
+    overfit_batches: int = 0
+
+
+# -- trackers (workbench/telemetry/trackers.py; a chosen tracker's node is not None) --------------------
+@dataclass
+class TensorBoardOptions:
+    dir: str = "tensorboard"  # relative to the run dir
+    flush_secs: int = 30
+
+
+@dataclass
+class WandbOptions:
+    project: str = "workbench"
+    entity: str | None = None
+    name: str | None = None  # default: the run dir's name
+    mode: str = "online"  # online | offline | disabled
+    tags: list[str] | None = None
+
+
+@dataclass
+class MlflowOptions:
+    tracking_uri: str | None = None  # default: a file store in <run_dir>/mlruns
+    experiment: str = "workbench"
+    run_name: str | None = None
+
+
+@dataclass
+class TrackioOptions:
+    project: str = "workbench"
+    name: str | None = None
+
+
+@dataclass
+class TrackerConfig:
+    tensorboard: TensorBoardOptions | None = None
+    wandb: WandbOptions | None = None
+    mlflow: MlflowOptions | None = None
+    trackio: TrackioOptions | None = None
+
+
+@dataclass
+class Schema:
+    """The whole run. `method` and `backend` are checked against their modules' own schemas."""
+
+    method: Any = None
+    backend: Any = None
+    model: ModelConfig = field(default_factory=ModelConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    output_dir: str = "runs/default"
+    dry_run: bool = False
+    launcher: Any = None
+    reward: Any = None  # GRPO reward functions (conf/reward/)
+    kernels: str = "none"  # none | liger
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)  # conf/tracker/, workbench/telemetry/trackers.py
+
+
+# Schema-backed groups: each YAML in conf/<group>/ starts with `defaults: [_schema, _self_]`, so
+# Hydra composes it onto the dataclass. Every field can then be overridden on the command line
+# (`model.loader=unsloth`) even when the YAML does not mention it, and a YAML with an unknown
+# key fails at composition.
+SCHEMA_GROUPS = {"model": ModelConfig, "peft": PeftConfig, "data": DataConfig, "optim": OptimConfig,
+                 "eval": EvalConfig, "hardware": HardwareConfig, "precision": PrecisionConfig}
+
+
+def register_schemas() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for group, node in SCHEMA_GROUPS.items():
+        store.store(group=group, name="_schema", node=node)
+
+
+register_schemas()
+
+

@@ -1,0 +1,111 @@
+"""Validation of a composed config: the schemas applied, the method's and backend's options
+checked against their registered dataclasses, and what a model or data given by path implies.
+
+    from workbench.config.validate import validate
+    cfg = validate(hydra_cfg)     # read-only DictConfig, or a UserError naming the first bad field
+
+Hydra composes `conf/train.yaml` with its groups; `validate(cfg)` then merges the result onto
+the dataclasses (workbench/config/schema.py), so an unknown key (`optim.lrr`) or a wrong type
+(`optim.lr=abc`) fails with one line naming the field, before any model or data is touched.
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from workbench.backends import registry as backends
+from workbench.config.schema import EvalConfig, Schema
+from workbench.core.errors import UserError
+from workbench.methods import registry as methods
+
+# group name -> its registry: each choice's options dataclass is `registry.spec(name).config`
+PLUGGABLE = {"method": methods, "backend": backends}
+
+
+def _merge(schema_cls, node: DictConfig | None, where: str):
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema_cls), node or {})
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or ""
+        path = f"{where}.{key}" if key and not key.startswith(where) else (key or where)
+        msg = str(exc).splitlines()[0]
+        raise UserError(f"config field '{path}': {msg}") from None
+    return merged
+
+
+def _own_model_and_data(merged: DictConfig, method_node: dict) -> None:
+    """Fill in what a model by path / hub id and data by path imply, before the config freezes:
+    the architecture from the model's config.json (workbench/models/auto.py), the default
+    evaluation on the data's held-out rows, and the inline recipe for data.path / data.eval_split
+    (workbench/data/recipes.py)."""
+    from workbench.data.recipes import inline_recipe
+    from workbench.models.auto import adopt
+
+    adopt(merged.model)
+    spec = methods.spec(method_node.get("name"))
+    own = method_node.get("recipe")
+    if merged.data.path is not None and list(merged.eval.tasks) == EvalConfig().tasks:
+        # Your own data: the default evaluation is on its held-out rows, not the arithmetic task.
+        merged.eval.tasks = [spec.facts.eval]
+    elif list(merged.eval.tasks) == EvalConfig().tasks and spec.facts.embedded_eval:
+        merged.eval.tasks = [spec.facts.embedded_eval]
+    # data.recipe null: the method's own recipe (arith_sft, arith_dpo, arith_grpo); a data.eval_split
+    # then splits that one.
+    if own is None:
+        own = spec.config().recipe
+    if merged.data.recipe is None:
+        merged.data.recipe = own
+    inline = inline_recipe(merged.data, merged.eval.tasks)
+    if inline is not None:
+        merged.data.recipe = inline
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """Return the config merged onto the schemas; raise UserError naming the first bad field."""
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    if not isinstance(raw, dict):
+        raise UserError("the composed config is not a mapping")
+    plugin_nodes = {g: raw.pop(g, None) for g in PLUGGABLE}
+    raw.pop("hydra", None)
+    for group, node in plugin_nodes.items():
+        if not node or "name" not in node:
+            raise UserError(f"config group '{group}' has no 'name'; choose one, e.g. {group}=...")
+    merged = _merge(Schema, OmegaConf.create(raw), "")
+    _own_model_and_data(merged, plugin_nodes["method"])
+    for group, node in plugin_nodes.items():
+        sub = _merge(PLUGGABLE[group].spec(node["name"]).config, OmegaConf.create(node), group)
+        OmegaConf.set_struct(merged, False)
+        merged[group] = sub
+    OmegaConf.set_struct(merged, True)
+    _check_values(merged)
+    # Every decision derived from here on lives in the resolved run (workbench/config/resolved.py);
+    # nothing writes to the config after this point.
+    OmegaConf.set_readonly(merged, True)
+    return merged
+
+
+def _check_values(cfg: DictConfig) -> None:
+    """Range checks a type cannot express."""
+    checks = [
+        ("optim.lr", cfg.optim.lr > 0, "must be > 0"),
+        ("optim.max_grad_norm", cfg.optim.max_grad_norm >= 0, "must be >= 0"),
+        ("train.max_steps", cfg.train.max_steps >= 0, "must be >= 0"),
+        ("train.micro_batch_size", cfg.train.micro_batch_size >= 1, "must be >= 1"),
+        ("train.grad_accum", cfg.train.grad_accum >= 1, "must be >= 1"),
+        ("data.seq_len", cfg.data.seq_len >= 8, "must be >= 8"),
+        ("peft.r", cfg.peft.r >= 1, "must be >= 1"),
+        ("hardware.procs", cfg.hardware.procs >= 1, "must be >= 1"),
+        ("peft.kind", cfg.peft.kind in ("none", "lora", "qlora", "dora"), "must be one of none, lora, qlora, dora"),
+        ("precision.name", cfg.precision.name in ("auto", "fp32", "bf16", "bf16-mixed", "fp16", "fp8"),
+         "must be one of auto, fp32, bf16, bf16-mixed, fp16, fp8"),
+        ("optim.name", cfg.optim.name in ("adamw", "sgd"), "must be one of adamw, sgd"),
+        ("optim.scheduler", cfg.optim.scheduler in ("constant", "linear", "cosine"),
+         "must be one of constant, linear, cosine"),
+        ("data.on_bad_row", cfg.data.on_bad_row in ("error", "skip"), "must be error or skip"),
+        ("data.pack_len", cfg.data.pack_len == 0 or cfg.data.pack_len >= cfg.data.seq_len, "must be 0 or >= data.seq_len"),
+        ("model.loader", cfg.model.loader in ("hf", "unsloth"), "must be hf or unsloth"),
+    ]
+    for name, ok, why in checks:
+        if not ok:
+            raise UserError(f"config field '{name}' {why} (got {OmegaConf.select(cfg, name)!r})")

@@ -1,0 +1,68 @@
+"""README.md of the merged folder (the model card): what it is, how it was made, how it scored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from workbench.models.load import gguf_metadata
+
+
+def model_card(run, results: dict, export: dict) -> str:
+    """README.md for the merged folder: what it is, how it was made, how it scored."""
+    import json as _json
+
+    cfg = run.cfg
+    base = cfg.model.hub_id or cfg.model.path or cfg.model.name
+    evals = {k: v for k, v in (results.get("eval_end") or {}).items() if isinstance(v, float)}
+    before = results.get("eval_start") or {}
+    what = ("A reward model: a one-label sequence classifier (score at the last non-padding token), adapters "
+            "merged." if export.get("parity", {}).get("merged", {}).get("score_max_abs_diff") is not None else
+            "The adapters are merged; generation_config.json stops on the end-of-turn token the model was "
+            "trained to emit.")
+    lines = ["---", f"base_model: {base}", "library_name: transformers", "tags: [workbench, "
+             f"{cfg.method.name}{', ' + run.peft.kind if run.peft.adapter else ''}]", "---", "",
+             f"# {Path(cfg.output_dir).name}", "",
+             f"Fine-tuned from `{base}` with `method={cfg.method.name}` and `peft={run.peft.kind}` "
+             f"(`precision={run.precision.name}`, {cfg.train.max_steps} steps of {cfg.train.micro_batch_size} x "
+             f"{cfg.train.grad_accum} per rank). {what}", "",
+             "## Evaluation", ""]
+    if evals:
+        lines += ["| metric | before | after |", "|---|---|---|"]
+        lines += [f"| {k} | {before.get(k, float('nan')):.4f} | {v:.4f} |" for k, v in sorted(evals.items())]
+    else:
+        lines.append("No evaluation was run.")
+    lines += ["", "## Export checks", "", "| file | rounding | KL (mean) | greedy equal | stop token | passed |",
+              "|---|---|---|---|---|---|"]
+    for name, r in export.get("parity", {}).items():
+        if "kl_mean" not in r:  # a reward model's gate compares scores, not next-token distributions
+            lines.append(f"| {name} | {r['rounding']} | max score diff {r['score_max_abs_diff']:.2e} | "
+                         f"{r['decisions_agree']}/{r['prompts']} pairs ordered alike | - | {r['passed']} |")
+            continue
+        lines.append(f"| {name} | {r['rounding']} | {r['kl_mean']:.2e} | {r['greedy_equal']}/{r['prompts']} | "
+                     f"{r['declared_eos']} | {r['passed']} |")
+    lines += ["", "## How it was made", "", "The run directory holds `config.yaml` (the composed config, secrets "
+              "removed) and `manifest.json` (package versions, git commit, data fingerprints). Overrides:", "",
+              "```", "python -m workbench " + " ".join(_overrides()), "```", "",
+              f"License: as the base model's ({_license(cfg)}).", ""]
+    return "\n".join(lines) + ("\n<!-- " + _json.dumps({"workbench": True}) + " -->\n")
+
+
+def _overrides() -> list[str]:
+    """The command line's overrides, with secret-looking values removed."""
+    from workbench.telemetry.manifest import REDACTED, SECRET_KEY
+
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        items = list(HydraConfig.get().overrides.task)
+    except Exception:  # noqa: BLE001 - not under a Hydra run (tests, python API)
+        return []
+    out = []
+    for o in items:
+        key = o.split("=", 1)[0].lstrip("+~").split(".")[-1]
+        out.append(f"{o.split('=', 1)[0]}={REDACTED}" if SECRET_KEY.search(key) or "token" in o.lower() else o)
+    return out
+
+
+def _license(cfg) -> str:
+    return gguf_metadata(cfg.model).get("general.license") or "see the base model's card"

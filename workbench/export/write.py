@@ -1,0 +1,132 @@
+"""Final export: what a user loads with `from_pretrained` or serves with vLLM.
+
+    <output_dir>/export/adapter/   PEFT adapter (safetensors) + tokenizer + generation_config
+    <output_dir>/export/merged/    full model with adapters merged (safetensors) + tokenizer +
+                                   chat template + generation_config whose eos_token_id is the
+                                   end-of-turn token the model was trained to emit
+
+Adapters are merged into a freshly loaded full-precision base, never into NF4 weights
+(merging into 4-bit degrades quality, peft#2321). After writing, the merged model is loaded
+back from disk and its logits compared with the trained model's on a probe batch; the
+difference is recorded in the report.
+
+A reward model (method=rm) is exported as a transformers *ForSequenceClassification instead
+(workbench/export/reward_model.py). The merge is workbench/export/merge.py, the model card
+workbench/export/card.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from workbench.export.card import model_card
+from workbench.export.merge import dtype_name, fp32_copy, merged_model
+from workbench.export.reward_model import export_reward_model
+from workbench.models.load import gguf_metadata
+
+
+def _generation_config(tokenizer, contract):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(eos_token_id=contract.end_of_turn_id, pad_token_id=tokenizer.pad_token_id,
+                            bos_token_id=tokenizer.bos_token_id, do_sample=False)
+
+
+def _save_tokenizer(tokenizer, contract, path: Path) -> None:
+    tokenizer.save_pretrained(path)
+    _generation_config(tokenizer, contract).save_pretrained(path)
+
+
+def export(trained, tokenizer, contract, run, out_dir: Path, results: dict | None = None) -> dict:
+    """`run`: the resolved run (workbench/config/resolved.py) the model was trained under."""
+    from workbench.core.imports import hidden
+
+    with hidden("deepspeed"):  # save_pretrained would import it just to probe (workbench/core/imports.py)
+        return _export(trained, tokenizer, contract, run, out_dir, results or {})
+
+
+def _parity_prompts(cfg) -> list:
+    """Held-out prompts for the parity gate: the run's eval prompts (the shipped held-out
+    arithmetic questions by default); never training rows."""
+    from workbench.evals.hooks import eval_rows
+
+    return [r["prompt"] for r in eval_rows("arith_add2", cfg.export.parity_prompts)]
+
+
+def _export(trained, tokenizer, contract, run, out_dir: Path, results: dict) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from workbench.export.parity import compare, rounding
+
+    cfg = run.cfg
+    if run.facts.scalar_head:
+        return export_reward_model(trained, tokenizer, run, Path(out_dir), results)
+    out_dir = Path(out_dir)
+    result: dict = {"parity": {}, "failed": []}
+    dtype = run.export_dtype
+    if run.peft.adapter:
+        trained.save_pretrained(out_dir / "adapter", safe_serialization=True)
+        _save_tokenizer(tokenizer, contract, out_dir / "adapter")
+        result["adapter"] = str(out_dir / "adapter")
+    if not cfg.train.export_merged:
+        return result
+    merged = merged_model(trained, run, dtype)
+    merged.config.use_cache = True
+    merged.generation_config = _generation_config(tokenizer, contract)
+    merged_dir = out_dir / "merged"
+    merged.save_pretrained(merged_dir, safe_serialization=True)
+    _save_tokenizer(tokenizer, contract, merged_dir)
+    result["merged"] = str(merged_dir)
+    del merged
+
+    # The parity gate: what is on disk, read back by transformers, against the trained model.
+    convs = _parity_prompts(cfg)
+    eot = contract.end_of_turn_id
+    # merged weights are W + BA summed from fp32 adapters (peft), or the trainable weights as trained
+    source = dtype_name(run.merge_source)
+    reloaded = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=dtype)
+    declared = GenerationConfig.from_pretrained(merged_dir).eos_token_id
+    gate = compare(fp32_copy(trained), fp32_copy(reloaded), tokenizer, convs, eot,
+                   rounding(source, dtype_name(dtype)), declared_eos=declared)
+    result["parity"]["merged"] = gate
+    # the figures earlier reports carried, kept for continuity
+    result["merged_vs_trained_max_abs_diff"] = gate["logit_max_abs_diff"]
+    result["merged_vs_trained_argmax_agree"] = gate["argmax_agreement"]
+
+    for kind in cfg.export.gguf:
+        result["parity"][f"gguf-{kind}"] = _gguf(merged_dir, out_dir, kind, reloaded, tokenizer, contract, convs, cfg,
+                                                 dtype_name(dtype))
+        result.setdefault("gguf", []).append(str(out_dir / "gguf" / f"model-{kind}.gguf"))
+    if cfg.export.card:
+        (merged_dir / "README.md").write_text(model_card(run, results, result))
+    result["failed"] = [k for k, r in result["parity"].items() if not r["passed"]]
+    if cfg.export.push_to_hub and not result["failed"]:  # a failed gate is never published
+        from workbench.export import hub
+
+        result["hub"] = hub.push(merged_dir, cfg.export.push_to_hub, [Path(p) for p in result.get("gguf", [])],
+                                 private=cfg.export.private)
+    trained.train()
+    return result
+
+
+def _gguf(merged_dir, out_dir, kind, merged, tokenizer, contract, convs, cfg, merged_dtype) -> dict:
+    """Write one GGUF file and gate it against the merged model it was converted from."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    from workbench.export.gguf import write
+    from workbench.export.parity import compare, rounding
+
+    path = write(merged_dir, out_dir / "gguf" / f"model-{kind}.gguf", kind, eos_id=contract.end_of_turn_id,
+                 pre=gguf_metadata(cfg.model).get("tokenizer.ggml.pre"))
+    field = GGUFReader(str(path)).fields["tokenizer.ggml.eos_token_id"]
+    declared = int(field.contents())
+    back = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    gate = compare(fp32_copy(merged), back, tokenizer, convs, contract.end_of_turn_id, rounding(merged_dtype, kind),
+                   declared_eos=declared)
+    gate["path"], gate["bytes"] = str(path), path.stat().st_size
+    return gate
+
+

@@ -1,0 +1,184 @@
+"""report.md: the short human summary of a run (eval before/after, loss, speed, plots, export),
+and the comparison of several runs.
+
+A run's report embeds the PNGs of workbench/telemetry/plots.py from `<run_dir>/plots/`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from workbench.telemetry import plots
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def evaluations(results: dict, rows: list[dict]) -> list[dict]:
+    """Every evaluation of the run with the training step it was taken at."""
+    last = rows[-1]["step"] if rows else len(results.get("losses") or [])
+    out = []
+    if results.get("eval_start"):
+        out.append({"step": 0, **results["eval_start"]})
+    out += [e for e in results.get("eval_during") or [] if "step" in e]
+    if results.get("eval_end"):
+        out.append({"step": last, **results["eval_end"]})
+    return out
+
+
+def _acc_rows(results: dict) -> list[str]:
+    start, end = results.get("eval_start") or {}, results.get("eval_end") or {}
+    # every numeric eval metric (built-in and user hooks, workbench/evals/), less bookkeeping
+    keys = sorted({k for k in list(start) + list(end) if k.startswith("eval/") and k.count("/") >= 2
+                   and isinstance((start.get(k) if k in start else end.get(k)), (int, float))
+                   and k.rsplit("/", 1)[1] not in ("n", "seconds", "tokens")})
+    rows = []
+    for k in keys:
+        a, b = start.get(k), end.get(k)
+        pct = k.endswith("accuracy")
+        fa = "-" if a is None else f"{a:.1%}" if pct else f"{a:.4g}"
+        fb = "-" if b is None else f"{b:.1%}" if pct else f"{b:.4g}"
+        name = k.split("/")[1] if k.endswith("/accuracy") else "/".join(k.split("/")[1:])
+        rows.append(f"| {name} | {fa} | {fb} |")
+    return rows
+
+
+def _sample(s: dict) -> str:
+    if "correct" in s:
+        return f"- `{s['prompt']}` -> `{s['completion']}` ({'ok' if s['correct'] else 'expected ' + str(s['answer'])})"
+    extra = f" (reward {s['reward']:.3g})" if isinstance(s.get("reward"), (int, float)) else ""
+    return f"- `{s['prompt']}` -> `{s['completion']}`{extra}"
+
+
+def _generations(results: dict) -> list[str]:
+    """eval.prompts' completions before and after training (the `generate` task)."""
+    before = {g["prompt"]: g["completion"] for g in (results.get("eval_start") or {}).get("generations") or []}
+    after = (results.get("eval_end") or {}).get("generations") or []
+    if not after and not before:
+        return []
+    lines = ["", "## Completions of eval.prompts (greedy)", ""]
+    for g in after or [{"prompt": p, "completion": None} for p in before]:
+        lines += [f"**{g['prompt']}**", ""]
+        if g["prompt"] in before:
+            lines += [f"- before: {before[g['prompt']]!r}"]
+        if g["completion"] is not None:
+            lines += [f"- after: {g['completion']!r}"]
+        lines.append("")
+    return lines
+
+
+def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
+    """`run`: the resolved run (workbench/config/resolved.py)."""
+    cfg = run.cfg
+    run_dir = Path(run_dir)
+    losses = results.get("losses") or []
+    tps = [r["tokens_per_s"] for r in rows[1:]] or [r["tokens_per_s"] for r in rows]
+    lines = [
+        f"# Run report: {cfg.method.name} on {cfg.model.name} (peft={run.peft.kind}, backend={cfg.backend.name}, "
+        f"precision={run.precision.name})", "",
+        f"- steps: {len(losses)} (resumed from: {results.get('resumed_from') or 'no'})",
+        f"- parameters: {results.get('n_params', 0):,} total, {results.get('n_trainable', 0):,} trainable",
+    ]
+    if losses:
+        lines.append(f"- loss: first {losses[0]:.4f}, last {losses[-1]:.4f}")
+    if tps:
+        mfu = [r["mfu"] for r in rows[1:] or rows if r.get("mfu") is not None]
+        extra = f", MFU {_median(mfu):.1%} (peak {results.get('peak_flops', 0) / 1e9:,.0f} GFLOP/s, " \
+                f"{results.get('peak_source', '?')})" if mfu else ""
+        lines.append(f"- throughput: median {_median(tps):.0f} tokens/s{extra}")
+    if results.get("first_step_seconds") is not None:
+        lines.append(f"- first optimizer step {results['first_step_seconds']:.1f} s after start; "
+                     f"wall {results.get('wall_seconds', 0):.0f} s")
+    acc = _acc_rows(results)
+    if acc:
+        lines += ["", "| eval | before | after |", "|---|---|---|", *acc]
+    samples = (results.get("eval_end") or {}).get("samples") or {}
+    for task, items in samples.items():
+        lines += ["", f"Samples ({task}, after training):", ""]
+        lines += [_sample(s) for s in items]
+    lines += _generations(results)
+    figures = plots.run_plots(rows, evaluations(results, rows), run_dir / "plots") if cfg.train.plots else []
+    if figures:
+        lines += ["", "## Plots", ""] + [f"![{title}](plots/{path.name})" for title, path in figures]
+    if results.get("export"):
+        lines += ["", "Export:", "", "```", json.dumps(results["export"], indent=1), "```"]
+    (run_dir / "report.md").write_text("\n".join(lines) + "\n")
+    slim = {k: v for k, v in results.items() if k != "losses"}
+    (run_dir / "results.json").write_text(json.dumps({**slim, "losses": losses}, indent=1, default=str))
+
+
+# -- several runs ---------------------------------------------------------------------------
+def run_dirs(paths: list[str]) -> list[Path]:
+    """Run directories among `paths`; a directory without metrics.jsonl is searched one level
+    down (a multirun sweep dir holds its jobs as 0/, 1/, ...)."""
+    out = []
+    for p in map(Path, paths):
+        if (p / "metrics.jsonl").exists():
+            out.append(p)
+        elif p.is_dir():
+            subs = [d for d in p.iterdir() if (d / "metrics.jsonl").exists()]
+            out += sorted(subs, key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else 0, d.name))
+    return out
+
+
+def _load(run: Path) -> dict:
+    from omegaconf import OmegaConf
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "eval" not in r and "loss" in r]  # training steps (eval rows carry `eval`)
+    rows = [r for r in rows if "eval" not in r]  # eval rows (workbench/evals/hooks.py): results.json has them
+    results = json.loads((run / "results.json").read_text()) if (run / "results.json").exists() else {}
+    config = OmegaConf.to_container(OmegaConf.load(run / "config.yaml")) if (run / "config.yaml").exists() else {}
+    return {"rows": rows, "results": results, "config": config}
+
+
+def _flat(obj, prefix: str = "") -> dict:
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: obj}
+
+
+def compare(paths: list[str], out: Path | None = None) -> tuple[str, Path | None]:
+    """Markdown table of the runs (the config keys that differ between them, then loss, speed and
+    eval) and an overlay figure of their curves; written to `out`/comparison.{md,png} when given."""
+    runs = run_dirs(paths)
+    if not runs:
+        raise SystemExit(f"no run directories (with metrics.jsonl) among {paths}")
+    data = [_load(r) for r in runs]
+    flats = [_flat(d["config"]) for d in data]
+    keys = sorted({k for f in flats for k in f})
+    differing = [k for k in keys if k != "output_dir" and len({json.dumps(f.get(k), default=str) for f in flats}) > 1]
+    evals = sorted({k for d in data for k in (d["results"].get("eval_end") or {}) if k.endswith("accuracy")})
+    head = ["run", *differing, "steps", "loss first", "loss last", "tokens/s", "MFU",
+            *[f"{k.removeprefix('eval/')} after" for k in evals]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run, d, f in zip(runs, data, flats, strict=True):
+        rows = d["rows"]
+        steady = rows[1:] or rows
+        tps = [r["tokens_per_s"] for r in steady if r.get("tokens_per_s")]
+        mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
+        losses = [r["loss"] for r in rows]
+        end = d["results"].get("eval_end") or {}
+        cells = [str(run), *[str(f.get(k, "")) for k in differing], str(len(rows)),
+                 f"{losses[0]:.4f}" if losses else "-", f"{losses[-1]:.4f}" if losses else "-",
+                 f"{_median(tps):.0f}" if tps else "-", f"{_median(mfu):.1%}" if mfu else "-",
+                 *[f"{end[k]:.1%}" if isinstance(end.get(k), (int, float)) else "-" for k in evals]]
+        lines.append("| " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    fig = None
+    names = [", ".join(f"{k.split('.')[-1]}={f.get(k)}" for k in differing) or r.name
+             for r, f in zip(runs, flats, strict=True)]
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        fig = plots.overlay(list(zip(names, [d["rows"] for d in data], strict=True)), out / "comparison.png")
+        body = f"# Comparison of {len(runs)} runs\n\n{table}\n"
+        if fig:
+            body += f"\n![curves]({fig.name})\n"
+        (out / "comparison.md").write_text(body)
+    return table, fig

@@ -1,0 +1,41 @@
+"""`StepBatch`: one optimizer step's data, the one type both methods and backends handle.
+
+Methods make it (`Method.next_batch`), backends consume it (`Backend.forward_backward`); it
+lives below both so that neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StepBatch:
+    """One optimizer step's worth of data for this rank.
+
+    `micro` are the micro-batches (gradient accumulation happens over them). `denom` is what
+    this rank's summed loss is divided by (target tokens for SFT, pairs for DPO); backends
+    add it up over ranks so the loss is normalised by the *global* batch, never per
+    micro-batch (the gradient-accumulation normalisation bug).
+    """
+
+    micro: list[dict[str, Any]]
+    denom: float
+    tokens: int  # input tokens, for throughput
+    info: dict[str, float] = field(default_factory=dict)
+    # forward passes without gradient the step ran besides its micro-batches (the rollouts of GRPO
+    # and on-policy distillation, GRPO's old log-probs), for the FLOP count (workbench/telemetry/flops.py)
+    forward_passes: list[Forward] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One forward pass of the policy without gradient: `rows` x `seq` new positions, each
+    attending to `ctx` positions (the last `seq` of them new, the rest from a KV cache), the
+    vocabulary head on `heads` positions. A decode step of generation is (rows, 1, ctx, rows)."""
+
+    rows: int
+    seq: int
+    ctx: int
+    heads: int

@@ -1,0 +1,270 @@
+"""Checkpoints: written to a temporary directory, checksummed, renamed when complete, then
+`latest` moves.
+
+    <output_dir>/checkpoints/step-00000040/
+        model.safetensors     trainable weights (adapters only for LoRA)
+        optim.pt              optimizer/scheduler/scaler state (loaded with weights_only=True)
+        state.json            step, tokens, data position (and rng.pt: RNG) of this rank
+        files.json            every other file of the checkpoint with its size and sha256
+    <output_dir>/checkpoints/latest   text file naming the newest complete checkpoint
+
+A crash mid-save leaves a `.tmp` directory that is ignored. On resume (`latest_valid`) the
+checkpoint `latest` names is checked against `files.json` (sizes and sha256); a truncated,
+missing or changed file makes it fall back to the newest older one that checks out, saying
+which and why (`train.resume=<dir>` is checked the same way and refused with the reason). A
+write that fails (disk full) removes its `.tmp`, leaves the previous checkpoint as it was and
+stops the run with `CheckpointWriteError`, naming the checkpoint a resume will use. Nothing
+here unpickles arbitrary objects. Tests: tests/integration/test_faults.py.
+
+Sharding backends (fsdp2, deepspeed) write their own files into the step directory on every
+rank: their state dict is `{"writer": fn}` and `fn(tmp_dir)` may return a future (async save);
+the checkpoint is then committed (checksummed, renamed, `latest` moved) by `flush()` once it
+completes.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from workbench.core.errors import UserError
+
+FILES = "files.json"
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint could not be written (disk full, permissions); the previous one is intact."""
+
+
+def ckpt_root(output_dir) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """Committed step directories, newest first."""
+    return sorted((p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")),
+                  key=lambda p: p.name, reverse=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _inventory(folder: Path) -> dict:
+    """{relative path: {size, sha256}} of every file under `folder`, each flushed to disk."""
+    out = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != FILES):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())  # durable before the rename publishes it
+        out[str(path.relative_to(folder))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    return out
+
+
+def verify(path: Path) -> str | None:
+    """Why the checkpoint at `path` is unusable, or None when every file matches its record."""
+    path = Path(path)
+    if not (path / "state.json").is_file():
+        return "state.json is missing"
+    listing = path / FILES
+    if not listing.is_file():
+        try:  # checkpoints from before files.json existed carry no "integrity" mark
+            marked = "integrity" in json.loads((path / "state.json").read_text())
+        except (OSError, ValueError):
+            return "state.json is unreadable"
+        return f"{FILES} is missing" if marked else None
+    try:
+        files = json.loads(listing.read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return f"{FILES} is unreadable"
+    for name, rec in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != rec["size"]:
+            return f"{name} is truncated or changed ({size} bytes, recorded {rec['size']})"
+        if _sha256(f) != rec["sha256"]:
+            return f"{name} does not match its sha256"
+    return None
+
+
+def _say(msg: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _candidates(root: Path) -> list[Path]:
+    """The checkpoint `latest` names, then the older ones, newest first. Without a readable
+    pointer (or when it names nothing), every committed checkpoint, newest first."""
+    dirs = _step_dirs(root)
+    try:
+        named = (root / "latest").read_text().strip()
+    except OSError:
+        named = ""
+    if named and (root / named).is_dir():
+        return [root / named] + [p for p in dirs if p.name < named]
+    return dirs
+
+
+def latest_valid(output_dir) -> Path | None:
+    """The checkpoint `latest` names if it verifies, else the newest older one that does; each
+    one passed over is reported with the reason."""
+    rejected = []
+    for path in _candidates(ckpt_root(output_dir)):
+        why = verify(path)
+        if why is None:
+            if rejected:
+                _say(f"warning: resuming from {path.name}: " + "; ".join(
+                    f"{p.name} is unusable ({r})" for p, r in rejected))
+            return path
+        rejected.append((path, why))
+    if rejected:
+        _say("warning: no usable checkpoint, starting from step 0: " + "; ".join(
+            f"{p.name} is unusable ({r})" for p, r in rejected))
+    return None
+
+
+def latest(output_dir) -> Path | None:
+    """The checkpoint `train.resume=auto` continues from (see `latest_valid`)."""
+    return latest_valid(output_dir)
+
+
+def resume_point(output_dir, mode: str) -> Path | None:
+    """What `train.resume` names: auto -> the newest checkpoint that verifies, never -> None,
+    a path -> that checkpoint, refused with the reason when it does not verify."""
+    if mode == "never":
+        return None
+    if mode == "auto":
+        return latest_valid(output_dir)
+    why = verify(Path(mode))
+    if why is not None:
+        raise UserError(f"train.resume={mode}: not a usable checkpoint ({why})")
+    return Path(mode)
+
+
+def _rank_suffix(rank: int) -> str:
+    return "" if rank == 0 else f".rank{rank}"
+
+
+_PENDING: list = []  # (future, commit) of async saves not yet committed
+
+
+def flush() -> None:
+    """Wait for async saves and commit them (collective: every rank calls it)."""
+    while _PENDING:
+        future, commit = _PENDING.pop(0)
+        try:
+            future.result()
+        except OSError as exc:
+            commit.abort(exc)
+        commit()
+
+
+def _write_failed(root: Path, name: str, tmp: Path, exc: OSError) -> CheckpointWriteError:
+    """Remove the partial checkpoint (freeing its space) and say what a resume will use."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    prev = next((p for p in _step_dirs(root) if p.name != name and verify(p) is None), None)
+    why = "disk full" if exc.errno == errno.ENOSPC else (exc.strerror or type(exc).__name__)
+    keep = f"the previous checkpoint {prev} is intact and train.resume=auto continues from it" if prev else \
+        "there is no earlier checkpoint"
+    return CheckpointWriteError(f"could not write checkpoint {root / name} ({why}: {exc}); {keep}; "
+                                "free space (or lower train.keep_checkpoints) and relaunch")
+
+
+def save(output_dir, step: int, backend_state: dict, meta: dict, rank: int = 0, world: int = 1,
+         keep: int = 2, barrier=lambda: None) -> Path:
+    flush()
+    root = ckpt_root(output_dir)
+    name = f"step-{step:08d}"
+    final, tmp = root / name, root / f"{name}.tmp"
+    sfx = _rank_suffix(rank)
+    pending = None
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        if "writer" in backend_state:  # the backend writes its own sharded files on every rank
+            pending = backend_state["writer"](tmp)
+        elif rank == 0 or backend_state.get("sharded"):
+            weights = {k: v.detach().contiguous().cpu() for k, v in backend_state["model"].items()}
+            save_file(weights, tmp / f"model{sfx}.safetensors")
+            rest = {k: v for k, v in backend_state.items() if k not in ("model", "sharded")}
+            torch.save(rest, tmp / f"optim{sfx}.pt")
+        torch.save(meta.pop("rng"), tmp / f"rng{sfx}.pt")
+        (tmp / f"state{sfx}.json").write_text(json.dumps({**meta, "integrity": 1}, indent=1))
+    except OSError as exc:
+        raise _write_failed(root, name, tmp, exc) from None
+
+    class Commit:
+        error: OSError | None = None
+
+        def abort(self, exc: OSError) -> None:  # the async writer failed
+            self.error = exc
+
+        def __call__(self):
+            if self.error is not None:
+                raise _write_failed(root, name, tmp, self.error)
+            _commit(root, name, tmp, final, rank, keep, barrier)
+
+    commit = Commit()
+    if pending is not None:
+        _PENDING.append((pending, commit))
+    else:
+        commit()
+    return final
+
+
+def _commit(root: Path, name: str, tmp: Path, final: Path, rank: int, keep: int, barrier) -> None:
+    barrier()
+    if rank == 0:
+        try:
+            listing = tmp / f"{FILES}.tmp"
+            listing.write_text(json.dumps({"files": _inventory(tmp)}, indent=1))
+            os.replace(listing, tmp / FILES)
+        except OSError as exc:
+            raise _write_failed(root, name, tmp, exc) from None
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # the checkpoint appears whole or not at all
+        try:
+            pointer_tmp = root / "latest.tmp"
+            pointer_tmp.write_text(name)
+            os.replace(pointer_tmp, root / "latest")
+        except OSError:
+            pass  # the pointer stays on the previous (complete) checkpoint: resume uses that one
+        _prune(root, keep)
+    barrier()
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load(path: Path, rank: int = 0, sharded: bool = False, external: bool = False) -> tuple[dict, dict]:
+    """(backend state, meta). `external`: the backend reads its own files; state is {"path": path}."""
+    sfx = _rank_suffix(rank) if sharded else ""
+    if external:
+        state = {"path": Path(path)}
+    else:
+        state = {"model": load_file(path / f"model{sfx}.safetensors")}
+        state.update(torch.load(path / f"optim{sfx}.pt", weights_only=True))
+    rsfx = _rank_suffix(rank)
+    meta = json.loads((path / f"state{rsfx}.json").read_text())
+    meta.pop("integrity", None)
+    meta["rng"] = torch.load(path / f"rng{rsfx}.pt", weights_only=True)
+    return state, meta

@@ -1,0 +1,99 @@
+"""Keep the best evaluated checkpoint apart from the rolling ones: `train.keep_best=<metric>`.
+
+    python -m workbench data.path=chat.jsonl eval.tasks=[loss] eval.every_n_steps=50 \
+        train.checkpoint_every=50 train.keep_best=loss/loss            # min for losses, else max
+    python -m workbench ... train.keep_best=my_hook/score train.keep_best_mode=max train.export_best=true
+
+After every evaluation the metric (`eval/<task>/<key>`; the `eval/` may be left out) is compared
+with the best so far; when it is better, the committed checkpoint of that step is copied to
+`<output_dir>/checkpoints/best/` (copied to a temp dir, then renamed, so `best/` is always whole)
+and `checkpoints/best.json` records the step and value. Rolling checkpoints (`step-*`, pruned
+to train.keep_checkpoints) never touch it, and a resumed run reads best.json and goes on
+comparing. `train.export_best=true` exports the best weights instead of the last ones.
+
+The copy needs the step's checkpoint on disk, so evaluations must fall on checkpoint steps
+(eval.every_n_steps a multiple of train.checkpoint_every); `check` says so before training.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from workbench.core.errors import UserError
+
+LOWER_IS_BETTER = ("loss", "perplexity", "error", "wer", "cer")
+
+
+def metric_key(name: str) -> str:
+    return name if name.startswith("eval/") else f"eval/{name}"
+
+
+def mode_of(name: str, mode: str) -> str:
+    if mode in ("min", "max"):
+        return mode
+    return "min" if any(w in name.rsplit("/", 1)[-1] for w in LOWER_IS_BETTER) else "max"
+
+
+def check(cfg) -> None:
+    """Preflight: the metric comes from an evaluated task and evaluations fall on checkpoints."""
+    t = cfg.train
+    if not t.keep_best:
+        if t.export_best:
+            raise UserError("train.export_best=true needs train.keep_best=<metric> (e.g. loss/loss)")
+        return
+    if t.keep_best_mode not in ("auto", "min", "max"):
+        raise UserError(f"train.keep_best_mode={t.keep_best_mode!r} must be auto, min or max")
+    key = metric_key(t.keep_best)
+    parts = key.split("/")
+    tasks = {x.rsplit(":", 1)[-1]: x for x in cfg.eval.tasks}
+    if len(parts) != 3 or parts[1] not in tasks:
+        raise UserError(f"train.keep_best={t.keep_best!r}: name a metric as <task>/<metric> of a task in "
+                        f"eval.tasks={list(cfg.eval.tasks)} (e.g. loss/loss, preference/accuracy)")
+    if cfg.eval.every_n_steps and (not t.checkpoint_every or cfg.eval.every_n_steps % t.checkpoint_every):
+        raise UserError(f"train.keep_best copies the checkpoint of the evaluated step: make eval.every_n_steps "
+                        f"({cfg.eval.every_n_steps}) a multiple of train.checkpoint_every ({t.checkpoint_every})")
+
+
+class Keeper:
+    """Rank 0's record of the best evaluation; `update` after each evaluation."""
+
+    def __init__(self, run_dir, metric: str, mode: str = "auto"):
+        self.root = Path(run_dir) / "checkpoints"
+        self.key = metric_key(metric)
+        self.mode = mode_of(self.key, mode)
+        self.record = self.root / "best.json"
+        self.best = json.loads(self.record.read_text()) if self.record.exists() else None
+
+    @property
+    def path(self) -> Path | None:
+        return self.root / "best" if self.best else None
+
+    def better(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        old = self.best["value"]
+        return value < old if self.mode == "min" else value > old
+
+    def update(self, results: dict, step: int) -> bool:
+        """Copy step `step`'s checkpoint to best/ when `results` improve the metric; True if it did."""
+        if self.key not in results:
+            raise UserError(f"train.keep_best={self.key[5:]!r}: the evaluation at step {step} reported no such "
+                            f"metric; it reported {sorted(k for k in results if k.startswith('eval/'))}")
+        value = float(results[self.key])
+        src = self.root / f"step-{step:08d}"
+        if step == 0 or not src.is_dir() or not self.better(value):
+            return False  # nothing trained yet, or this step's checkpoint is written after this evaluation
+        tmp = self.root / "best.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        old = self.root / "best.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if (self.root / "best").exists():
+            (self.root / "best").rename(old)
+        tmp.rename(self.root / "best")
+        shutil.rmtree(old, ignore_errors=True)
+        self.best = {"metric": self.key, "mode": self.mode, "value": value, "step": step, "from": src.name}
+        self.record.write_text(json.dumps(self.best, indent=1))
+        return True

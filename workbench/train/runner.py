@@ -1,0 +1,287 @@
+"""The one training loop every method and backend shares.
+
+    for step in range(start, max_steps):
+        batch   = method.next_batch(state, backend)          # GRPO: rollouts + rewards here
+        metrics = backend.forward_backward(batch, method.loss)
+        metrics |= backend.optimizer_step()
+        log, evaluate, checkpoint
+
+Order of work is chosen so mistakes surface early: tokenizer and data are read and checked
+before any weights load, then the model, adapters and precision, then resume, then the loop.
+Rank 0 writes logs, checkpoints pointers, the export and the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from workbench.backends import registry as backends
+from workbench.config.resolved import resolve as resolve_run
+from workbench.config.run import Run
+from workbench.core import startup
+from workbench.evals import hooks
+from workbench.methods import registry as methods
+from workbench.models.build import build_model
+from workbench.models.head import SelectiveLM
+from workbench.models.load import resolve
+from workbench.telemetry import manifest, report
+from workbench.telemetry.flops import FlopCount
+from workbench.telemetry.metrics import Tracker, throughput
+from workbench.telemetry.peak import peak_flops
+from workbench.train import checkpoint, faults, precision
+from workbench.train.distributed import init_distributed
+from workbench.train.state import TrainState, rng_state, seed_everything, set_rng_state
+
+
+@dataclass(frozen=True)
+class Context:
+    """What methods and backends may read while they set themselves up: the resolved run
+    (precision, peft, reference, layout; workbench/config/resolved.py) and the tokenizer."""
+
+    run: Run
+    tokenizer: object
+    contract: object
+    run_dir: Path
+
+    @property
+    def cfg(self) -> DictConfig:
+        return self.run.cfg
+
+    @property
+    def device(self) -> str:
+        return self.run.device
+
+
+class Runner:
+    def __init__(self, cfg: DictConfig, run: Run | None = None, tokenizer: tuple | None = None):
+        """`run`, `tokenizer`: the resolved run and the (tokenizer, chat contract) preflight made in
+        this process, if any (else made here)."""
+        self.cfg = cfg
+        self.run_dir = Path(cfg.output_dir)
+        self.device = cfg.hardware.device
+        if cfg.hardware.threads:
+            torch.set_num_threads(cfg.hardware.threads)
+        for key, value in (cfg.hardware.env or {}).items():  # NCCL presets, also under the user's own torchrun
+            os.environ.setdefault(str(key), str(value))
+        self.rank, self.world = init_distributed(self.device, cfg.hardware.timeout_minutes)
+        self.is_main = self.rank == 0
+        if run is None or (run.layout.rank, run.layout.world) != (self.rank, self.world):
+            run = resolve_run(cfg, self.rank, self.world)  # the rule table runs here too
+        self.run_facts = run
+        self.pol = self.run_facts.precision
+        self.backend = None  # build() sets model, method, backend
+        self._best = None  # train.keep_best's keeper, made at the first evaluation
+        self._eval_cache: dict = {}  # eval data tokenised once per run
+        self._tokenizer = tokenizer
+        seed_everything(cfg.train.seed)
+
+    # -- build ---------------------------------------------------------------------------
+    def build(self) -> None:
+        cfg = self.cfg
+        if self._tokenizer is None:
+            from workbench.config.preflight import tokenizer
+
+            self._tokenizer = tokenizer(cfg)
+        self.tokenizer, self.contract = self._tokenizer
+        self.ctx = Context(self.run_facts, self.tokenizer, self.contract, self.run_dir)
+        self.method = methods.spec(cfg.method.name).build(cfg.method, self.ctx)
+        self.method.prepare(self.ctx)  # data errors surface here, before any weights load
+
+        torch.manual_seed(cfg.train.seed)
+        if cfg.model.loader == "unsloth":  # unsloth loads and patches LoRA/QLoRA itself
+            from workbench.models import unsloth_loader
+
+            self.model = unsloth_loader.load(self.run_facts, self.run_dir)
+            precision.cast_params(self.model, self.pol)
+            if self.pol.fp8:
+                precision.apply_fp8(self.model, self.pol)
+        else:
+            self.model = build_model(self.run_facts)
+        self.train_module = SelectiveLM(self.model)
+        if cfg.train.compile:
+            self.train_module.compile()
+        self.backend = backends.spec(cfg.backend.name).build(cfg.backend, self.ctx)
+        self.backend.wrap(self.train_module, self.ctx)
+        self.method.attach(self.backend)  # e.g. DPO's reference log-probs, once the backend holds the model
+        self.state = TrainState()
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def _resume(self) -> str | None:
+        # resume_point verifies each checkpoint's files and falls back past a damaged one
+        path = checkpoint.resume_point(self.run_dir, self.cfg.train.resume)
+        if path is None:
+            return None
+        state, meta = checkpoint.load(path, self.rank, sharded=self.backend.sharded,
+                                      external=self.backend.external_checkpoint)
+        self.backend.load_state_dict(state)
+        self.method.load_state_dict(meta["method"])
+        self.state = TrainState(**meta["train_state"])
+        set_rng_state(meta["rng"])
+        return str(path)
+
+    def _save(self) -> Path:
+        meta = {"train_state": self.state.to_dict(), "method": self.method.state_dict(), "rng": rng_state()}
+        barrier = dist.barrier if dist.is_initialized() else (lambda: None)
+        with self.tracker.progress.status(f"checkpoint step {self.state.step}"):
+            return checkpoint.save(self.run_dir, self.state.step, self.backend.state_dict(), meta, self.rank,
+                                   self.world, keep=self.cfg.train.keep_checkpoints, barrier=barrier)
+
+    def _plain_model(self):
+        """The trained model as a plain module; under sharding backends a collective that
+        gathers full weights onto rank 0 (None on the other ranks)."""
+        return self.backend.gathered_model()
+
+    def _evaluate(self, tag: str) -> dict:
+        if not self.cfg.eval.tasks:
+            return {}
+        model = self._plain_model()
+        if not self.is_main:
+            return {}
+        t = time.perf_counter()
+        try:
+            with self.tracker.progress.status(f"eval [{tag}]"):  # spinner / bar text / plain lines
+                res = hooks.run(model, self.tokenizer, self.contract, self.cfg.eval,
+                                autocast=precision.autocast(self.pol, self.device), cfg=self.cfg,
+                                step=self.state.step, tag=tag, run_dir=self.run_dir,
+                                cache=self._eval_cache)
+        except hooks.EvalHookError as exc:
+            raise hooks.EvalHookError(f"{exc}; {self._keep_checkpoint(tag)}") from exc
+        res["eval_seconds"] = time.perf_counter() - t
+        self.tracker.log_eval(res, self.state.step)
+        hooks.log_metrics(self.run_dir, res, self.state.step, tag)  # eval rows in metrics.jsonl carry `eval`
+        if self.cfg.train.keep_best and tag != "start":  # copy this step's checkpoint to checkpoints/best/
+            from workbench.train.keep_best import Keeper
+
+            if self._best is None:
+                self._best = Keeper(self.run_dir, self.cfg.train.keep_best, self.cfg.train.keep_best_mode)
+            if self._best.update(res, self.state.step):
+                self.tracker.console(f"best {self._best.key[5:]}={self._best.best['value']:.4g} at step "
+                                     f"{self.state.step}: kept in {self._best.path}")
+        self.tracker.console(f"eval ({tag}) " + ", ".join(f"{k[5:]}={v:.4g}" for k, v in res.items()
+                                                          if k.startswith("eval/") and isinstance(v, float)
+                                                          and not k.endswith("/seconds")))
+        return res
+
+    def _load_best(self) -> str:
+        """train.export_best: put the best evaluated checkpoint's weights back before the export."""
+        path = checkpoint.ckpt_root(self.run_dir) / "best"
+        if not path.is_dir():
+            self.tracker.console("train.export_best: no best checkpoint was kept; exporting the last weights")
+            return "last"
+        state, _meta = checkpoint.load(path, self.rank, sharded=self.backend.sharded,
+                                       external=self.backend.external_checkpoint)
+        self.backend.load_state_dict(state)
+        return str(path)
+
+    def _keep_checkpoint(self, tag: str) -> str:
+        """After an eval hook failed: make sure the trained weights so far are on disk, and say where."""
+        if tag == "start":
+            return "nothing was trained yet"
+        if tag == "step" and self.world == 1:
+            latest = checkpoint.latest(self.run_dir)
+            if latest is None or not str(latest).endswith(f"{self.state.step:08d}"):
+                self._save()  # a checkpoint of the step the hook failed at (single process only: no peers)
+            checkpoint.flush()
+        return f"the run's checkpoint is kept: {checkpoint.latest(self.run_dir)}"
+
+    # -- loop ----------------------------------------------------------------------------
+    def run(self) -> dict:
+        t_launch = time.perf_counter()
+        cfg = self.cfg
+        self.tracker = Tracker(self.run_dir, enabled=self.is_main, cfg=cfg)  # + trackers, progress
+        self.tracker.set_price(cfg.hardware.price_per_hour, self.world)
+        if self.backend is None:
+            self.build()
+        resumed = self._resume()
+        if self.is_main:
+            self._write_manifest(resumed)
+        results: dict = {"resumed_from": resumed, "n_params": self.n_params, "n_trainable": self.n_trainable}
+        if cfg.eval.at_start and self.state.step == 0:
+            results["eval_start"] = self._evaluate("start")
+        peak, results["peak_source"] = peak_flops(cfg.hardware, self.pol, self.device)
+        results["peak_flops"] = peak
+        flop_count = FlopCount.from_model(self.model, self.run_facts)  # FLOPs as computed (workbench/telemetry/flops.py)
+        losses, first_step_at = [], None
+        # SIGTERM/SIGINT: finish the step, checkpoint, exit 75; NaN/Inf: skip or stop (workbench/train/faults.py)
+        guard = faults.Guard(self.run_facts, self.backend, say=self.tracker.console)
+        guard.install()
+        startup.training()  # the collector runs again from here (workbench/core/startup.py)
+        while self.state.step < cfg.train.max_steps:
+            first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+            if self.state.step == cfg.debug.crash_at_step and self.rank == cfg.debug.crash_rank and first_attempt:
+                os._exit(17)  # fault injection: die like a killed rank would
+            t0 = time.perf_counter()
+            batch = self.method.next_batch(self.state, self.backend)
+            m = guard.step(batch, self.method.loss, self.state.step, lambda: checkpoint.latest_valid(self.run_dir))
+            dt = time.perf_counter() - t0
+            first_step_at = first_step_at or (time.perf_counter() - t_launch)
+            self.state.step += 1
+            # data-parallel ranks each see different tokens; tensor/pipeline peers share theirs
+            dp = self.run_facts.layout.dp
+            self.state.tokens_seen += batch.tokens * dp
+            loss = m.pop("loss")
+            losses.append(loss)
+            tps = batch.tokens * dp / dt
+            row = {"step": self.state.step, "loss": loss, **m, **batch.info, "tokens": batch.tokens * dp,
+                   "tokens_per_s": tps, "step_seconds": dt, "time": time.time(),
+                   **throughput(flop_count, batch, dt, peak, dp)}
+            self.tracker.log(row, show=self.state.step % cfg.train.log_every == 0 or self.state.step == 1)
+            every = cfg.train.checkpoint_every
+            saved = every and self.state.step % every == 0 and self.state.step < cfg.train.max_steps
+            if saved:
+                self._save()
+            if guard.stop_requested():  # collective: every rank checkpoints at the same step
+                path = self._save() if not saved else checkpoint.ckpt_root(self.run_dir) / f"step-{self.state.step:08d}"
+                checkpoint.flush()
+                guard.exit_preempted(self.state.step, path)
+            if cfg.eval.every_n_steps and self.state.step % cfg.eval.every_n_steps == 0:
+                results.setdefault("eval_during", []).append({"step": self.state.step, **self._evaluate("step")})
+        if self.state.step and (cfg.train.checkpoint_every or cfg.train.max_steps):
+            self._save()
+        checkpoint.flush()  # async saves commit before the run reports done
+        guard.uninstall()  # from here on (eval, export) a signal stops the run as usual
+        results.update(bad_steps=guard.bad_steps)
+        results.update(losses=losses, first_step_seconds=first_step_at, wall_seconds=time.perf_counter() - t_launch)
+        if cfg.eval.at_end:
+            results["eval_end"] = self._evaluate("end")
+        if cfg.train.export and cfg.train.export_best:
+            results["exported_from"] = self._load_best()
+        trained = self._plain_model() if cfg.train.export else None  # collective under sharding
+        if self.is_main and cfg.train.export:
+            from workbench.export.write import export
+
+            results["export"] = export(trained, self.tokenizer, self.contract, self.run_facts, self.run_dir / "export",
+                                       results)
+        if self.is_main:
+            report.write(self.run_dir, self.run_facts, results, self.tracker.rows)
+            self.tracker.finish(self.run_dir / "plots")  # plots to the trackers; close them
+        if dist.is_initialized():
+            dist.barrier()
+        failed = (results.get("export") or {}).get("failed")
+        if failed and not cfg.export.allow_mismatch:  # after the report, which shows the numbers
+            from workbench.core.errors import UserError
+
+            raise UserError(f"export: the parity gate failed for {', '.join(failed)} (see {self.run_dir}/report.md "
+                            "and results.json); the files are kept; export.allow_mismatch=true accepts them")
+        return results
+
+    def _write_manifest(self, resumed) -> None:
+        cfg = self.cfg
+        data = self.method.data_report()
+        man = manifest.build(OmegaConf.to_container(cfg, resolve=True),
+                             {"kind": resolve(cfg.model).kind, "name": cfg.model.name}, data, self.contract)
+        man["resolved"] = self.run_facts.summary()  # what the config's choices became here (precision=auto, peft, layout)
+        man["resumed_from"] = resumed
+        man["world_size"] = self.world
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "manifest.json").write_text(json.dumps(man, indent=1, default=str))
+        (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(man["config"])))
