@@ -38,3 +38,8 @@ class Method(Protocol):
     def data_report(self) -> dict:
         """Per data source: rows, skipped, truncated, fingerprint (for the manifest)."""
         return {}
+
+    def stall_watch(self):
+        """A `StallWatch` (workbench/train/signal.py) for a method whose steps can carry no
+        gradient (GRPO), or None."""
+        return None

@@ -96,6 +96,10 @@ class Config:
     dynamic_sampling: bool = True
     max_resample_rounds: int = 4
     stall_warn_steps: int = 3  # warn when most groups carried no signal this many steps in a row
+    # end the run after stall_stop_steps steps in a row where no group carried signal (no gradient),
+    # evaluating and exporting the last weights trained with signal (workbench/train/signal.py)
+    stop_on_stall: bool = True
+    stall_stop_steps: int = 10
     # the colocated vLLM engine (method.engine=vllm; workbench/rollout/vllm_engine.py)
     vllm_gpu_memory_utilization: float = 0.3
     vllm_sleep_level: int = 1
@@ -234,7 +238,6 @@ class GRPO(Method):
         self._passes: list[Forward] = []  # this rollout's forward passes without gradient (FLOP count)
         self._step_tokens = 1.0
         self.shape = batch_shape(cfg, ctx.cfg.train, ctx.run.layout.dp)
-        self._stalled = 0  # consecutive steps where most groups carried no signal
 
     # -- data ----------------------------------------------------------------------------
     def prepare(self, ctx) -> None:
@@ -387,7 +390,8 @@ class GRPO(Method):
                  "dr_grpo": float(per_rank * c.max_new_tokens)}[c.loss_type]
         tokens = int(sum(m["real_tokens"] for m in micro))
         self._step_tokens = n_tok
-        return StepBatch(micro=micro, denom=denom, tokens=tokens, info=info, forward_passes=self._passes)
+        return StepBatch(micro=micro, denom=denom, tokens=tokens, info=info, forward_passes=self._passes,
+                         signal=_signal_share(info["signal_groups_trained"], len(groups)))
 
     def _signal_info(self, acct: dict, total, per_fn, comp) -> dict:
         """What a person needs to see a stalled run at once: the share of generated groups with
@@ -408,18 +412,17 @@ class GRPO(Method):
         for j, f in enumerate(self.reward_fns):
             info[f"rewards/{f.name}/mean"] = float(per_fn[:, j].mean())
             info[f"rewards/{f.name}/std"] = float(per_fn[:, j].std())
-        # stalled: most of what the step trains on carries no gradient (with dynamic sampling,
-        # what is left after the refills; without, everything generated)
-        trained = total.numel() // c.num_generations
-        idle = 1.0 - info["signal_groups_trained"] / trained if c.dynamic_sampling else zero
-        self._stalled = self._stalled + 1 if idle > 0.5 else 0
-        if self._stalled and self._stalled % c.stall_warn_steps == 0 and self.ctx.run.layout.is_main:
-            tries = ("more refill rounds (method.max_resample_rounds)" if c.dynamic_sampling
-                     else "method.dynamic_sampling=true")
-            print(f"warning: grpo: {idle:.0%} of the groups trained on had no reward spread for {self._stalled} steps "
-                  f"in a row (no gradient from them); try {tries}, a partial-credit reward, more prompts per step "
-                  "(method.prompts_per_step) or a higher method.temperature", file=sys.stderr)
         return info
+
+    def stall_watch(self):
+        from workbench.train.signal import StallWatch
+
+        c = self.cfg
+        tries = "more refill rounds (method.max_resample_rounds)" if c.dynamic_sampling else "method.dynamic_sampling=true"
+        return StallWatch(stop_after=c.stall_stop_steps if c.stop_on_stall else 0, warn_after=c.stall_warn_steps,
+                          watched=("completion_length", "entropy", "reward_std"),
+                          hint=f"{tries}, a partial-credit reward, a KL term (method.beta), more prompts per step "
+                               "(method.prompts_per_step) or a higher method.temperature")
 
     def _write_samples(self, texts, prompts, total) -> None:
         if not self.ctx.run.layout.is_main or not self.cfg.log_completions:
@@ -470,6 +473,16 @@ class GRPO(Method):
 
     def load_state_dict(self, state: dict) -> None:
         self.mixture.load_state_dict(state["mixture"])
+
+
+def _signal_share(with_signal: float, groups: int) -> float:
+    """The share of the step's trained groups, over all ranks, whose rewards vary."""
+    import torch.distributed as dist
+
+    t = torch.tensor([with_signal, float(groups)], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return float(t[0] / t[1]) if t[1] else 0.0
 
 
 def _all_max(value: int) -> int:

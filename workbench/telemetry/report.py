@@ -69,6 +69,19 @@ def _generations(results: dict) -> list[str]:
     return lines
 
 
+def _stall(stalled: dict | None) -> list[str]:
+    """The section of a run that stopped because its steps carried no gradient (workbench/train/signal.py)."""
+    if not stalled:
+        return []
+    out = ["", f"**Stopped early at step {stalled['step']}**: {stalled['reason']}. The evaluation after training "
+           f"and the export are of the weights of step {stalled['last_signal_step']}, the last trained with signal"
+           + (f" ({stalled['exported_from']})." if stalled.get("exported_from") else "."), "",
+           "| metric | first step | at the stop | collapsed |", "|---|---|---|---|"]
+    out += [f"| {c['metric']} | {c['start']:.4g} | {c['now']:.4g} | {'yes' if c['collapsed'] else 'no'} |"
+            for c in stalled.get("changes", [])]
+    return out
+
+
 def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
     """`run`: the resolved run (workbench/config/resolved.py)."""
     cfg = run.cfg
@@ -91,6 +104,7 @@ def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
     if results.get("first_step_seconds") is not None:
         lines.append(f"- first optimizer step {results['first_step_seconds']:.1f} s after start; "
                      f"wall {results.get('wall_seconds', 0):.0f} s")
+    lines += _stall(results.get("stalled"))
     acc = _acc_rows(results)
     if acc:
         lines += ["", "| eval | before | after |", "|---|---|---|", *acc]

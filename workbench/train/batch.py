@@ -27,6 +27,9 @@ class StepBatch:
     # forward passes without gradient the step ran besides its micro-batches (the rollouts of GRPO
     # and on-policy distillation, GRPO's old log-probs), for the FLOP count (workbench/telemetry/flops.py)
     forward_passes: list[Forward] = field(default_factory=list)
+    # the share of what the step trains on (all ranks) that carries gradient: 1.0 for most methods;
+    # GRPO: groups with reward spread (workbench/train/signal.py watches it)
+    signal: float = 1.0
 
 
 @dataclass(frozen=True)

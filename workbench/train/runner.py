@@ -177,10 +177,14 @@ class Runner:
         if not path.is_dir():
             self.tracker.console("train.export_best: no best checkpoint was kept; exporting the last weights")
             return "last"
-        state, _meta = checkpoint.load(path, self.rank, sharded=self.backend.sharded,
+        self._load_weights(path)
+        return str(path)
+
+    def _load_weights(self, path) -> None:
+        """Put a saved checkpoint's weights (and optimizer) back into the backend."""
+        state, _meta = checkpoint.load(Path(path), self.rank, sharded=self.backend.sharded,
                                        external=self.backend.external_checkpoint)
         self.backend.load_state_dict(state)
-        return str(path)
 
     def _keep_checkpoint(self, tag: str) -> str:
         """After an eval hook failed: make sure the trained weights so far are on disk, and say where."""
@@ -214,6 +218,8 @@ class Runner:
         # SIGTERM/SIGINT: finish the step, checkpoint, exit 75; NaN/Inf: skip or stop (workbench/train/faults.py)
         guard = faults.Guard(self.run_facts, self.backend, say=self.tracker.console)
         guard.install()
+        watch = self.method.stall_watch()  # GRPO can run out of gradient (workbench/train/signal.py)
+        stalled = None
         startup.training()  # the collector runs again from here (workbench/core/startup.py)
         while self.state.step < cfg.train.max_steps:
             first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
@@ -221,6 +227,8 @@ class Runner:
                 os._exit(17)  # fault injection: die like a killed rank would
             t0 = time.perf_counter()
             batch = self.method.next_batch(self.state, self.backend)
+            if watch is not None and watch.begins(batch.signal, self.state.step):
+                watch.checkpoint = str(self._save())  # the last weights trained with signal
             m = guard.step(batch, self.method.loss, self.state.step, lambda: checkpoint.latest_valid(self.run_dir))
             dt = time.perf_counter() - t0
             first_step_at = first_step_at or (time.perf_counter() - t_launch)
@@ -235,8 +243,16 @@ class Runner:
                    "tokens_per_s": tps, "step_seconds": dt, "time": time.time(),
                    **throughput(flop_count, batch, dt, peak, dp)}
             self.tracker.log(row, show=self.state.step % cfg.train.log_every == 0 or self.state.step == 1)
+            if watch is not None:
+                stalled = watch.after(row, batch.signal)
+                line = watch.warning(row, batch.signal)
+                if line:
+                    self.tracker.console(line)
             every = cfg.train.checkpoint_every
-            saved = every and self.state.step % every == 0 and self.state.step < cfg.train.max_steps
+            # during a stall the rolling checkpoints would hold weights without signal and could
+            # rotate out the one the stall began with
+            saved = (every and self.state.step % every == 0 and self.state.step < cfg.train.max_steps
+                     and not (watch is not None and watch.idle))
             if saved:
                 self._save()
             if guard.stop_requested():  # collective: every rank checkpoints at the same step
@@ -245,7 +261,16 @@ class Runner:
                 guard.exit_preempted(self.state.step, path)
             if cfg.eval.every_n_steps and self.state.step % cfg.eval.every_n_steps == 0:
                 results.setdefault("eval_during", []).append({"step": self.state.step, **self._evaluate("step")})
-        if self.state.step and (cfg.train.checkpoint_every or cfg.train.max_steps):
+            if stalled:
+                break
+        if stalled:  # evaluate and export the last weights that had signal, not the stalled ones
+            results["stalled"] = stalled
+            self.tracker.console(f"stopped at step {stalled['step']}: {stalled['reason']} ({stalled['summary']}); "
+                                 f"evaluating and exporting the weights of step {stalled['last_signal_step']}"
+                                 + (f" ({stalled['exported_from']})" if stalled["exported_from"] else ""))
+            if stalled["exported_from"]:
+                self._load_weights(stalled["exported_from"])
+        elif self.state.step and (cfg.train.checkpoint_every or cfg.train.max_steps):
             self._save()
         checkpoint.flush()  # async saves commit before the run reports done
         guard.uninstall()  # from here on (eval, export) a signal stops the run as usual
