@@ -7,7 +7,8 @@
 
 Exit status: 0 done; 2 a mistake in config, data or environment (one `error:` line, before any
 weights load), a checkpoint that could not be written (disk full) or more NaN/Inf steps than
-`train.max_bad_steps`; 75 preempted by SIGTERM/SIGINT after writing a checkpoint (relaunch with
+`train.max_bad_steps`; 3 a rank stalled or another rank failed (the watchdog,
+workbench/train/watchdog.py: stacks in `<run>/stalls/`); 75 preempted by SIGTERM/SIGINT after writing a checkpoint (relaunch with
 the same output_dir to continue); 143/130 a second SIGTERM/SIGINT, at once (workbench/train/faults.py).
 Secret-looking values given on the command line are redacted from Hydra's own copies in
 `<run>/.hydra/` too.
@@ -170,7 +171,7 @@ def _hydra_main(cfg: DictConfig):
         results = run_job(cfg)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(getattr(exc, "exit_code", 2))
     finally:
         startup.after_job()  # the garbage collector as it was before the launch (workbench/core/startup.py)
     # Hydra's Optuna sweeper and the sweep summary read the job's return value.

@@ -46,7 +46,7 @@ def test_peak_measured_once_per_machine_then_read_back(fake, tmp_path, monkeypat
 
 
 def test_a_peak_kept_from_a_busy_machine_is_measured_again(fake, tmp_path, monkeypatch):
-    key = f"{tracking._device_name('cpu')}|torch.bfloat16|{torch.get_num_threads()}"
+    key = f"{tracking.device_name('cpu')}|torch.bfloat16|{torch.get_num_threads()}"
     (tmp_path / "peak_flops.json").write_text(json.dumps({key: 2e10}))  # measured while the cores were busy
     assert tracking.measured_peak_flops("cpu", BF16) == 1.5e12
     assert json.loads((tmp_path / "peak_flops.json").read_text())[key] == 1.5e12
@@ -54,7 +54,7 @@ def test_a_peak_kept_from_a_busy_machine_is_measured_again(fake, tmp_path, monke
 
 def test_a_peak_below_its_fewer_thread_entry_is_measured_again(fake, tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    name = tracking._device_name("cpu")
+    name = tracking.device_name("cpu")
     # the cache: 37.6 GFLOP/s on 2 threads below the 1-thread entry's 64 GFLOP/s
     (tmp_path / "peak_flops.json").write_text(json.dumps({f"{name}|torch.float32|2": 3.76e10,
                                                           f"{name}|torch.float32|1": 6.4e10}))

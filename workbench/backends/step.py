@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from workbench.core import heartbeat
 from workbench.peft import lora
 from workbench.train import precision as prec
 from workbench.train.batch import StepBatch
@@ -29,6 +30,15 @@ def all_sum(value: float) -> float:
     return float(t.item())
 
 
+def all_max(value: float) -> float:
+    """The largest value over ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def accumulate(net, batch: StepBatch, loss_fn, pol, device: str, world: int, scaler=None,
                sync: Callable[[bool], contextlib.AbstractContextManager] = lambda last: contextlib.nullcontext(),
                backward: Callable[[torch.Tensor], None] | None = None) -> dict[str, float]:
@@ -38,13 +48,14 @@ def accumulate(net, batch: StepBatch, loss_fn, pol, device: str, world: int, sca
     total, sums = 0.0, {}
     with lora.inputs_in_autocast(net, pol.autocast_dtype):  # no fp32 round trip of adapter inputs
         for i, micro in enumerate(batch.micro):
-            with sync(i == len(batch.micro) - 1), prec.autocast(pol, device):
+            with heartbeat.phase("forward"), sync(i == len(batch.micro) - 1), prec.autocast(pol, device):
                 loss_sum, metrics = loss_fn(net, micro)
             loss = loss_sum.float() * scale
-            if backward is not None:
-                backward(loss)
-            else:
-                (scaler.scale(loss) if scaler else loss).backward()
+            with heartbeat.phase("backward"):
+                if backward is not None:
+                    backward(loss)
+                else:
+                    (scaler.scale(loss) if scaler else loss).backward()
             total += float(loss_sum.detach())
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)

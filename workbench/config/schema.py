@@ -193,6 +193,9 @@ class EvalConfig:
     max_new_tokens: int = 8
     prompts: Any = None  # `generate`: a list of prompts, or a .txt (one per line) / .jsonl file
     generate_max_new_tokens: int = 64
+    # an evaluation hook that runs longer stops the run naming it; also the watchdog's budget for
+    # evaluations, checkpoints and the export
+    timeout_s: float = 1800.0
     lm_eval: LmEvalConfig = field(default_factory=LmEvalConfig)
 
 
@@ -217,6 +220,9 @@ class HardwareConfig:
     rdzv_id: str = "workbench"
     node_rank: int = -1  # -1: let the rendezvous assign it
     timeout_minutes: int = 30  # collective timeout
+    # the watchdog (workbench/train/watchdog.py): seconds without progress before a run is called
+    # stalled; 0: ten times the median step time, at least 60 s (600 s until 3 steps are timed)
+    stall_timeout_s: float = 0.0
     env: dict[str, str] = field(default_factory=dict)  # NCCL and other presets for this profile
 
 
@@ -231,6 +237,10 @@ class PlanConfig:
     teacher_scale: float = 1.0  # method=distill: teacher parameters / student parameters (its frozen copy's memory)
     hardware: list[str] = field(default_factory=list)  # profiles to compare; empty = all
     enforce: bool = True  # refuse a real run whose plan does not fit the configured hardware
+    # after this many steps compare measured memory, step time and tokens/s with the plan
+    # (workbench/telemetry/plan_check.py); 0: never
+    check_after_steps: int = 10
+    calibrate: bool = False  # keep measured/predicted per hardware; later dry runs use it
 
 
 @dataclass
@@ -251,6 +261,11 @@ class DebugConfig:
     nan_at_step: int = -1  # fault injection: this step's loss is NaN (workbench/train/faults.py)
     crash_rank: int = 0
     overfit_batches: int = 0
+    # fault injection for the watchdog: hang_rank sleeps when it enters hang_phase (data, rollout,
+    # reward function, forward, backward, optimizer, ...) at step hang_at_step (0-based)
+    hang_phase: str | None = None
+    hang_at_step: int = -1
+    hang_rank: int = 0
 
 
 # -- trackers (workbench/telemetry/trackers.py; a chosen tracker's node is not None) --------------------

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.core.errors import UserError
+from workbench.core.limits import UserCodeTimeout, call_with_limit
 from workbench.data import arith
 from workbench.data.recipes import RECIPES_DIR
 from workbench.rollout.generate import generate
@@ -166,7 +167,10 @@ def run(model, tokenizer, contract, cfg_eval, autocast=None, *, cfg=None, step: 
         fn = lookup(task)
         t0 = time.perf_counter()
         try:
-            res = fn(ctx)
+            res = call_with_limit(lambda f=fn: f(ctx), {}, cfg_eval.get("timeout_s"),
+                                  f"eval hook {task!r} at step {step} ({tag} of training)")
+        except UserCodeTimeout as exc:
+            raise EvalHookError(str(exc)) from None
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - a user's hook fails in its own ways; name it and the step

@@ -80,11 +80,27 @@ def launch(cfg) -> dict | None:
     args = worker_args(cfg)
     print(f"launching {cfg.hardware.nodes} x {cfg.hardware.procs} workers (torchrun, rendezvous "
           f"{config.rdzv_endpoint}, max_restarts={config.max_restarts})", file=sys.stderr)
+    stalls = Path(cfg.output_dir) / "stalls"
+    for name in ("stall.json", "failure.json"):  # a verdict of an earlier launch is not this one's
+        (stalls / name).unlink(missing_ok=True)
     try:
         elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as exc:
-        raise RuntimeError(f"distributed run failed: {exc.format_msg()}") from None
+        raise _failure(stalls) or RuntimeError(f"distributed run failed: {exc.format_msg()}") from None
     return _results(cfg)
+
+
+def _failure(stalls: Path):
+    """What the workers' watchdog found (workbench/train/watchdog.py), as one line."""
+    from workbench.train.watchdog import RankFailure
+
+    for name in ("stall.json", "failure.json"):
+        if (stalls / name).exists():
+            try:
+                return RankFailure(json.loads((stalls / name).read_text())["message"])
+            except (OSError, ValueError, KeyError):
+                continue
+    return None
 
 
 def _results(cfg) -> dict:

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from workbench.core import heartbeat
 from workbench.core.errors import UserError
 from workbench.data.chat import IGNORE, prompt_ids
 from workbench.data.collate import pad_batch
@@ -231,6 +232,10 @@ class GRPO(Method):
         self.ctx = ctx
         self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
         self.reward_fns = check(cfg, ctx.cfg)
+        reward = ctx.cfg.reward
+        self.reward_timeout = float(reward.get("timeout_s", rewards.TIMEOUT_S) if hasattr(reward, "get") else
+                                    rewards.TIMEOUT_S)
+        self._step = 0  # the optimizer step the rollout is for (named by a reward function that fails)
         self.engine = None
         self.ref: Reference | None = None  # only for the KL term (workbench/methods/reference.py)
         self._cached: StepBatch | None = None
@@ -279,7 +284,7 @@ class GRPO(Method):
         from workbench.rollout.generate import generate
         from workbench.train import precision
 
-        with backend.generation() as (model, synced):
+        with backend.generation() as (model, synced), heartbeat.phase("rollout"):
             return generate(model, self.ctx.tokenizer, convs, c.max_new_tokens, self.ctx.contract.end_of_turn_id,
                             do_sample=True, temperature=c.temperature, top_p=c.top_p,
                             num_return_sequences=c.num_generations,
@@ -306,7 +311,8 @@ class GRPO(Method):
         prompts = [r["prompt"] for r in rows for _ in range(G)]
         extra_cols = sorted({k for r in rows for k in r if k not in ("prompt", "_where")})
         columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in extra_cols}
-        per_fn = rewards.score(self.reward_fns, prompts, texts, comp, columns, max_new_tokens=c.max_new_tokens)
+        per_fn = rewards.score(self.reward_fns, prompts, texts, comp, columns, max_new_tokens=c.max_new_tokens,
+                               step=self._step, limit_s=self.reward_timeout)
         total = (per_fn * torch.tensor([f.weight for f in self.reward_fns])).sum(dim=1)
         if c.truncated_reward is not None:
             cut = torch.tensor([not stopped(ids, c.max_new_tokens) for ids in comp])
@@ -436,6 +442,7 @@ class GRPO(Method):
 
     def next_batch(self, state, backend) -> StepBatch:
         if self._cached is None or self._uses >= self.cfg.num_iterations:
+            self._step = state.step
             self._cached, self._uses = self._rollout(backend, state.step // self.cfg.num_iterations), 0
         self._uses += 1
         # the rollout's forward passes ran once: the FLOP count takes them on its first step only

@@ -76,7 +76,19 @@ def run_tokens(cfg, s) -> float:
     return float(cfg.train.max_steps * cfg.train.grad_accum * s.dp * tokens_per_micro(s))
 
 
-def _row(cfg, counts, name, hw, mfu) -> dict:
+def _peak_tflops(hw, precision: str) -> float:
+    """The datasheet figure of the profile; for this machine's CPU (no datasheet) the matmul rate
+    measured here, the peak a run's MFU is taken against (workbench/telemetry/peak.py)."""
+    tflops = catalog.peak_tflops(hw, precision)
+    if not tflops and hw.device == "cpu":
+        from workbench.telemetry.peak import measured_peak_flops
+        from workbench.train import precision as prec
+
+        tflops = measured_peak_flops("cpu", prec.spec(precision)) / 1e12
+    return tflops
+
+
+def _row(cfg, counts, name, hw, mfu, calibrated: bool = False) -> dict:
     devices = hw.procs * hw.nodes
     s = from_cfg(cfg, devices=devices)
     mem = catalog.memory_gb(hw)
@@ -87,9 +99,18 @@ def _row(cfg, counts, name, hw, mfu) -> dict:
     fpt = train_flops_per_token(counts.active, trainable, s.peft, s.method, s.dpo_ref)
     tokens = run_tokens(cfg, s)
     need = v.devices_needed if not v.fits else devices
-    sp = speed(tokens, fpt, need or devices, catalog.peak_tflops(hw, s.precision), mfu,
+    sp = speed(tokens, fpt, need or devices, _peak_tflops(hw, s.precision), mfu,
                list(hw.price_per_hour) or None)
-    return {
+    ratios = None
+    if calibrated:  # measured/predicted of an earlier run on this hardware (plan.calibrate=true)
+        from workbench.telemetry.plan_check import calibration
+
+        ratios = calibration(hw, s.precision)
+    if ratios:
+        v_peak = v.peak_gb * ratios.get("peak_gib", 1.0)
+        sp = speed(tokens, fpt, need or devices, _peak_tflops(hw, s.precision) * ratios.get("tokens_per_s", 1.0),
+                   mfu, list(hw.price_per_hour) or None) if sp else None
+    row = {
         "hardware": name, "device": hw.device, "accelerator": hw.accelerator, "devices": devices, "memory_gb": mem,
         "peak_gb": round(v.peak_gb, 2), "usable_gb": round(v.usable_gb, 2), "fits": v.fits,
         "fix": v.fix, "fix_peak_gb": round(v.fix_peak_gb, 2) if v.fix_peak_gb else None,
@@ -97,17 +118,25 @@ def _row(cfg, counts, name, hw, mfu) -> dict:
         "tokens_per_s": sp.tokens_per_s if sp else None, "hours": sp.hours if sp else None,
         "cost_usd": list(sp.cost) if sp and sp.cost else None,
         "price_per_hour": list(hw.price_per_hour), "price_date": hw.price_date,
+        "flops_per_token": fpt,
     }
+    if ratios:
+        row.update(peak_gb=round(v_peak, 2), fits=v_peak <= v.usable_gb,
+                   calibrated={"from": ratios.get("run"), "time": ratios.get("time"),
+                               "peak_gib": ratios.get("peak_gib"), "tokens_per_s": ratios.get("tokens_per_s")})
+    return row
 
 
-def make_plan(cfg, counts=None, hardware: list[str] | None = None, others: bool = True) -> dict:
+def make_plan(cfg, counts=None, hardware: list[str] | None = None, others: bool = True,
+              calibrated: bool = True) -> dict:
     """The plan as plain data (JSON-ready). `counts` may come from preflight's meta probe.
-    others=False leaves out the rest of the catalog (a run that fits where it is needs only `here`)."""
+    others=False leaves out the rest of the catalog (a run that fits where it is needs only `here`);
+    calibrated=False: the planner's own figures for this hardware, without an earlier run's ratios."""
     counts = counts or count(probe(cfg.model), cfg.model.arch, cfg.peft)
     mfu = float(pick(cfg, "plan.mfu", 0.4))
     s = from_cfg(cfg)
     est = estimate(counts, cfg.model.arch, s)
-    here = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu)
+    here = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu, calibrated=calibrated)
     wanted = hardware or list(pick(cfg, "plan.hardware", []) or [])
     rows = [_row(cfg, counts, name, hw, mfu) for name, hw in catalog.profiles().items()
             if (not wanted or name in wanted) and name != cfg.hardware.name] if others else []

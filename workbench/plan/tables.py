@@ -52,5 +52,10 @@ def show(plan: dict, console: Console | None = None) -> None:
                   f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-", _hours(r["hours"]),
                   money(r["cost_usd"]))
     con.print(t)
+    cal = plan["here"].get("calibrated")
+    if cal:  # workbench/telemetry/plan_check.py: an earlier run on this hardware measured the plan
+        con.print(f"hardware={plan['here']['hardware']}: calibrated by the run {cal['from']} ({cal['time']}): "
+                  f"memory x{cal.get('peak_gib') or 1:.2f}, tokens/s x{cal.get('tokens_per_s') or 1:.2f} "
+                  "(measured/predicted, plan.calibrate=true)")
     con.print(f"prices per device-hour as quoted {plan['profiles'][0]['price_date'] if plan['profiles'] else ''}; "
               "time and cost at the listed MFU for the devices that fit (set plan.mfu, plan.tokens)")

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.core import heartbeat
 from workbench.core.errors import UserError
+from workbench.core.limits import UserCodeTimeout, call_with_limit
 from workbench.data import arith
 
 _NUMBER = re.compile(r"-?\d+")
@@ -141,18 +143,31 @@ def _describe(prompts, completions, i: int) -> str:
     return f"sample {i} (prompt {prompt[:60]!r}, completion {completions[i][:60]!r})"
 
 
-def score(fns: list[RewardFn], prompts, completions, completion_ids, columns: dict, **extra) -> torch.Tensor:
-    """Per-function rewards, shape (completions, functions), checked."""
+# reward.timeout_s for a reward node without one (each conf/reward/*.yaml sets it): a reward
+# model scoring a batch on a CPU takes seconds; a function silent for five minutes is stuck
+TIMEOUT_S = 300.0
+
+
+def score(fns: list[RewardFn], prompts, completions, completion_ids, columns: dict, *, step: int | None = None,
+          limit_s: float | None = None, **extra) -> torch.Tensor:
+    """Per-function rewards, shape (completions, functions), checked. Each function runs with
+    `limit_s` seconds (reward.timeout_s) and marks its phase for the watchdog."""
     n = len(completions)
+    at = f" at step {step + 1}" if step is not None else ""
     cols = []
     for rf in fns:
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra)
+        what = (f"reward function {rf.name!r}{at} on {n} completions (the first for {_describe(prompts, completions, 0)})"
+                if n else f"reward function {rf.name!r}{at}")
         try:
-            values = rf.fn(**kwargs)
+            with heartbeat.phase("reward function", rf.name):
+                values = call_with_limit(rf.fn, kwargs, limit_s, what)
+        except UserCodeTimeout:
+            raise
         except Exception as exc:  # noqa: BLE001 - find which sample a user's function fails on
             bad = next((i for i in range(n) if _fails(rf.fn, kwargs, i)), None)
             where = _describe(prompts, completions, bad) if bad is not None else "a batch"
-            raise UserError(f"reward function {rf.name!r} raised on {where}: {type(exc).__name__}: {exc}") from None
+            raise UserError(f"reward function {rf.name!r} raised{at} on {where}: {type(exc).__name__}: {exc}") from None
         try:
             values = [float("nan") if v is None else float(v) for v in values]
         except (TypeError, ValueError):

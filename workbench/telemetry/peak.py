@@ -32,7 +32,7 @@ def peak_flops(hw, pol, device: str) -> tuple[float, str]:
     return measured_peak_flops(device, pol), "measured matmul"
 
 
-def _device_name(device: str) -> str:
+def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
     try:
@@ -52,7 +52,7 @@ def measured_peak_flops(device: str, pol) -> float:
 
     dtype = pol.compute_dtype
     threads = torch.get_num_threads() if device == "cpu" else 0
-    prefix = f"{_device_name(device)}|{dtype}|"
+    prefix = f"{device_name(device)}|{dtype}|"
     key = f"{prefix}{threads}"
     if key not in _PEAK:
         path = cache.root() / "peak_flops.json"

@@ -82,6 +82,17 @@ def _stall(stalled: dict | None) -> list[str]:
     return out
 
 
+def _plan_check(check: dict | None) -> list[str]:
+    """The planner's prediction against the run (workbench/telemetry/plan_check.py)."""
+    if not check or not check.get("figures"):
+        return []
+    out = ["", f"Plan check after {check['steps']} steps (measured / predicted; more than 20% off is flagged):", "",
+           "| figure | predicted | measured | ratio |", "|---|---|---|---|"]
+    out += [f"| {k}{' (off)' if k in check['off'] else ''} | {f['predicted']:.4g} | {f['measured']:.4g} | "
+            f"{f['ratio']:.2f} |" for k, f in check["figures"].items()]
+    return out
+
+
 def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
     """`run`: the resolved run (workbench/config/resolved.py)."""
     cfg = run.cfg
@@ -105,6 +116,7 @@ def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
         lines.append(f"- first optimizer step {results['first_step_seconds']:.1f} s after start; "
                      f"wall {results.get('wall_seconds', 0):.0f} s")
     lines += _stall(results.get("stalled"))
+    lines += _plan_check(results.get("plan_check"))
     acc = _acc_rows(results)
     if acc:
         lines += ["", "| eval | before | after |", "|---|---|---|", *acc]

@@ -33,6 +33,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from workbench.core import heartbeat
 from workbench.core.errors import UserError
 
 PREEMPTED_EXIT = 75  # checkpoint written; relaunch to continue (EX_TEMPFAIL)
@@ -154,9 +155,11 @@ class Guard:
     def step(self, batch, loss_fn, step: int, last_good) -> dict:
         """forward_backward, then the optimizer step unless the numbers are not finite."""
         backend = self.backend
-        m = backend.forward_backward(batch, self.loss_fn(loss_fn, step))
+        with heartbeat.phase("forward"):  # backends mark forward and backward inside (backends/step.py)
+            m = backend.forward_backward(batch, self.loss_fn(loss_fn, step))
         if self.scaled:
-            m.update(backend.optimizer_step())
+            with heartbeat.phase("optimizer"):
+                m.update(backend.optimizer_step())
             return m
         bad = not math.isfinite(m["loss"])
         if self.can_skip and not bad:
@@ -171,7 +174,8 @@ class Guard:
             backend.optimizer.zero_grad(set_to_none=True)  # drop the poisoned gradients; weights untouched
             m.update(grad_norm=float("nan"), lr=backend.scheduler.get_last_lr()[0], bad_step=1)
             return m
-        m.update(backend.optimizer_step())
+        with heartbeat.phase("optimizer"):
+            m.update(backend.optimizer_step())
         if not math.isfinite(m.get("grad_norm", 0.0)):  # not caught before the step: weights are suspect
             self._stop(step, f"grad_norm={m['grad_norm']} after the optimizer step", last_good)
         return m

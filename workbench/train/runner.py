@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,19 +27,20 @@ from omegaconf import DictConfig, OmegaConf
 from workbench.backends import registry as backends
 from workbench.config.resolved import resolve as resolve_run
 from workbench.config.run import Run
-from workbench.core import startup
+from workbench.core import heartbeat, startup
 from workbench.evals import hooks
 from workbench.methods import registry as methods
 from workbench.models.build import build_model
 from workbench.models.head import SelectiveLM
 from workbench.models.load import resolve
-from workbench.telemetry import manifest, report
+from workbench.telemetry import manifest, plan_check, report
 from workbench.telemetry.flops import FlopCount
 from workbench.telemetry.metrics import Tracker, throughput
 from workbench.telemetry.peak import peak_flops
 from workbench.train import checkpoint, faults, precision
 from workbench.train.distributed import init_distributed
 from workbench.train.state import TrainState, rng_state, seed_everything, set_rng_state
+from workbench.train.watchdog import Watchdog, gpu_env
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class Runner:
             torch.set_num_threads(cfg.hardware.threads)
         for key, value in (cfg.hardware.env or {}).items():  # NCCL presets, also under the user's own torchrun
             os.environ.setdefault(str(key), str(value))
+        if self.device == "cuda":  # NCCL's own watchdog and flight recorder (workbench/train/watchdog.py)
+            for key, value in gpu_env(self.run_dir).items():
+                os.environ.setdefault(key, value)
         self.rank, self.world = init_distributed(self.device, cfg.hardware.timeout_minutes)
         self.is_main = self.rank == 0
         if run is None or (run.layout.rank, run.layout.world) != (self.rank, self.world):
@@ -81,6 +86,7 @@ class Runner:
         self._best = None  # train.keep_best's keeper, made at the first evaluation
         self._eval_cache: dict = {}  # eval data tokenised once per run
         self._tokenizer = tokenizer
+        self._rss0 = plan_check.rss_gib()
         seed_everything(cfg.train.seed)
 
     # -- build ---------------------------------------------------------------------------
@@ -104,6 +110,7 @@ class Runner:
             if self.pol.fp8:
                 precision.apply_fp8(self.model, self.pol)
         else:
+            self._rss0 = plan_check.rss_gib()  # the plan check's CPU memory baseline: before the weights
             self.model = build_model(self.run_facts)
         self.train_module = SelectiveLM(self.model)
         if cfg.train.compile:
@@ -129,6 +136,10 @@ class Runner:
         return str(path)
 
     def _save(self) -> Path:
+        with heartbeat.phase("checkpoint"):
+            return self._write_checkpoint()
+
+    def _write_checkpoint(self) -> Path:
         meta = {"train_state": self.state.to_dict(), "method": self.method.state_dict(), "rng": rng_state()}
         barrier = dist.barrier if dist.is_initialized() else (lambda: None)
         with self.tracker.progress.status(f"checkpoint step {self.state.step}"):
@@ -143,6 +154,10 @@ class Runner:
     def _evaluate(self, tag: str) -> dict:
         if not self.cfg.eval.tasks:
             return {}
+        with heartbeat.phase("evaluation", tag):
+            return self._run_evaluations(tag)
+
+    def _run_evaluations(self, tag: str) -> dict:
         model = self._plain_model()
         if not self.is_main:
             return {}
@@ -199,6 +214,27 @@ class Runner:
 
     # -- loop ----------------------------------------------------------------------------
     def run(self) -> dict:
+        """Train, evaluate, export and report, with the watchdog on (workbench/train/watchdog.py):
+        an error here reaches the other ranks at once, a stall anywhere ends the run with stacks."""
+        cfg = self.cfg
+        self.dog = Watchdog(self.run_dir, self.rank, self.world, cfg.hardware.stall_timeout_s, cfg.eval.timeout_s,
+                            last_checkpoint=lambda: checkpoint.latest_valid(self.run_dir))
+        if cfg.debug.hang_phase and self.rank == cfg.debug.hang_rank:
+            heartbeat.BEAT.hang = (cfg.debug.hang_phase, cfg.debug.hang_at_step)
+        self.dog.start()
+        try:
+            return self._run()
+        except BaseException as exc:
+            # a collective that failed because a peer is gone names the peer (workbench/train/watchdog.py)
+            blamed = self.dog.blame(exc) if isinstance(exc, (RuntimeError, dist.DistBackendError)) else exc
+            self.dog.fail(blamed)  # the other ranks stop now
+            if blamed is not exc:
+                raise blamed from exc
+            raise
+        finally:
+            self.dog.stop()
+
+    def _run(self) -> dict:
         t_launch = time.perf_counter()
         cfg = self.cfg
         self.tracker = Tracker(self.run_dir, enabled=self.is_main, cfg=cfg)  # + trackers, progress
@@ -216,6 +252,7 @@ class Runner:
         flop_count = FlopCount.from_model(self.model, self.run_facts)  # FLOPs as computed (workbench/telemetry/flops.py)
         losses, first_step_at = [], None
         # SIGTERM/SIGINT: finish the step, checkpoint, exit 75; NaN/Inf: skip or stop (workbench/train/faults.py)
+        self._seen = plan_check.Shapes()
         guard = faults.Guard(self.run_facts, self.backend, say=self.tracker.console)
         guard.install()
         watch = self.method.stall_watch()  # GRPO can run out of gradient (workbench/train/signal.py)
@@ -226,11 +263,15 @@ class Runner:
             if self.state.step == cfg.debug.crash_at_step and self.rank == cfg.debug.crash_rank and first_attempt:
                 os._exit(17)  # fault injection: die like a killed rank would
             t0 = time.perf_counter()
-            batch = self.method.next_batch(self.state, self.backend)
+            heartbeat.step(self.state.step)
+            with heartbeat.phase("data"):  # GRPO marks its rollout and reward functions inside
+                batch = self.method.next_batch(self.state, self.backend)
             if watch is not None and watch.begins(batch.signal, self.state.step):
                 watch.checkpoint = str(self._save())  # the last weights trained with signal
+            self._seen.update(batch)  # the batch shapes the plan check plans for
             m = guard.step(batch, self.method.loss, self.state.step, lambda: checkpoint.latest_valid(self.run_dir))
             dt = time.perf_counter() - t0
+            self.dog.step_time(dt)
             first_step_at = first_step_at or (time.perf_counter() - t_launch)
             self.state.step += 1
             # data-parallel ranks each see different tokens; tensor/pipeline peers share theirs
@@ -261,6 +302,8 @@ class Runner:
                 guard.exit_preempted(self.state.step, path)
             if cfg.eval.every_n_steps and self.state.step % cfg.eval.every_n_steps == 0:
                 results.setdefault("eval_during", []).append({"step": self.state.step, **self._evaluate("step")})
+            if self.state.step == cfg.plan.check_after_steps:
+                results["plan_check"] = self._plan_check()
             if stalled:
                 break
         if stalled:  # evaluate and export the last weights that had signal, not the stalled ones
@@ -280,12 +323,13 @@ class Runner:
             results["eval_end"] = self._evaluate("end")
         if cfg.train.export and cfg.train.export_best:
             results["exported_from"] = self._load_best()
-        trained = self._plain_model() if cfg.train.export else None  # collective under sharding
-        if self.is_main and cfg.train.export:
-            from workbench.export.write import export
+        with heartbeat.phase("export"):
+            trained = self._plain_model() if cfg.train.export else None  # collective under sharding
+            if self.is_main and cfg.train.export:
+                from workbench.export.write import export
 
-            results["export"] = export(trained, self.tokenizer, self.contract, self.run_facts, self.run_dir / "export",
-                                       results)
+                results["export"] = export(trained, self.tokenizer, self.contract, self.run_facts,
+                                           self.run_dir / "export", results)
         if self.is_main:
             report.write(self.run_dir, self.run_facts, results, self.tracker.rows)
             self.tracker.finish(self.run_dir / "plots")  # plots to the trackers; close them
@@ -298,6 +342,30 @@ class Runner:
             raise UserError(f"export: the parity gate failed for {', '.join(failed)} (see {self.run_dir}/report.md "
                             "and results.json); the files are kept; export.allow_mismatch=true accepts them")
         return results
+
+    def _plan_check(self) -> dict | None:
+        """Measured peak memory, step time and tokens/s against the planner's prediction for this
+        run (workbench/telemetry/plan_check.py); the peak is the largest over ranks (collective)."""
+        from workbench.backends.step import all_max
+        from workbench.plan.make import make_plan
+
+        peak = all_max(plan_check.measured_peak_gib(self.device, self._rss0))
+        if not self.is_main:
+            return None
+        measured = {"peak_gib": peak, **plan_check.step_figures(self.tracker.rows)}
+        # planned for the batches the run had (their longest row, the share of positions with a
+        # loss), not for data.seq_len's worst case
+        here = make_plan(self._seen.config(self.cfg, self.run_facts.facts.generates), others=False,
+                         calibrated=False)["here"]
+        tokens_per_step = statistics.median(r["tokens"] for r in self.tracker.rows if "tokens" in r)
+        tps = here.get("tokens_per_s")
+        predicted = {"peak_gib": here["peak_gb"], "step_seconds": tokens_per_step / tps if tps else None,
+                     "tokens_per_s": tps}
+        check = plan_check.compare(predicted, measured)
+        if self.cfg.plan.calibrate:
+            check["stored"] = plan_check.store(self.cfg.hardware, self.pol.name, check, self.run_dir)
+        self.tracker.console(plan_check.line(check, self.state.step))
+        return {"steps": self.state.step, **check}
 
     def _write_manifest(self, resumed) -> None:
         cfg = self.cfg

@@ -1,0 +1,59 @@
+"""The plan checked against the run (workbench/telemetry/plan_check.py), and calibration.
+
+    OMP_NUM_THREADS=1 python -m pytest -q tests/unit/test_plan_check.py
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from tests.conftest import compose, train
+from workbench.plan.make import make_plan
+from workbench.telemetry import plan_check
+
+
+def test_a_run_compares_its_measurements_with_the_plan_and_calibrates_later_dry_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_check, "table_path", lambda: tmp_path / "calibration.json")
+    res = train(["train.max_steps=3", "plan.check_after_steps=3", "plan.calibrate=true"], tmp_path / "run")
+    check = res["plan_check"]
+    assert check["steps"] == 3 and set(check["figures"]) == {"peak_gib", "step_seconds", "tokens_per_s"}
+    for f in check["figures"].values():
+        assert f["predicted"] > 0 and f["measured"] > 0
+        assert f["ratio"] == pytest.approx(f["measured"] / f["predicted"])
+    assert check["off"] == [k for k, f in check["figures"].items() if abs(f["ratio"] - 1) > plan_check.TOLERANCE]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "step_seconds" in r][1:]
+    assert check["figures"]["tokens_per_s"]["measured"] == pytest.approx(statistics.median(r["tokens_per_s"] for r in steps))
+    assert "Plan check after 3 steps" in (tmp_path / "run" / "report.md").read_text()
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["plan_check"]["steps"] == 3
+
+    # the stored ratios move a later dry run's prediction onto what was measured
+    cfg = compose([])
+    raw = make_plan(cfg, others=False, calibrated=False)["here"]
+    cal = make_plan(cfg, others=False)["here"]
+    ratios = check["stored"]
+    assert cal["calibrated"]["peak_gib"] == ratios["peak_gib"] == check["figures"]["peak_gib"]["ratio"]
+    # peak_gb is rounded to 0.005 GiB before and after the ratio is applied
+    assert cal["peak_gb"] == pytest.approx(raw["peak_gb"] * ratios["peak_gib"], abs=0.005 * (ratios["peak_gib"] + 1))
+    assert cal["tokens_per_s"] == pytest.approx(raw["tokens_per_s"] * ratios["tokens_per_s"])
+    measured = check["figures"]["tokens_per_s"]["measured"]
+    assert abs(cal["tokens_per_s"] - measured) < abs(raw["tokens_per_s"] - measured)
+
+
+def test_another_precision_is_another_hardware_entry(tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_check, "table_path", lambda: tmp_path / "calibration.json")
+    cfg = compose([])
+    check = {"figures": {"peak_gib": {"ratio": 2.0}}}
+    plan_check.store(cfg.hardware, "fp32", check, tmp_path)
+    assert plan_check.calibration(cfg.hardware, "fp32")["peak_gib"] == 2.0
+    assert plan_check.calibration(cfg.hardware, "bf16-mixed") is None
+
+
+def test_off_figures_are_named():
+    check = plan_check.compare({"peak_gib": 1.0, "tokens_per_s": 100.0, "step_seconds": None},
+                               {"peak_gib": 1.1, "tokens_per_s": 60.0, "step_seconds": 2.0})
+    assert set(check["figures"]) == {"peak_gib", "tokens_per_s"} and check["off"] == ["tokens_per_s"]
+    assert plan_check.line(check, 10).startswith("warning: plan check after 10 steps")

@@ -1,0 +1,152 @@
+"""The plan checked against the run: what the planner predicted for this layout, and what happened.
+
+After `plan.check_after_steps` steps (default 10; 0 turns it off) the runner measures, on every
+rank, the peak memory of a device (CUDA: the allocator's max allocated; CPU: the growth of the
+process's resident set from just before the model was built to its high-water mark), the median
+step time and tokens/s (the first step left out: it compiles and touches memory for the first
+time), and compares them with the planner's prediction for exactly this run on its hardware
+(workbench/plan/make.py; tokens/s at `plan.mfu` of the device's peak, the peak the run's MFU is
+taken against). One console line, `plan_check` in results.json and a table in report.md; a
+figure off by more than `TOLERANCE` is named in a warning.
+
+`plan.calibrate=true` stores measured/predicted per hardware (the profile, the device's model
+and the precision) in $WORKBENCH_CACHE/plan_calibration.json; a later dry run on that hardware
+multiplies its prediction by them and says so (`calibrated(...)`).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+TOLERANCE = 0.20  # the issue's bar: a prediction more than 20% off is worth a warning
+FILE = "plan_calibration.json"
+
+
+class Shapes:
+    """The longest row and the share of positions with a loss over the steps seen so far."""
+
+    def __init__(self):
+        self.longest, self.selected, self.positions = 0, 0, 0
+
+    def update(self, batch) -> None:
+        for micro in batch.micro:
+            ids, select = micro.get("input_ids"), micro.get("select")
+            if ids is None:
+                continue
+            self.longest = max(self.longest, int(ids.shape[-1]))
+            self.positions += int(ids.numel())
+            self.selected += int(select.sum()) if select is not None else int(ids.numel())
+
+    def config(self, cfg, generates: bool):
+        """`cfg` with data.seq_len and plan.select_fraction as the run had them (a generating
+        method's rows hold completions the planner adds itself: its seq_len stays)."""
+        from omegaconf import OmegaConf
+
+        out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        if self.longest and not generates:
+            out.data.seq_len = self.longest
+        if self.positions:
+            out.plan.select_fraction = self.selected / self.positions
+        return out
+
+
+def rss_gib(field: str = "VmRSS") -> float:
+    """This process's resident set (VmRSS) or its high-water mark (VmHWM), in GiB (Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def measured_peak_gib(device: str, baseline_gib: float) -> float:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**30
+    return max(0.0, rss_gib("VmHWM") - baseline_gib)
+
+
+def compare(predicted: dict, measured: dict) -> dict:
+    """{figure: {predicted, measured, ratio, off}} and the figures off by more than TOLERANCE."""
+    out: dict = {"figures": {}, "off": []}
+    for key, want in predicted.items():
+        got = measured.get(key)
+        if not want or got is None:
+            continue
+        ratio = got / want
+        out["figures"][key] = {"predicted": want, "measured": got, "ratio": ratio}
+        if abs(ratio - 1) > TOLERANCE:
+            out["off"].append(key)
+    return out
+
+
+def line(check: dict, steps: int) -> str:
+    names = {"peak_gib": ("peak memory", "GiB"), "step_seconds": ("step", "s"), "tokens_per_s": ("tokens/s", "")}
+    parts = []
+    for key, f in check["figures"].items():
+        label, unit = names.get(key, (key, ""))
+        parts.append(f"{label} {f['measured']:.3g}{unit} measured vs {f['predicted']:.3g}{unit} predicted "
+                     f"({f['ratio'] - 1:+.0%})")
+    head = f"plan check after {steps} steps: " + ("; ".join(parts) or "nothing to compare")
+    if check.get("calibrated"):
+        head += f" (prediction calibrated: {check['calibrated']})"
+    if check["off"]:
+        return f"warning: {head}; off by more than {TOLERANCE:.0%}: {', '.join(check['off'])}"
+    return head
+
+
+def step_figures(rows: list[dict]) -> dict:
+    """Median step time and tokens/s over the logged steps, the first left out."""
+    rows = [r for r in rows if "step_seconds" in r][1:] or [r for r in rows if "step_seconds" in r]
+    if not rows:
+        return {}
+    return {"step_seconds": statistics.median(r["step_seconds"] for r in rows),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows)}
+
+
+# -- calibration --------------------------------------------------------------------------
+def hardware_key(hw, precision: str) -> str:
+    from workbench.telemetry.peak import device_name
+
+    return f"{hw.name}|{device_name(hw.device)}|{precision}"
+
+
+def store(hw, precision: str, check: dict, run_dir) -> dict:
+    """Keep measured/predicted for this hardware (plan.calibrate=true); returns the entry."""
+    from workbench.core import cache
+
+    entry = {key: f["ratio"] for key, f in check["figures"].items()}
+    entry.update(run=str(run_dir), time=time.strftime("%Y-%m-%d %H:%M"))
+    path = table_path()
+    with cache.lock(path):
+        table = _read(path)
+        table[hardware_key(hw, precision)] = entry
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        tmp.replace(path)
+    return entry
+
+
+def calibration(hw, precision: str) -> dict | None:
+    """The stored ratios for this hardware, or None."""
+    return _read(table_path()).get(hardware_key(hw, precision))
+
+
+def table_path() -> Path:
+    from workbench.core import cache
+
+    return cache.root() / FILE
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
