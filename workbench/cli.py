@@ -8,88 +8,34 @@
 Exit status: 0 done; 2 a mistake in config, data or environment (one `error:` line, before any
 weights load), a checkpoint that could not be written (disk full) or more NaN/Inf steps than
 `train.max_bad_steps`; 3 a rank stalled or another rank failed (the watchdog,
-workbench/train/watchdog.py: stacks in `<run>/stalls/`); 75 preempted by SIGTERM/SIGINT after writing a checkpoint (relaunch with
-the same output_dir to continue); 143/130 a second SIGTERM/SIGINT, at once (workbench/train/faults.py).
-Secret-looking values given on the command line are redacted from Hydra's own copies in
-`<run>/.hydra/` too.
+workbench/train/watchdog.py: stacks in `<run>/stalls/`); 75 preempted by SIGTERM/SIGINT after
+writing a checkpoint (relaunch with the same output_dir to continue); 143/130 a second SIGTERM/SIGINT, at once (workbench/train/faults.py).
+Secrets given on the command line are redacted from Hydra's own copies in `<run>/.hydra/` too,
+by the rule of workbench/core/secrets.py.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from workbench.config.files import CONF_DIR
+from workbench.config.run import needs_bitsandbytes
 from workbench.config.validate import validate
 from workbench.core import startup
 from workbench.core.errors import UserError
-from workbench.core.imports import import_without_incidentals
-
-
-def _skip_bitsandbytes(cfg: DictConfig) -> None:
-    """peft imports bitsandbytes whenever it is installed, and bitsandbytes imports
-    torch._inductor: about a second before the first step of a run that quantises nothing.
-    A single command-line job that is not QLoRA hides it (a multirun may still reach QLoRA in
-    this process; run_job called from Python leaves the process as it is)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    from workbench.config.run import needs_bitsandbytes
-
-    if needs_bitsandbytes(cfg) or "peft" in sys.modules or "bitsandbytes" in sys.modules:
-        return
-    if HydraConfig.get().mode != RunMode.RUN:
-        return
-    sys.modules["bitsandbytes"] = None  # import raises ImportError; find_spec answers None
-
-
-
-
-def secret_values(cfg: DictConfig) -> set[str]:
-    """The values of secret-looking keys (manifest.SECRET_KEY) anywhere in the composed config."""
-    from workbench.telemetry.manifest import SECRET_KEY
-
-    found: set[str] = set()
-
-    def walk(node):
-        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-        for key, value in items:
-            if isinstance(value, (dict, list)):
-                walk(value)
-            elif isinstance(key, str) and SECRET_KEY.search(key) and value not in (None, "") \
-                    and not str(value).startswith("${"):  # an interpolation names the secret, it is not one
-                found.add(str(value))
-
-    walk(OmegaConf.to_container(cfg, resolve=False))
-    return found
-
-
-def scrub_files(paths, secrets: set[str]) -> None:
-    """Replace each secret (and anything token-shaped) in these text files with <redacted>."""
-    from workbench.telemetry.manifest import REDACTED, TOKEN_SHAPE
-
-    for path in paths:
-        if not path.is_file():
-            continue
-        text = path.read_text()
-        clean = TOKEN_SHAPE.sub(REDACTED, text)
-        for secret in sorted(secrets, key=len, reverse=True):  # longest first: no partial leftovers
-            clean = clean.replace(secret, REDACTED)
-        if clean != text:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(clean)
-            os.replace(tmp, path)
+from workbench.core.imports import import_without_incidentals, skip_bitsandbytes
+from workbench.core.secrets import scrub_files, scrub_text, secret_values
 
 
 def _redact_hydra_files(cfg: DictConfig) -> None:
     """Hydra writes the composed config and the raw command line into `<run>/.hydra/` (and a
-    multirun's `multirun.yaml`) before the job starts; a token given on the command line would
-    sit there verbatim although config.yaml and manifest.json redact it."""
+    multirun's `multirun.yaml`) before the job starts, with the command line verbatim: the rule
+    of workbench/core/secrets.py is applied to them here, as the run applies it to its own files."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -106,21 +52,19 @@ def _redact_hydra_files(cfg: DictConfig) -> None:
 
 
 class RedactSecrets(Callback):
-    """Hydra callback (conf/train.yaml lists it before `sweep_summary`: Hydra calls job-end and
-    multirun-end callbacks in reverse order, so these run after the summary has written). Scrubs
-    what Hydra and the sweep summary write beside a job: `.hydra/`, `sweep_job.json`, and the
-    sweep dir's `multirun.yaml` and `sweep_summary.{md,csv}`, which copy the command line."""
+    """Hydra callback (conf/train.yaml lists it before `sweep_summary`: Hydra calls multirun-end
+    callbacks in reverse order, so this one runs after the summary has written). Scrubs what
+    Hydra writes beside each job (`.hydra/`, the sweep dir's `multirun.yaml`) and, at the end,
+    `sweep_summary.{md,csv}`, which copy the command line (their sources, `sweep_job.json` and
+    `.hydra/overrides.yaml`, are already clean; this keeps the summary clean whatever it copies)."""
 
     def on_job_start(self, config: DictConfig, **kwargs) -> None:
         _redact_hydra_files(config)
 
-    def on_job_end(self, config: DictConfig, job_return=None, **kwargs) -> None:
-        job_dir = Path(str(config.hydra.runtime.output_dir))
-        scrub_files([job_dir / "sweep_job.json"], secret_values(config))
-
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep = Path(str(config.hydra.sweep.dir))
-        scrub_files([sweep / n for n in ("multirun.yaml", "sweep_summary.md", "sweep_summary.csv")],
+        scrub_files([sweep / n for n in ("multirun.yaml", "sweep_summary.md", "sweep_summary.csv",
+                                         "optimization_results.yaml")],  # the Optuna sweeper's best params
                     secret_values(config))
 
 
@@ -159,18 +103,17 @@ def run_job(cfg: DictConfig) -> dict | None:
     return Runner(cfg, facts["run"], facts.get("tokenizer")).run()
 
 
-
-
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")
 def _hydra_main(cfg: DictConfig):
     _redact_hydra_files(cfg)
     try:
-        _skip_bitsandbytes(cfg)
+        skip_bitsandbytes(needs_bitsandbytes(cfg))
         if not cfg.data.preview:  # a preview loads the tokenizer only
             import_without_incidentals("transformers.modeling_utils")  # workbench/core/imports.py
         results = run_job(cfg)
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # the message may quote a value from the command line
+        print(f"error: {scrub_text(str(exc), secret_values(cfg))}", file=sys.stderr)
         sys.exit(getattr(exc, "exit_code", 2))
     finally:
         startup.after_job()  # the garbage collector as it was before the launch (workbench/core/startup.py)
@@ -202,7 +145,7 @@ def _precheck(argv: list[str]) -> None:
         cause = exc.__cause__
         if cause is not None and str(cause).strip():  # e.g. why a value does not fit its field
             msg += ": " + str(cause).strip().splitlines()[0]
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"error: {scrub_text(msg)}", file=sys.stderr)  # the message may quote a value
         sys.exit(2)
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from workbench.telemetry.manifest import REDACTED, redact
+from types import SimpleNamespace
+
+from workbench.core.secrets import REDACTED, redact
+from workbench.telemetry import manifest
+
+TOKEN = "hf_" + "Zq7" * 12
 
 
 def test_secret_keys_are_redacted_and_settings_are_kept():
@@ -16,3 +21,14 @@ def test_secret_keys_are_redacted_and_settings_are_kept():
     assert out["launcher"]["api_key"] == REDACTED
     assert out["launcher"]["secrets"] == ["hf-secret-name"]  # names of Modal secrets, not values
     assert out["model"] == cfg["model"] and out["eval"] == cfg["eval"] and out["plan"] == cfg["plan"]
+
+
+def test_the_whole_manifest_is_redacted_not_only_its_config():
+    contract = SimpleNamespace(template_hash="abc", end_of_turn="<|im_end|>", end_of_turn_id=2)
+    man = manifest.build({"launcher": {"note": TOKEN}, "eval": {"max_new_tokens": 8}},
+                         {"kind": "hub", "name": f"https://user:{TOKEN}@example.com/model"},
+                         {"sources": [{"path": f"/data/{TOKEN}/rows.jsonl", "rows": 3}]}, contract)
+    assert TOKEN not in repr(man)
+    assert man["config"] == {"launcher": {"note": REDACTED}, "eval": {"max_new_tokens": 8}}
+    assert man["model_source"]["name"] == f"https://user:{REDACTED}@example.com/model"
+    assert man["data"]["sources"][0] == {"path": f"/data/{REDACTED}/rows.jsonl", "rows": 3}

@@ -1,5 +1,6 @@
 """Imports on the user's behalf: optional engines kept out of a process that did not choose
-them, and a user's own `package.module:function` (rewards, evaluation hooks) found by name.
+them (bitsandbytes out of a CLI run that quantises nothing), and a user's own
+`package.module:function` (rewards, evaluation hooks) found by name.
 
 Some libraries import an engine only because it is installed: transformers' `save_pretrained`
 calls accelerate's `extract_model_from_parallel`, which imports DeepSpeed (and DeepSpeed prints
@@ -10,6 +11,7 @@ of a block, unless the engine is already imported because the run chose it.
     with hidden("deepspeed"):
         model.save_pretrained(path)
     import_without_incidentals("transformers.modeling_utils")  # without scipy and boto3 (INCIDENTAL)
+    skip_bitsandbytes(needs_bitsandbytes(cfg))                 # in the CLI's Hydra job, before the run
     fn = user_function("mypkg.rewards:brevity", "reward")   # UserError naming `reward` if absent
 """
 
@@ -50,6 +52,23 @@ def import_without_incidentals(module: str):
         return sys.modules[module]
     with hidden(*INCIDENTAL):
         return importlib.import_module(module)
+
+
+def skip_bitsandbytes(needed: bool) -> None:
+    """peft imports bitsandbytes whenever it is installed, and bitsandbytes imports
+    torch._inductor: about a second before the first step of a run that quantises nothing.
+    A single command-line job that is not QLoRA (`needed`: workbench/config/run.py
+    needs_bitsandbytes) hides it for the rest of the process; a multirun may still reach QLoRA
+    in this process, and run_job called from Python leaves the process as it is (only the CLI
+    calls this)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if needed or "peft" in sys.modules or "bitsandbytes" in sys.modules:
+        return
+    if HydraConfig.get().mode != RunMode.RUN:
+        return
+    sys.modules["bitsandbytes"] = None  # import raises ImportError; find_spec answers None
 
 
 def user_function(spec: str, field: str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from workbench.core.secrets import redact_overrides, scrub_text, secret_values
 from workbench.models.load import gguf_metadata
 
 
@@ -42,14 +43,15 @@ def model_card(run, results: dict, export: dict) -> str:
                      f"{r['declared_eos']} | {r['passed']} |")
     lines += ["", "## How it was made", "", "The run directory holds `config.yaml` (the composed config, secrets "
               "removed) and `manifest.json` (package versions, git commit, data fingerprints). Overrides:", "",
-              "```", "python -m workbench " + " ".join(_overrides()), "```", "",
+              "```", "python -m workbench " + " ".join(_overrides(cfg)), "```", "",
               f"License: as the base model's ({_license(cfg)}).", ""]
-    return "\n".join(lines) + ("\n<!-- " + _json.dumps({"workbench": True}) + " -->\n")
+    card = "\n".join(lines) + ("\n<!-- " + _json.dumps({"workbench": True}) + " -->\n")
+    return scrub_text(card, secret_values(cfg))  # a model path or eval name can hold a token too
 
 
-def _overrides() -> list[str]:
-    """The command line's overrides, with secret-looking values removed."""
-    from workbench.telemetry.manifest import REDACTED, SECRET_KEY
+def _overrides(cfg) -> list[str]:
+    """The command line's overrides, secrets removed (workbench/core/secrets.py): `eval.max_new_tokens=12`
+    and `model.tokenizer=...` stay as given."""
 
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -57,11 +59,7 @@ def _overrides() -> list[str]:
         items = list(HydraConfig.get().overrides.task)
     except Exception:  # noqa: BLE001 - not under a Hydra run (tests, python API)
         return []
-    out = []
-    for o in items:
-        key = o.split("=", 1)[0].lstrip("+~").split(".")[-1]
-        out.append(f"{o.split('=', 1)[0]}={REDACTED}" if SECRET_KEY.search(key) or "token" in o.lower() else o)
-    return out
+    return redact_overrides(items, secret_values(cfg))
 
 
 def _license(cfg) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from workbench.core.secrets import redact, redact_overrides, secret_values
 from workbench.telemetry import manifest
 
 CONFIG_NAME = "job_config"
@@ -29,9 +30,9 @@ LAUNCH_SUBDIR = "launch"
 
 
 def composed_config(cfg: DictConfig) -> dict:
-    """The resolved config that the far side trains with; secret-looking string values redacted."""
+    """The resolved config that the far side trains with, secrets redacted (workbench/core/secrets.py)."""
     raw = OmegaConf.to_container(cfg, resolve=True)
-    shipped = manifest.redact(raw)
+    shipped = redact(raw, secret_values(cfg))
     shipped["launcher"] = {"name": "local"}
     return shipped
 
@@ -53,18 +54,19 @@ def job_spec(cfg: DictConfig, launcher: str, run_name: str | None = None) -> dic
     out = Path(str(cfg.output_dir))
     # a multirun job dir is a bare number (multirun/<time>/3): keep the sweep's name with it
     name = run_name or (f"{out.parent.name}-{out.name}" if out.name.isdigit() else out.name)
+    secrets = secret_values(cfg)
     return {
         "name": name,
         "config_yaml": OmegaConf.to_yaml(OmegaConf.create(composed_config(cfg))),
-        "manifest": {
+        "manifest": redact({
             "launcher": launcher,
             "submitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "local_output_dir": str(cfg.output_dir),
-            "overrides": task_overrides(),
+            "overrides": redact_overrides(task_overrides(), secrets),
             "versions": manifest.versions(),
             "git": manifest.git_sha(),
             "submitted_from": manifest.hardware(),
-        },
+        }, secrets),
     }
 
 

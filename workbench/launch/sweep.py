@@ -202,6 +202,8 @@ class SweepSummary(Callback):
     def on_job_end(self, config: DictConfig, job_return, **kwargs: Any) -> None:
         from hydra.types import RunMode
 
+        from workbench.core.secrets import redact, redact_overrides, secret_values
+
         hc = config.hydra
         if hc.mode != RunMode.MULTIRUN:
             return
@@ -220,6 +222,9 @@ class SweepSummary(Callback):
         except Exception:
             info["return_value"] = None
         jdir.mkdir(parents=True, exist_ok=True)
+        # the overrides and the error copy the command line: secrets out (workbench/core/secrets.py)
+        secrets = secret_values(config)
+        info = redact({**info, "overrides": redact_overrides(info["overrides"], secrets)}, secrets)
         (jdir / JOB_FILE).write_text(json.dumps(info, indent=1, default=str))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

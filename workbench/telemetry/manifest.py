@@ -1,8 +1,9 @@
 """The run manifest: everything needed to say how a model was made.
 
 Package versions, git commit, hardware, data fingerprints, chat-template hash and EOS ids,
-where the weights came from, and the composed config with secrets removed. Secrets (HF_TOKEN,
-WANDB_API_KEY, cloud keys) are read from the environment only and never written here.
+where the weights came from, and the composed config with secrets removed (the rule of
+workbench/core/secrets.py). Secrets (HF_TOKEN, WANDB_API_KEY, cloud keys) are read from the
+environment only and never written here.
 """
 
 from __future__ import annotations
@@ -10,33 +11,15 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-import re
 import subprocess
 from pathlib import Path
 
 import torch
 
+from workbench.core.secrets import redact
+
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "bitsandbytes", "hydra-core",
             "safetensors", "deepspeed", "megatron-core", "vllm", "unsloth", "liger-kernel", "ray", "modal", "runpod")
-# Whole key names that hold secrets: token, hf_token, api_key, wandb_api_key, password, ...
-# (not tokenizer, max_new_tokens or experts_per_token, which are ordinary settings).
-SECRET_KEY = re.compile(
-    r"^(token|(.*[_-])?(hf|auth|access|api|bearer|private)[_-]?token|"
-    r"(.*[_-])?(secret|password|passwd|api[_-]?key|access[_-]?key|secret[_-]?key|credentials?))$", re.I)
-REDACTED = "<redacted>"
-# Token shapes that are secrets whatever key holds them (HF, OpenAI-style, GitHub, Slack).
-TOKEN_SHAPE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
-                         r"|xox[abpr]-[A-Za-z0-9-]{10,})")
-
-
-def redact(obj):
-    """A copy of a config container with secret-looking keys' values replaced."""
-    if isinstance(obj, dict):
-        return {k: (REDACTED if SECRET_KEY.search(str(k)) and v not in (None, "") else redact(v))
-                for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [redact(v) for v in obj]
-    return obj
 
 
 def versions() -> dict[str, str]:
@@ -70,7 +53,8 @@ def hardware() -> dict:
 
 
 def build(config: dict, model_source: dict, data: dict, contract) -> dict:
-    return {
+    """The manifest, redacted as a whole: a data path or model source can hold a token too."""
+    return redact({
         "versions": versions(),
         "git": git_sha(),
         "hardware": hardware(),
@@ -78,5 +62,5 @@ def build(config: dict, model_source: dict, data: dict, contract) -> dict:
         "data": data,
         "chat_template": {"sha256_16": contract.template_hash, "end_of_turn": contract.end_of_turn,
                           "end_of_turn_id": contract.end_of_turn_id},
-        "config": redact(config),
-    }
+        "config": config,
+    })

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from workbench.core.secrets import redact, scrub_text, secret_values
 from workbench.telemetry.progress import Progress
 
 _console = Console(stderr=True, highlight=False)
@@ -34,6 +35,8 @@ class Tracker:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.price: tuple[list[float], int] | None = None  # ([low, high] $/device-hour, devices)
         self.sinks: list = []
+        # metrics.jsonl rows and console lines can quote data and config (source names, paths)
+        self.secrets = secret_values(cfg) if cfg is not None else set()
         total = int(cfg.train.max_steps) if cfg is not None else 0
         every = int(cfg.train.log_every) if cfg is not None else 10
         self.progress = Progress(total, every, _console, enabled=enabled and cfg is not None)
@@ -52,7 +55,7 @@ class Tracker:
 
     def console(self, text: str) -> None:
         if self.enabled:
-            self.progress.print(text)
+            self.progress.print(scrub_text(text, self.secrets))
 
     def log(self, row: dict, show: bool = False) -> None:
         if not self.enabled:
@@ -62,7 +65,7 @@ class Tracker:
             row["usd_per_mtok"] = [usd_per_million_tokens(row["tokens_per_s"], devices, p) for p in prices]
         self.rows.append(row)
         with self.path.open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
+            fh.write(json.dumps(redact(row, self.secrets)) + "\n")
         if self.sinks:
             self._send("train", row, int(row.get("step", len(self.rows))))
         self.progress.update(row)

@@ -8,7 +8,7 @@
 
 Each tracker gets, from rank 0 only: every step's scalars under `train/` (loss, lr, grad norm,
 tokens/s, MFU, the method's metrics), evaluations under `eval/`, the resolved config with secrets
-removed (workbench/telemetry/manifest.py `redact`), and the run's plots when it ends. Optional packages
+removed (the rule of workbench/core/secrets.py), and the run's plots when it ends. Optional packages
 are imported only when their tracker is chosen (`pip install -e .[wandb]`, `.[mlflow]`,
 `.[trackio]`; tensorboard is a base dependency). A tracker that cannot start (package missing,
 no W&B API key, bad MLflow URI) says so in one line and the run goes on with the others.
@@ -152,12 +152,12 @@ def start(cfg, run_dir: Path, say) -> list:
     """Start every chosen tracker; one that fails is reported by `say` in one line and skipped."""
     from omegaconf import OmegaConf
 
-    from workbench.telemetry.manifest import redact
+    from workbench.core.secrets import redact, secret_values
 
     chosen = {k: v for k, v in (cfg.get("tracker") or {}).items() if v is not None}
     if not chosen:
         return []
-    config = _scrub(redact(OmegaConf.to_container(cfg, resolve=True)))
+    config = redact(OmegaConf.to_container(cfg, resolve=True), secret_values(cfg))
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     sinks = []
@@ -184,18 +184,6 @@ def _wandb_key() -> bool:
         return netrc.netrc().authenticators("api.wandb.ai") is not None
     except (OSError, netrc.NetrcParseError):
         return False
-
-
-def _scrub(obj):
-    """Token-shaped strings (hf_..., sk-...) redacted wherever they sit, as the CLI does for
-    Hydra's own files; `redact` already covered secret-looking keys."""
-    from workbench.telemetry.manifest import REDACTED, TOKEN_SHAPE
-
-    if isinstance(obj, dict):
-        return {k: _scrub(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_scrub(v) for v in obj]
-    return TOKEN_SHAPE.sub(REDACTED, obj) if isinstance(obj, str) else obj
 
 
 def _flatten(obj, prefix: str = "") -> dict:

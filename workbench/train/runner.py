@@ -28,6 +28,7 @@ from workbench.backends import registry as backends
 from workbench.config.resolved import resolve as resolve_run
 from workbench.config.run import Run
 from workbench.core import heartbeat, startup
+from workbench.core.secrets import redact, secret_values
 from workbench.evals import hooks
 from workbench.methods import registry as methods
 from workbench.models.build import build_model
@@ -87,6 +88,7 @@ class Runner:
         self._eval_cache: dict = {}  # eval data tokenised once per run
         self._tokenizer = tokenizer
         self._rss0 = plan_check.rss_gib()
+        self._secrets = secret_values(cfg)  # values of secret-looking keys, scrubbed from what the run writes
         seed_everything(cfg.train.seed)
 
     # -- build ---------------------------------------------------------------------------
@@ -331,7 +333,8 @@ class Runner:
                 results["export"] = export(trained, self.tokenizer, self.contract, self.run_facts,
                                            self.run_dir / "export", results)
         if self.is_main:
-            report.write(self.run_dir, self.run_facts, results, self.tracker.rows)
+            # results copy eval prompts and samples, which may quote a token: redacted on the way to disk
+            report.write(self.run_dir, self.run_facts, redact(results, self._secrets), self.tracker.rows)
             self.tracker.finish(self.run_dir / "plots")  # plots to the trackers; close them
         if dist.is_initialized():
             dist.barrier()
@@ -375,6 +378,7 @@ class Runner:
         man["resolved"] = self.run_facts.summary()  # what the config's choices became here (precision=auto, peft, layout)
         man["resumed_from"] = resumed
         man["world_size"] = self.world
+        man = redact(man, self._secrets)  # config.yaml below is man["config"]: one redaction for both files
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "manifest.json").write_text(json.dumps(man, indent=1, default=str))
         (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(man["config"])))
