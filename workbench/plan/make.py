@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from omegaconf import OmegaConf
-
 from workbench.config.run import derive
+from workbench.config.schema import pick
 from workbench.methods import registry
 from workbench.plan import catalog
 from workbench.plan.counts import count, probe
@@ -20,15 +19,7 @@ from workbench.plan.memory import estimate, tokens_per_micro
 from workbench.plan.setup import Setup
 from workbench.plan.speed import speed, train_flops_per_token
 from workbench.plan.tables import money, show
-
-
-def pick(cfg, keys, default):
-    """The first of `keys` that is set in cfg, else default."""
-    for key in [keys] if isinstance(keys, str) else keys:
-        value = OmegaConf.select(cfg, key, default=None)
-        if value is not None:
-            return value
-    return default
+from workbench.train.distributed import requested_procs
 
 
 def _flag(value) -> bool:
@@ -76,8 +67,9 @@ def run_tokens(cfg, s) -> float:
     return float(cfg.train.max_steps * cfg.train.grad_accum * s.dp * tokens_per_micro(s))
 
 
-def _row(cfg, counts, name, hw, mfu) -> dict:
-    devices = hw.procs * hw.nodes
+def _row(cfg, counts, name, hw, mfu, devices: int | None = None) -> dict:
+    """The verdict on hardware profile `hw`: with the processes it asks for, or `devices`."""
+    devices = devices or requested_procs(hw)
     s = from_cfg(cfg, devices=devices)
     mem = catalog.memory_gb(hw)
     if hw.device == "cpu":
@@ -107,7 +99,7 @@ def make_plan(cfg, counts=None, hardware: list[str] | None = None, others: bool 
     mfu = float(pick(cfg, "plan.mfu", 0.4))
     s = from_cfg(cfg)
     est = estimate(counts, cfg.model.arch, s)
-    here = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu)
+    here = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu, devices=derive(cfg).layout.world)
     wanted = hardware or list(pick(cfg, "plan.hardware", []) or [])
     rows = [_row(cfg, counts, name, hw, mfu) for name, hw in catalog.profiles().items()
             if (not wanted or name in wanted) and name != cfg.hardware.name] if others else []
