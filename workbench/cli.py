@@ -9,7 +9,8 @@ Exit status: 0 done; 2 a mistake in config, data or environment (one `error:` li
 weights load), a checkpoint that could not be written (disk full) or more NaN/Inf steps than
 `train.max_bad_steps`; 3 a rank stalled or another rank failed (the watchdog,
 workbench/train/watchdog.py: stacks in `<run>/stalls/`); 75 preempted by SIGTERM/SIGINT after
-writing a checkpoint (relaunch with the same output_dir to continue); 143/130 a second SIGTERM/SIGINT, at once (workbench/train/faults.py).
+writing a checkpoint (relaunch with the same output_dir to continue); 143/130 a second
+SIGTERM/SIGINT, at once (workbench/train/faults.py).
 Secrets given on the command line are redacted from Hydra's own copies in `<run>/.hydra/` too,
 by the rule of workbench/core/secrets.py.
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from workbench.telemetry.report import compare
+from workbench.telemetry.compare import compare
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ def test_second_run_reads_the_cache_and_a_change_rebuilds(tmp_path, monkeypatch)
         calls.append(1)
         return real(*a, **k)
 
-    monkeypatch.setattr(chat, "tokenize_chats", counting)
+    monkeypatch.setattr(chat, "tokenize_chats", counting)  # what pipeline.tokenise_source calls
     again = pipeline.tokenise_source(src, tokenizer, contract, data_cfg(tmp_path))
     assert again.cached and again.fingerprint == first.fingerprint and not calls
     assert list(again.examples) == list(first.examples)

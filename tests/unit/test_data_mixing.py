@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
-from workbench.data.mixing import Mixture
+import pytest
+
+from workbench.data.mixing import Mixture, rank_share
 from workbench.data.packing import Packer
 
 
@@ -47,6 +49,26 @@ def test_resume_continues_at_the_exact_next_row():
         fresh = Mixture([11, 5, 23], [0.2, 0.5, 0.3], seed=9)
         fresh.load_state_dict(state)
         assert head + draws(fresh, 300 - cut) == ref  # no row read twice, none skipped
+
+
+def test_every_rank_draws_the_global_batch_and_keeps_its_slice():
+    """rank_share: the data-parallel rank and size come from the layout (4 processes at tp=2 are 2
+    data-parallel ranks; tensor-parallel peers get the same rows), the slices partition the global
+    batch, and every rank's mixture ends in the same position (what a checkpoint holds)."""
+    from workbench.config.run import Layout
+
+    whole = Mixture([11, 5, 23], [0.2, 0.5, 0.3], seed=9).take(12)
+    slices, states = [], []
+    for rank in range(4):
+        m = Mixture([11, 5, 23], [0.2, 0.5, 0.3], seed=9)
+        drawn, mine = rank_share(Layout(rank=rank, world=4, tp=2), 6, m.take)
+        assert drawn == whole
+        slices.append(mine)
+        states.append(m.state_dict())
+    assert slices[0] == slices[1] == whole[:6] and slices[2] == slices[3] == whole[6:]
+    assert all(st == states[0] for st in states)
+    with pytest.raises(ValueError, match="global batch of 6 x 2"):
+        rank_share(Layout(rank=0, world=2), 6, lambda n: list(range(n - 1)))
 
 
 def test_packer_resume_reads_no_row_twice_and_skips_none():

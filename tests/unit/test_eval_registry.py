@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -67,6 +68,26 @@ def test_builtins_check_the_run_before_weights_load(chat_file):
         preflight.check(compose([f"data.path={chat_file}", "data.eval_split=4", "method=dpo", "eval.tasks=[loss]"]))
     with pytest.raises(UserError, match="needs eval.prompts"):
         preflight.check(compose(["eval.tasks=[generate]"]))
+
+
+def test_a_malformed_eval_prompts_file_names_its_line(tmp_path):
+    """eval.prompts=<file>.jsonl goes through the data reader: every problem names file:line,
+    before any weights load (preflight checks the task)."""
+    from workbench.evals.builtin import prompts
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"prompt": "2+2="}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert prompts(compose(["eval.tasks=[generate]", f"eval.prompts={f}"]).eval) == [
+        [{"role": "user", "content": "2+2="}], [{"role": "user", "content": "hi"}]]  # a BOM, a blank line
+    f.write_text('{"prompt": "2+2="}\n{"prompt": "3+3=",}\n')
+    with pytest.raises(UserError, match=rf"^{re.escape(str(f))}:2: malformed JSON .*one JSON object per line"):
+        check_tasks(["generate"], compose(["eval.tasks=[generate]", f"eval.prompts={f}"]))
+    f.write_text('{"prompt": "2+2="}\n{"question": "3+3="}\n')
+    with pytest.raises(UserError, match=rf"^{re.escape(str(f))}:2: expected"):
+        check_tasks(["generate"], compose(["eval.tasks=[generate]", f"eval.prompts={f}"]))
+    f.write_text('{"prompt": "2+2="}\n{"prompt": "3+')
+    with pytest.raises(UserError, match=rf"^{re.escape(str(f))}:2: the last line is truncated"):
+        check_tasks(["generate"], compose(["eval.tasks=[generate]", f"eval.prompts={f}"]))
 
 
 def test_sft_loss_generate_and_user_hook_reach_metrics_and_report(chat_file, hook_module, tmp_path):
@@ -138,7 +159,7 @@ def test_keep_best_keeps_the_best_evaluated_checkpoint_apart_and_exports_it(tmp_
     sys.modules.pop("peak_hook", None)
     ckpts = out / "checkpoints"
     assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000003"]  # rolling: only the last
-    best = json.loads((ckpts / "best.json").read_text())
+    best = json.loads((ckpts / "best" / "best.json").read_text())  # the record moves with the weights
     assert best["step"] == 1 and best["mode"] == "max" and best["value"] == 0
     kept = load_file(ckpts / "best" / "model.safetensors")
     last = load_file(ckpts / "step-00000003" / "model.safetensors")

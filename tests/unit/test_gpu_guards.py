@@ -24,10 +24,6 @@ from workbench.models.load import attention_for, load_model, load_tokenizer
 from workbench.rollout import vllm_engine
 
 
-def _fake_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-
-
 # -- refusals on CPU ------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, needle", [
     (["precision=fp8"], "precision=fp8"),

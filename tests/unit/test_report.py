@@ -1,5 +1,6 @@
 """The run report embeds PNG plots of the run's curves (the method's own ones too), and
-`python -m workbench.report` compares several runs in one table and one figure."""
+`python -m workbench.report` compares several runs in one table and one figure
+(workbench/telemetry/compare.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, train
-from workbench.telemetry import plots, report
+from workbench.telemetry import compare, plots
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -60,7 +61,7 @@ def test_compare_runs_in_one_table_and_one_figure(tmp_path):
     sweep = tmp_path / "multirun"
     for i, (lr, peft) in enumerate([(1e-4, "lora"), (1e-4, "none"), (3e-4, "lora"), (3e-4, "none")]):
         _fake_run(sweep / str(i), lr, peft, [2.0, 1.5 - i * 0.1])
-    out = subprocess.run([sys.executable, "-m", "workbench.telemetry.report", str(sweep)], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "workbench.report", str(sweep)], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     lines = [line for line in out.splitlines() if line.startswith("|")]
     assert "optim.lr" in lines[0] and "peft.kind" in lines[0] and "output_dir" not in lines[0]
@@ -69,7 +70,7 @@ def test_compare_runs_in_one_table_and_one_figure(tmp_path):
     assert (sweep / "comparison.png").read_bytes()[:8] == PNG
     assert "comparison.png" in (sweep / "comparison.md").read_text()
     with pytest.raises(SystemExit):
-        report.compare([str(tmp_path / "nothing")])
+        compare.compare([str(tmp_path / "nothing")])
 
 
 @pytest.mark.slow
@@ -79,7 +80,7 @@ def test_compare_a_real_2x2_multirun(tmp_path):
     subprocess.run([sys.executable, "-m", "workbench", "-m", "model=tiny", "eval=none", "train.max_steps=3",
                     "train.export=false", "tracker=[]", "optim.lr=1e-4,3e-4", "peft=lora,none",
                     f"hydra.sweep.dir={sweep}"], cwd=ROOT, check=True, capture_output=True)
-    table, fig = report.compare([str(sweep)], tmp_path / "cmp")
+    table, fig = compare.compare([str(sweep)], tmp_path / "cmp")
     rows = [line for line in table.splitlines() if line.startswith("|")][2:]
     assert len(rows) == 4 and fig.exists()
     for job in range(4):

@@ -23,8 +23,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from omegaconf import OmegaConf
-
+from workbench.config.schema import pick
 from workbench.core.errors import UserError
 from workbench.methods import registry
 
@@ -78,11 +77,6 @@ class Rule:
 
 
 # -- helpers that read fields other modules own -------------------------------------------------
-def _get(c, key, default):
-    value = OmegaConf.select(c, key, default=None)
-    return default if value is None else value
-
-
 def _dev(c):
     return c.hardware.device
 
@@ -95,12 +89,19 @@ def _world(c):
     return layout(c).world
 
 
+def _dp(c):
+    """Data-parallel ranks: the layout's world divided by tp x pp x cp, as the run will have it."""
+    from workbench.config.run import layout
+
+    return layout(c).dp
+
+
 def _backend(c):
-    return _get(c, "backend.name", "single")
+    return pick(c, "backend.name", "single")
 
 
 def _method(c):
-    return _get(c, "method.name", "sft")
+    return pick(c, "method.name", "sft")
 
 
 def _facts(c):
@@ -108,7 +109,7 @@ def _facts(c):
 
 
 def _stage(c):
-    return int(_get(c, "backend.stage", 0))
+    return int(pick(c, "backend.stage", 0))
 
 
 def _sharded(c):
@@ -122,19 +123,44 @@ def _storage_float(c):
 
 
 def _par(c, key):
-    return int(_get(c, f"backend.{key}", 1))
+    return int(pick(c, f"backend.{key}", 1))
 
 
 def _rewards(c):
-    return list(_get(c, "reward.functions", []) or [])
+    return list(pick(c, "reward.functions", []) or [])
 
 
 def _offload(c, key):
-    return _get(c, f"backend.{key}", "none") != "none"
+    return pick(c, f"backend.{key}", "none") != "none"
 
 
 def _use_vllm(c):
-    return _method(c) == "grpo" and _get(c, "method.engine", "hf") == "vllm"
+    return _method(c) == "grpo" and pick(c, "method.engine", "hf") == "vllm"
+
+
+def _grpo_args(c):
+    """GRPO's batch settings (method.num_generations, prompts_per_step, train.micro_batch_size,
+    grad_accum) and the run's data-parallel ranks, as methods/grpo.py make_shape takes them."""
+    from workbench.methods.grpo import Config
+
+    return (int(pick(c, "method.num_generations", Config.num_generations)),
+            pick(c, "method.prompts_per_step", None), int(c.train.micro_batch_size), int(c.train.grad_accum), _dp(c))
+
+
+def _grpo_shape(c):
+    """Why GRPO's batch does not divide into whole groups per data-parallel rank, or None."""
+    from workbench.methods.grpo import shape_problem
+
+    if _method(c) != "grpo" or int(pick(c, "method.num_generations", 2)) < 2:
+        return None  # not GRPO, or grpo-group-size says what is wrong
+    return shape_problem(*_grpo_args(c))
+
+
+def _grpo_accum(c):
+    """The micro-batches per rank GRPO's method.prompts_per_step makes (train.grad_accum without it)."""
+    from workbench.methods.grpo import make_shape
+
+    return make_shape(*_grpo_args(c)).grad_accum
 
 
 def _ref(c):
@@ -239,32 +265,32 @@ RULES: list[Rule] = [
          lambda c, e: f"backend.stage={_stage(c)}: ZeRO stages are 1, 2 or 3; for plain data parallelism "
                       f"use backend=single"),
     Rule("deepspeed-offload-choice", {"backend": "deepspeed", "offload": "optimizer, params"},
-         lambda c, e: _backend(c) == "deepspeed" and any(_get(c, f"backend.{k}", "none") not in ("none", "cpu", "nvme")
+         lambda c, e: _backend(c) == "deepspeed" and any(pick(c, f"backend.{k}", "none") not in ("none", "cpu", "nvme")
                                                       for k in ("offload_optimizer", "offload_param")),
          lambda c, e: f"config fields 'backend.offload_optimizer' / 'backend.offload_param' must be none, cpu or nvme "
-                      f"(got {_get(c, 'backend.offload_optimizer', 'none')!r} / {_get(c, 'backend.offload_param', 'none')!r})"),
+                      f"(got {pick(c, 'backend.offload_optimizer', 'none')!r} / {pick(c, 'backend.offload_param', 'none')!r})"),
     Rule("param-offload-needs-zero3", {"backend": "deepspeed stage < 3", "offload": "params"},
          lambda c, e: _backend(c) == "deepspeed" and _offload(c, "offload_param") and _stage(c) != 3,
          "backend.offload_param needs parameters partitioned: set backend.stage=3 (stages 1-2 keep full "
          "parameters on every rank)"),
     Rule("nvme-offload-needs-path", {"backend": "deepspeed", "offload": "nvme"},
-         lambda c, e: _backend(c) == "deepspeed" and "nvme" in (_get(c, "backend.offload_optimizer", "none"),
-                                                                 _get(c, "backend.offload_param", "none"))
-         and not os.path.isdir(str(_get(c, "backend.nvme_path", "") or "")),
+         lambda c, e: _backend(c) == "deepspeed" and "nvme" in (pick(c, "backend.offload_optimizer", "none"),
+                                                                 pick(c, "backend.offload_param", "none"))
+         and not os.path.isdir(str(pick(c, "backend.nvme_path", "") or "")),
          lambda c, e: "backend.offload_*=nvme needs an existing directory on local NVMe: set backend.nvme_path "
-                      f"(got {_get(c, 'backend.nvme_path', '')!r})"),
+                      f"(got {pick(c, 'backend.nvme_path', '')!r})"),
     Rule("fsdp2-checkpointing-choice", {"backend": "fsdp2", "other": "activation checkpointing"},
-         lambda c, e: _backend(c) == "fsdp2" and (_get(c, "backend.activation_checkpointing", "none")
+         lambda c, e: _backend(c) == "fsdp2" and (pick(c, "backend.activation_checkpointing", "none")
                                                   not in ("none", "full", "selective")
-                                                  or int(_get(c, "backend.selective_every", 2)) < 1),
+                                                  or int(pick(c, "backend.selective_every", 2)) < 1),
          lambda c, e: "config field 'backend.activation_checkpointing' must be none, full or selective, and "
-                      f"'backend.selective_every' >= 1 (got {_get(c, 'backend.activation_checkpointing', 'none')!r}, "
-                      f"{_get(c, 'backend.selective_every', 2)})"),
+                      f"'backend.selective_every' >= 1 (got {pick(c, 'backend.activation_checkpointing', 'none')!r}, "
+                      f"{pick(c, 'backend.selective_every', 2)})"),
     Rule("fsdp2-reduce-dtype", {"backend": "fsdp2", "precision": "reduce dtype"},
-         lambda c, e: _backend(c) == "fsdp2" and _get(c, "backend.reduce_dtype", "float32")
+         lambda c, e: _backend(c) == "fsdp2" and pick(c, "backend.reduce_dtype", "float32")
          not in ("float32", "bfloat16", "float16"),
          lambda c, e: f"config field 'backend.reduce_dtype' must be float32, bfloat16 or float16 "
-                      f"(got {_get(c, 'backend.reduce_dtype', 'float32')!r})"),
+                      f"(got {pick(c, 'backend.reduce_dtype', 'float32')!r})"),
     Rule("sharded-vllm", {"backend": "fsdp2, deepspeed stage 3", "method": "grpo (vLLM rollouts)"},
          lambda c, e: _sharded(c) and _use_vllm(c),
          "method.engine=vllm loads full weights into vLLM on every rank, which a sharding backend splits; use "
@@ -277,7 +303,7 @@ RULES: list[Rule] = [
                          else "use peft=lora (its reference is the adapter-free base)" if _method(c) == "kto"
                          else "use peft=lora (its reference is the adapter-free base) or method.beta=0")),
     Rule("fsdp2-offload-on-cpu", {"backend": "fsdp2", "offload": "cpu_offload", "hardware": "cpu"},
-         lambda c, e: _backend(c) == "fsdp2" and bool(_get(c, "backend.cpu_offload", False)) and _dev(c) == "cpu",
+         lambda c, e: _backend(c) == "fsdp2" and bool(pick(c, "backend.cpu_offload", False)) and _dev(c) == "cpu",
          "backend.cpu_offload moves GPU memory to the host; on hardware=cpu set backend.cpu_offload=false"),
     Rule("deepspeed-needs-package", {"backend": "deepspeed"},
          lambda c, e: _backend(c) == "deepspeed" and not e.has("deepspeed"),
@@ -307,29 +333,46 @@ RULES: list[Rule] = [
          lambda c, e: f"backend.cp={_par(c, 'cp')} splits each sequence in 2 x cp chunks: make data.seq_len a "
                       f"multiple of {2 * _par(c, 'cp')}"),
     Rule("megatron-fp8", {"backend": "megatron", "precision": "backend.fp8"},
-         lambda c, e: _backend(c) == "megatron" and _get(c, "backend.fp8", None) is not None,
+         lambda c, e: _backend(c) == "megatron" and pick(c, "backend.fp8", None) is not None,
          "backend.fp8 needs Transformer Engine layer specs, which backend=megatron does not build yet: set backend.fp8=null"),
     Rule("megatron-distributed-optimizer", {"backend": "megatron"},
-         lambda c, e: _backend(c) == "megatron" and bool(_get(c, "backend.distributed_optimizer", False)),
+         lambda c, e: _backend(c) == "megatron" and bool(pick(c, "backend.distributed_optimizer", False)),
          "backend.distributed_optimizer=true is not built yet; every data-parallel rank keeps full optimizer "
          "state (set it to false)"),
     Rule("megatron-sequence-parallel", {"backend": "megatron (sp)"},
-         lambda c, e: _backend(c) == "megatron" and bool(_get(c, "backend.sequence_parallel", False))
+         lambda c, e: _backend(c) == "megatron" and bool(pick(c, "backend.sequence_parallel", False))
          and (_par(c, "tp") < 2 or not (e.has("transformer_engine") or e.has("apex"))),
          "backend.sequence_parallel=true needs backend.tp > 1 and Transformer Engine or Apex norms (GPU)"),
     Rule("megatron-cp-needs-gpu", {"backend": "megatron (cp)", "hardware": "cpu"},
          lambda c, e: _backend(c) == "megatron" and _par(c, "cp") > 1 and _dev(c) != "cuda",
          "backend.cp > 1 needs Transformer Engine's attention on a GPU"),
     Rule("megatron-recompute-choice", {"backend": "megatron"},
-         lambda c, e: _backend(c) == "megatron" and _get(c, "backend.recompute", "none") not in ("none", "selective", "full"),
-         lambda c, e: f"backend.recompute={_get(c, 'backend.recompute', 'none')!r} is not one of none, selective, full"),
+         lambda c, e: _backend(c) == "megatron" and pick(c, "backend.recompute", "none") not in ("none", "selective", "full"),
+         lambda c, e: f"backend.recompute={pick(c, 'backend.recompute', 'none')!r} is not one of none, selective, full"),
     # methods
     Rule("grpo-needs-reward", {"method": "grpo"},
          lambda c, e: _method(c) == "grpo" and not _rewards(c),
          "method=grpo needs at least one reward: add reward=arith_exact (or reward.functions=[{name: module:function}])"),
     Rule("grpo-group-size", {"method": "grpo"},
-         lambda c, e: _method(c) == "grpo" and int(_get(c, "method.num_generations", 2)) < 2,
+         lambda c, e: _method(c) == "grpo" and int(pick(c, "method.num_generations", 2)) < 2,
          "method=grpo compares completions within a group: set method.num_generations>=2"),
+    Rule("grpo-whole-groups", {"method": "grpo", "hardware": "data-parallel ranks",
+                               "other": "train.micro_batch_size x grad_accum, method.prompts_per_step"},
+         lambda c, e: _grpo_shape(c) is not None,
+         lambda c, e: _grpo_shape(c)),
+    Rule("grpo-deepspeed-accum", {"method": "grpo (prompts_per_step)", "backend": "deepspeed",
+                                  "other": "train.grad_accum"},
+         lambda c, e: _backend(c) == "deepspeed" and _method(c) == "grpo" and _grpo_shape(c) is None
+         and pick(c, "method.prompts_per_step", None) is not None and _grpo_accum(c) != c.train.grad_accum,
+         # DeepSpeed counts accumulation boundaries from its own config, which train.grad_accum sets
+         lambda c, e: f"method.prompts_per_step={pick(c, 'method.prompts_per_step', None)} makes {_grpo_accum(c)} "
+                      f"micro-batches per step; with backend=deepspeed set train.grad_accum={_grpo_accum(c)} to match"),
+    Rule("kto-kl-needs-pairs", {"method": "kto (loss_type=kto)", "other": "train.micro_batch_size=1"},
+         lambda c, e: _method(c) == "kto" and pick(c, "method.loss_type", "kto") == "kto"
+         and c.train.micro_batch_size < 2,
+         lambda c, e: "method=kto estimates its KL reference point from pairs within a micro-batch: set "
+                      f"train.micro_batch_size >= 2 (got {c.train.micro_batch_size}), or "
+                      "method.loss_type=apo_zero_unpaired, which has none"),
     Rule("vllm-needs-cuda", {"method": "grpo (vLLM rollouts)", "hardware": "cpu"},
          lambda c, e: _use_vllm(c) and _dev(c) != "cuda",
          "method.engine=vllm needs a CUDA GPU; on CPU use method.engine=hf (generate with KV cache)"),
@@ -340,16 +383,16 @@ RULES: list[Rule] = [
          lambda c, e: _use_vllm(c) and c.peft.kind == "dora",
          "method.engine=vllm syncs lora, qlora or full weights; use method.engine=hf with peft=dora"),
     Rule("dpo-adapter-ref-needs-peft", {"method": "dpo, kto (ref=adapter)", "peft": "none"},
-         lambda c, e: _facts(c).reference == "method" and _get(c, "method.reference", None) == "adapter"
+         lambda c, e: _facts(c).reference == "method" and pick(c, "method.reference", None) == "adapter"
          and c.peft.kind == "none",
          "method.reference=adapter uses the model with its adapter disabled as the reference, but peft=none has "
          "no adapter: use peft=lora, or method.reference=copy / method.reference=precomputed"),
     Rule("distill-needs-teacher", {"method": "distill"},
-         lambda c, e: _method(c) == "distill" and not _get(c, "method.teacher", None),
+         lambda c, e: _method(c) == "distill" and not pick(c, "method.teacher", None),
          "method=distill needs method.teacher: set it to a model dir, run dir, conf/model name or hub id "
          "(with model='s tokenizer)"),
     Rule("distill-packing", {"method": "distill", "data": "packing"},
-         lambda c, e: _method(c) == "distill" and bool(_get(c, "data.packing", False)),
+         lambda c, e: _method(c) == "distill" and bool(pick(c, "data.packing", False)),
          "method=distill compares the teacher's and the student's next-token distributions row by row: set "
          "data.packing=false"),
     Rule("new-methods-megatron", {"method": "kto, cpo, orpo, rm, distill", "backend": "megatron"},
@@ -435,7 +478,7 @@ PLANNABLE = {"push-needs-token", "cuda-not-visible", "multinode-needs-rendezvous
 
 def runs_here(cfg) -> bool:
     """False when a launcher sends the run to other machines (their hardware is checked there)."""
-    return _get(cfg, "launcher.name", "local") == "local"
+    return pick(cfg, "launcher.name", "local") == "local"
 
 
 def check(cfg, env: Env | None = None, planning: bool = False) -> list[str]:

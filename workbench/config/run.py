@@ -16,7 +16,6 @@ read-only. `tests/unit/test_resolved.py` holds the code to that (grep-level).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,7 +23,7 @@ from omegaconf import DictConfig
 
 from workbench.methods import registry
 from workbench.methods.spec import MethodFacts
-from workbench.train import precision
+from workbench.train import distributed, precision
 
 REFERENCES = ("none", "adapter", "copy", "precomputed")
 
@@ -192,9 +191,9 @@ def layout(cfg, rank: int | None = None, world: int | None = None) -> Layout:
     """Inside a launched process the launcher's RANK / WORLD_SIZE are the truth; before launch,
     the request (hardware.procs x hardware.nodes)."""
     if world is None:
-        world = int(os.environ.get("WORLD_SIZE") or int(cfg.hardware.procs) * int(cfg.hardware.nodes))
+        world = distributed.launched_world() or distributed.requested_procs(cfg.hardware)
     if rank is None:
-        rank = int(os.environ.get("RANK", "0"))
+        rank = distributed.launched_rank()
     b = _backend(cfg)
     par = {k: int(b[k]) for k in ("tp", "pp", "cp") if b is not None and k in b}
     return Layout(rank=rank, world=world, **par)

@@ -8,6 +8,9 @@ registered in `workbench/methods/registry.py` and `workbench/backends/registry.p
 `workbench/config/validate.py` applies all of them to a composed config.
 
 Run `python -m workbench --cfg job` to see the composed config.
+
+`pick(cfg, "backend.stage", 0)` reads a field one backend or method owns by its schema name, with
+a default for the configs that have no such field (the rule table and the planner read them so).
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ def job_dir(default: str) -> str:
         out = OmegaConf.select(hc, "runtime.output_dir", default=None)
         if out:
             return str(out)
+    return default
+
+
+def pick(cfg, keys, default):
+    """The first of `keys` (a dotted name, or a list of them) that is set in cfg, else default."""
+    for key in [keys] if isinstance(keys, str) else keys:
+        value = OmegaConf.select(cfg, key, default=None)
+        if value is not None:
+            return value
     return default
 
 

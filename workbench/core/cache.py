@@ -9,7 +9,8 @@
 Entries are built by `build(path, make)`: a file lock (`<path>.lock`) makes one process the
 writer while every other process waits for it (ranks of one job, two jobs on one machine);
 `make` fills a temporary directory beside the entry; a seal listing every file and its size
-is written last, and the directory is renamed into place. A reader trusts an entry only when
+is written last, and the directory is published (workbench/core/atomic.py: fsynced, renamed
+into place). A reader trusts an entry only when
 its seal matches what is on disk; a broken or unsealed entry (a crash mid-write, a folder
 from an older version, a copy a distributed save left half-written) is removed and rebuilt,
 with one line on stderr saying which and why.
@@ -21,10 +22,11 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+
+from workbench.core import atomic
 
 SEAL = ".complete.json"
 
@@ -45,16 +47,11 @@ def lock(path: Path):
 
 
 def seal(directory: Path) -> None:
-    """Record every file under `directory` with its size; written last, fsynced."""
+    """Record every file under `directory` with its size; written last."""
     directory = Path(directory)
     files = {str(p.relative_to(directory)): p.stat().st_size
              for p in sorted(directory.rglob("*")) if p.is_file() and p.name != SEAL}
-    tmp = directory / (SEAL + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"files": files}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / SEAL)
+    atomic.write_text(directory / SEAL, json.dumps({"files": files}, indent=1))
 
 
 def problem(directory: Path, required: tuple[str, ...] = ()) -> str | None:
@@ -90,17 +87,9 @@ def build(path: Path, make: Callable[[Path], None], what: str, required: tuple[s
         if why != "absent":
             print(f"cache: {what} at {path} is broken ({why}); rebuilding it", file=sys.stderr)
             shutil.rmtree(path, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-        try:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; an entry is as shared as its cache
+        with atomic.publishing(path) as tmp:  # the lock makes this process its one writer
             make(tmp)
             seal(tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     if (why := problem(path, required)) is not None:
         raise RuntimeError(f"cache: {what} at {path} is still incomplete after building it ({why})")
     return path
@@ -128,9 +117,7 @@ def update_json(path: Path, key: str, compute: Callable[[], float], valid: Calla
             if isinstance(known, (int, float)) and valid(float(known)):
                 return float(known)
             table[key] = float(compute())
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=1))
-            os.replace(tmp, path)
+            atomic.write_text(path, json.dumps(table, indent=1))
             return table[key]
     except OSError:  # a read-only cache: measure, do not keep
         return float(compute())

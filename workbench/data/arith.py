@@ -8,7 +8,6 @@ Held-out evaluation pairs never appear in the training files.
 from __future__ import annotations
 
 import random
-import re
 
 INSTRUCTION = "Answer with the number only."
 
@@ -59,7 +58,3 @@ def is_correct(completion: str, expected: str) -> bool:
     """Exact match: the completion, stripped, is the number and nothing else."""
     return completion.strip() == expected
 
-
-def first_number(completion: str) -> str | None:
-    m = re.search(r"-?\d+", completion)
-    return m.group(0) if m else None

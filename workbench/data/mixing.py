@@ -6,11 +6,38 @@ proportions track the requested weights exactly, with no random state to restore
 source, rows are visited in a seeded permutation per epoch. `state_dict()` captures the
 position; after `load_state_dict()` the sequence continues at the exact next row: none read
 twice, none skipped.
+
+`rank_share` is how every method turns that one sequence into data-parallel batches:
+
+    drawn, mine = rank_share(ctx.run.layout, per_rank, mixture.take)   # global batch, this rank's slice
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def rank_share(layout, per_rank: int, draw: Callable[[int], list[T]]) -> tuple[list[T], list[T]]:
+    """(the global batch, this rank's slice of it): `draw(per_rank * layout.dp)`, then the
+    `layout.dp_rank`-th run of `per_rank` items.
+
+    Every data-parallel rank draws the whole global batch, in the same order, and keeps its
+    slice. So the data position (a Mixture's or Packer's state) is the same on every rank: a
+    checkpoint holds one position, a resume restores it without any communication, and the
+    global batch does not depend on how many ranks share it. `layout` is the resolved run's
+    (ctx.run.layout): its data-parallel size and rank, which under tensor or pipeline
+    parallelism, or a launcher's own world size, differ from the processes requested.
+    """
+    n = per_rank * layout.dp
+    drawn = draw(n)
+    if len(drawn) != n:
+        raise ValueError(f"drew {len(drawn)} items for a global batch of {per_rank} x {layout.dp} ranks")
+    start = layout.dp_rank * per_rank
+    return drawn, drawn[start:start + per_rank]
 
 
 class Mixture:
@@ -47,6 +74,10 @@ class Mixture:
             self.epoch[i] += 1
             self.pos[i] = 0
         return i, row
+
+    def take(self, n: int) -> list[tuple[int, int]]:
+        """The next `n` (source index, row index) pairs."""
+        return [self.next() for _ in range(n)]
 
     def realised(self) -> list[float]:
         n = sum(self.taken) or 1

@@ -147,15 +147,15 @@ def attention_layout(attn_implementation: str | None) -> tuple[str, str]:
     return "rows", "4d"
 
 
-def packed_micro_batches(rows, example_of, rank: int, per_rank: int, micro_size: int, pad_id: int,
-                         layout: str, mask: str) -> tuple[list[dict], int]:
-    """This rank's slice of the global packed rows, collated into micro-batches; and its real tokens."""
+def packed_micro_batches(rows, example_of, micro_size: int, pad_id: int, layout: str, mask: str
+                         ) -> tuple[list[dict], int]:
+    """This rank's packed rows (its slice of the global batch, mixing.rank_share), collated into
+    micro-batches of `micro_size` rows; and their real tokens."""
     from workbench.data.collate import pack_rows
 
-    mine = rows[rank * per_rank:(rank + 1) * per_rank]
     micro, real = [], 0
-    for i in range(0, per_rank, micro_size):
-        m = pack_rows([[example_of(x) for x in row] for row in mine[i:i + micro_size]], pad_id, layout, mask)
+    for i in range(0, len(rows), micro_size):
+        m = pack_rows([[example_of(x) for x in row] for row in rows[i:i + micro_size]], pad_id, layout, mask)
         real += m.pop("real_tokens")
         micro.append(m)
     return micro, real

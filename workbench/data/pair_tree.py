@@ -29,6 +29,8 @@ sums add the same terms in the same order as the two-row layout.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from workbench.data.chat import IGNORE
@@ -38,7 +40,8 @@ from workbench.data.chat import IGNORE
 MASKED_KERNELS = ("sdpa",)
 
 
-def shared_prefix(a: list[int], b: list[int]) -> int:
+def shared_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items two sequences share (token ids here; messages for data/preference.py)."""
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
@@ -141,11 +144,12 @@ def tree_batch(pairs: list, pad_id: int, chosen_labels: list[list[int]] | None =
 def tree_fits(module, seq_len: int, fallback: str) -> bool:
     """Whether `module` takes tree rows; if not, rank 0 says why on stderr and what the method
     does instead (`fallback`)."""
-    import os
     import sys
 
+    from workbench.train.distributed import is_main_process
+
     reason = tree_unsupported(module, seq_len)
-    if reason and int(os.environ.get("RANK", "0")) == 0:
+    if reason and is_main_process():
         print(f"note: method.share_prompt: {reason}; {fallback}", file=sys.stderr)
     return reason is None
 

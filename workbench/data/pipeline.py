@@ -47,14 +47,6 @@ class Tokenised:
                 "cached": self.cached, "bad_rows": self.bad[:5]}
 
 
-def file_digest(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
-
-
 def tokenizer_digest(tokenizer) -> str:
     """Identity of the tokenizer's behaviour (vocab, merges, normaliser), not just its name."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)

@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbench.core.errors import UserError
 from workbench.data import cache, chat, formats, pipeline
+from workbench.data.pair_tree import shared_prefix
 from workbench.data.readers import fingerprint_parts, iter_rows
 from workbench.data.recipes import Source
+from workbench.train.distributed import is_main_process
 
 PREFERENCE_SCHEMAS = (
     '{"prompt": str, "chosen": str, "rejected": str}; '
@@ -50,13 +51,6 @@ def messages(value, where: str, what: str, role: str) -> list[dict]:
     raise UserError(f"{where}: '{what}' must be a string or a non-empty list of {{role, content}} messages")
 
 
-def _common_prefix(a: list[dict], b: list[dict]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def preference_row(row: dict, where: str) -> tuple[list[dict], list[dict], list[dict]]:
     """(prompt messages, chosen messages, rejected messages) of one row, checked."""
     if "chosen" not in row or "rejected" not in row:
@@ -69,7 +63,7 @@ def preference_row(row: dict, where: str) -> tuple[list[dict], list[dict], list[
     else:
         full_c = messages(row["chosen"], where, "chosen", "assistant")
         full_r = messages(row["rejected"], where, "rejected", "assistant")
-        n = _common_prefix(full_c, full_r)
+        n = shared_prefix(full_c, full_r)  # the prompt: the turns both conversations start with
         if n == 0 or n == len(full_c) or n == len(full_r):
             raise UserError(f"{where}: chosen and rejected conversations need a shared prompt and must differ "
                             f"after it; accepted: {PREFERENCE_SCHEMAS}")
@@ -155,7 +149,7 @@ def tokenise_preferences(source: Source, tokenizer, contract, data_cfg, tok_dige
     _check_format(source, "preference", PREFERENCE_SCHEMAS)
     out = pipeline.through_cache(source, tokenizer, contract, data_cfg, f"pairs-v{PAIRS_VERSION}", tok_digest,
                                  lambda: _tokenise_pairs(source, tokenizer, contract, data_cfg), _load_pairs, _save_pairs)
-    if out.identical and int(os.environ.get("RANK", "0")) == 0:
+    if out.identical and is_main_process():
         print(f"warning: {source.label}: skipped {out.identical} pair(s) whose chosen and rejected are "
               f"identical (no preference signal); {len(out.pairs)} pairs remain", file=sys.stderr)
     return out

@@ -1,8 +1,9 @@
 """Row readers for every source kind a recipe may name, each row tagged with where it came from.
 
-    from workbench.data.readers import iter_rows
+    from workbench.data.readers import iter_rows, read_jsonl
     for where, row in iter_rows(source):        # where = "path/file.jsonl:17"
         ...
+    for where, row in read_jsonl(path):         # one .jsonl file, rows as they are (eval prompts)
 
 Kinds: `.jsonl`, `.json` (an array of objects), `.parquet`, `.csv`, a local Hugging Face
 dataset directory (`save_to_disk` output), or a hub dataset id (only where the hub is
@@ -80,7 +81,7 @@ def iter_rows(source, columns: dict | None = None, split: str | None = None) -> 
         held, role = getattr(source, "held_out", None), getattr(source, "role", None)
         auto = getattr(source, "format", "auto") == "auto"
     kind = source_kind(path, hub)
-    reader = {"jsonl": _jsonl, "json": _json, "parquet": _parquet, "csv": _csv,
+    reader = {"jsonl": read_jsonl, "json": _json, "parquet": _parquet, "csv": _csv,
               "hf_dir": _hf_dir, "hub": _hub}[kind]
     label = hub if kind == "hub" else path
     n = 0
@@ -136,7 +137,10 @@ def _decode(raw: bytes, path, lineno: int) -> str:
                         "re-save the file as UTF-8") from None
 
 
-def _jsonl(path, split) -> Iterator[tuple[str, dict]]:
+def read_jsonl(path, split=None) -> Iterator[tuple[str, dict]]:
+    """(file:line, row) of every non-blank line of a JSON-lines file: a byte-order mark on the
+    first line is skipped, and a malformed line, a truncated last line or a line that is not an
+    object is a UserError naming file:line. `split` is unused (the iter_rows reader signature)."""
     size = os.path.getsize(path)
     with open(path, "rb") as fh:
         offset = 0

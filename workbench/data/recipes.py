@@ -29,9 +29,7 @@ Rows are read with their file and line so every bad row can be reported as `file
 from __future__ import annotations
 
 import json
-import os
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,7 +88,9 @@ def inline_recipe(data_cfg, eval_tasks=()) -> str | None:
     split = data_cfg.eval_split
     if paths is not None and split is None and any(t in HELD_OUT_TASKS for t in eval_tasks or ()):
         split = DEFAULT_SPLIT
-        if os.environ.get("RANK", "0") == "0":
+        from workbench.train.distributed import is_main_process
+
+        if is_main_process():
             print(f"data: holding out {DEFAULT_SPLIT:.0%} of data.path's rows for eval.tasks={list(eval_tasks)} "
                   "(set data.eval_split to choose: a fraction, a row count or a file)", file=sys.stderr)
     if paths is None and (split is None or str(data_cfg.recipe).lstrip().startswith("{")):
@@ -259,38 +259,3 @@ def _source(s, i: int, path: Path) -> Source:
         weight=float(weight), max_samples=s.get("max_samples"), columns=dict(columns), split=s.get("split"),
         hub=s.get("hub"), min_tokens=int(s.get("min_tokens") or 0), max_tokens=s.get("max_tokens"),
     )
-
-
-def read_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    """Yield (line number, row); a malformed line is a UserError naming file:line."""
-    try:
-        fh = path.open(encoding="utf-8")
-        with fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
-                if not isinstance(row, dict):
-                    raise UserError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
-                yield lineno, row
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-
-
-def messages_of(row: dict, where: str) -> list[dict]:
-    """The conversation in a `messages`-format row, checked."""
-    msgs = row.get("messages")
-    if msgs is None:
-        raise UserError(f"{where}: row has no 'messages' field (keys: {sorted(row)}); expected "
-                        "{\"messages\": [{\"role\": ..., \"content\": ...}, ...]}")
-    if not isinstance(msgs, list) or not msgs:
-        raise UserError(f"{where}: 'messages' must be a non-empty list")
-    for j, m in enumerate(msgs):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise UserError(f"{where}: messages[{j}] needs 'role' and 'content'")
-    if not any(m["role"] == "assistant" for m in msgs):
-        raise UserError(f"{where}: no assistant turn to train on")
-    return msgs

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from workbench.config.schema import pick
 from workbench.core.errors import UserError
 from workbench.methods import registry
 
@@ -86,13 +87,13 @@ def prompts(eval_cfg) -> list[list[dict]]:
         if not f.exists():
             raise UserError(f"eval.prompts={spec!r}: file not found (for a single prompt write eval.prompts='[...]')")
         if f.suffix == ".jsonl":
-            from workbench.data.recipes import read_jsonl
+            from workbench.data.readers import read_jsonl
 
             out = []
-            for n, row in read_jsonl(f):
+            for where, row in read_jsonl(f):
                 p = row.get("messages") or row.get("prompt")
                 if p is None:
-                    raise UserError(f"{f}:{n}: expected {{\"prompt\": ...}} or {{\"messages\": [...]}}")
+                    raise UserError(f"{where}: expected {{\"prompt\": ...}} or {{\"messages\": [...]}}")
                 out.append([{"role": "user", "content": p}] if isinstance(p, str) else list(p))
             return out
         return [[{"role": "user", "content": line}] for line in f.read_text().splitlines() if line.strip()]
@@ -134,6 +135,14 @@ def _held_out(ctx, read) -> list:
     for s in eval_recipe(ctx.cfg).eval_sources:
         out += read(s, ctx.tokenizer, ctx.contract, ctx.cfg.data)
     return out[: ctx.eval_cfg.num_samples]
+
+
+def _beta(ctx) -> float:
+    """beta of the implicit rewards beta x (policy - reference): the method's, or DPO's default
+    for a method without one (an SFT run's held-out pairs)."""
+    from workbench.methods.dpo import Config
+
+    return float(pick(ctx.cfg, "method.beta", Config.beta) or Config.beta)
 
 
 @contextlib.contextmanager
@@ -184,7 +193,6 @@ def loss(ctx) -> dict:
 
 def preference(ctx) -> dict:
     """Held-out reward accuracy and margins (DPO)."""
-    from omegaconf import OmegaConf
 
     from workbench.data.preference import tokenise_preferences
     from workbench.methods.dpo import collate
@@ -198,7 +206,7 @@ def preference(ctx) -> dict:
         lambda parts: torch.cat([x.view(2, -1) for x in parts], dim=1), "preference/reference")
     out = {"logp_accuracy": float((pi[0] > pi[1]).float().mean()), "n": len(rows)}
     if ref is not None:
-        beta = float(OmegaConf.select(ctx.cfg, "method.beta", default=0.1) or 0.1)
+        beta = _beta(ctx)
         rc, rr = beta * (pi[0] - ref[0]), beta * (pi[1] - ref[1])
         out.update(accuracy=float((rc > rr).float().mean()), margin=float((rc - rr).mean()),
                    chosen_reward=float(rc.mean()), rejected_reward=float(rr.mean()))
@@ -243,7 +251,6 @@ def _policy_and_reference(ctx, batches: list[dict], combine, key: str):
 
 def _unpaired_preference(ctx) -> dict:
     """`preference` on unpaired held-out rows (KTO): see the module docstring."""
-    from omegaconf import OmegaConf
 
     from workbench.data.collate import pad_batch
     from workbench.data.unpaired import tokenise_unpaired
@@ -257,7 +264,7 @@ def _unpaired_preference(ctx) -> dict:
     out = {"n": len(rows)}
     if ref is None:
         return out
-    r = float(OmegaConf.select(ctx.cfg, "method.beta", default=0.1) or 0.1) * (pi - ref)
+    r = _beta(ctx) * (pi - ref)
     good, bad = r[labels], r[~labels]
     order = (good[:, None] > bad[None, :]).float() + 0.5 * (good[:, None] == bad[None, :]).float()
     out.update(accuracy=float(order.mean()), margin=float(good.mean() - bad.mean()),
@@ -267,14 +274,12 @@ def _unpaired_preference(ctx) -> dict:
 
 def reward(ctx) -> dict:
     """Mean reward of greedy completions of held-out prompts, with the run's reward functions (GRPO)."""
-    from omegaconf import OmegaConf
-
     from workbench.data.preference import read_prompts
     from workbench.rollout import rewards
 
     items = ctx.cached("reward/rows", lambda: _held_out(ctx, lambda s, *a: read_prompts(s, *a).rows))
     fns = rewards.resolve(ctx.cfg.reward)
-    max_new = int(OmegaConf.select(ctx.cfg, "method.max_new_tokens", default=None) or ctx.eval_cfg.max_new_tokens)
+    max_new = int(pick(ctx.cfg, "method.max_new_tokens", None) or ctx.eval_cfg.max_new_tokens)
     totals, per_fn, samples = [], [], []
     weights = torch.tensor([f.weight for f in fns])
     for i in range(0, len(items), ctx.eval_cfg.batch_size):

@@ -25,7 +25,9 @@ def dispatch(cfg):
 
             raise UserError(f"launcher={name!r} is not one of {['local', *sorted(LAUNCHERS)]}")
         return _module(name).launch(cfg)
-    if cfg.hardware.procs * cfg.hardware.nodes > 1 and not under_distributed_launcher():
+    from workbench.train.distributed import requested_procs
+
+    if requested_procs(cfg.hardware) > 1 and not under_distributed_launcher():
         from workbench.launch import torchrun
 
         return torchrun.launch(cfg)

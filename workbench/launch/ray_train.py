@@ -22,6 +22,7 @@ from pathlib import Path
 
 from workbench.core.errors import UserError, missing_package
 from workbench.launch import remote
+from workbench.train.distributed import requested_procs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,7 +90,7 @@ def build_trainer(cfg, lc: Config | None = None):
     out = Path(str(cfg.output_dir)).resolve()
     config = remote.composed_config(cfg)
     config["output_dir"] = str(out)
-    n = cfg.hardware.procs * cfg.hardware.nodes
+    n = requested_procs(cfg.hardware)
     gpu = cfg.hardware.device == "cuda"
     storage = Path(lc.storage_path).resolve() if lc.storage_path else out / "ray"
     return TorchTrainer(

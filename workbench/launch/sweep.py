@@ -20,12 +20,13 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+
+from workbench.telemetry import compare, plots
 
 log = logging.getLogger(__name__)
 JOB_FILE = "sweep_job.json"
@@ -41,56 +42,18 @@ def _load_job(jdir: Path) -> dict | None:
     overrides = info.get("overrides")
     if overrides is None:
         overrides = list(OmegaConf.load(ov_path)) if ov_path.exists() else []
-    out = Path(info.get("output_dir") or jdir)
-    results = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
-    curve = []
-    if (out / "metrics.jsonl").exists():
-        for line in (out / "metrics.jsonl").read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                if "loss" in row:  # eval rows (workbench/evals/hooks.py) carry eval metrics, no loss
-                    curve.append((row["step"], row["loss"]))
+    run = compare.read_run(info.get("output_dir") or jdir)  # results and curves, as the report reads them
     try:
         num = int(jdir.name)
     except ValueError:
         num = jdir.name
-    return {"num": num, "dir": str(out), "overrides": [str(o) for o in overrides], "results": results,
-            "curve": curve, "status": info.get("status", "COMPLETED" if results else "NO_RESULTS"),
-            "error": info.get("error")}
+    return {"num": num, "dir": str(run.dir), "overrides": [str(o) for o in overrides], "run": run,
+            "status": info.get("status", "COMPLETED" if run.results else "NO_RESULTS"), "error": info.get("error")}
 
 
 def collect(sweep_dir: Path) -> list[dict]:
     jobs = [j for d in sorted(Path(sweep_dir).iterdir()) if d.is_dir() and (j := _load_job(d))]
     return sorted(jobs, key=lambda j: (isinstance(j["num"], str), j["num"]))
-
-
-def metrics_of(job: dict) -> dict[str, float]:
-    """Final train loss and the end-of-training eval numbers of one job."""
-    res = job["results"]
-    out: dict[str, float] = {}
-    losses = res.get("losses") or []
-    if job["curve"]:
-        out["final_loss"] = job["curve"][-1][1]
-    elif losses:
-        out["final_loss"] = losses[-1]
-    if job["curve"]:
-        out["steps"] = job["curve"][-1][0]
-    for k, v in sorted((res.get("eval_end") or {}).items()):
-        if isinstance(v, float) and k != "eval_seconds":  # accuracies etc.; counts are ints
-            out[k] = float(v)
-    return out
-
-
-def pick_metric(jobs: list[dict], metric: str, mode: str) -> tuple[str | None, str]:
-    """`auto`: the first eval accuracy any job reports (higher is better), else final loss (lower)."""
-    if metric != "auto":
-        return metric, mode if mode != "auto" else ("min" if "loss" in metric else "max")
-    keys = sorted({k for j in jobs for k in metrics_of(j) if k.endswith("accuracy")})
-    if keys:
-        return keys[0], "max"
-    if any("final_loss" in metrics_of(j) for j in jobs):
-        return "final_loss", "min"
-    return None, "min"
 
 
 def _swept(jobs: list[dict]) -> list[str]:
@@ -111,34 +74,23 @@ def _value(job: dict, key: str) -> str:
     return ""
 
 
-def _fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
 # -- writing the summary ------------------------------------------------------------------------
 def summarize(sweep_dir: Path, metric: str = "auto", mode: str = "auto", plot: bool = True) -> dict:
-    """Write sweep_summary.{md,csv} and loss_curves.png into `sweep_dir`; return what was written."""
+    """Write sweep_summary.{md,csv} and loss_curves.png into `sweep_dir`; return what was written.
+    The jobs are read, measured and ranked as workbench/telemetry/compare.py does for any runs."""
     sweep_dir = Path(sweep_dir)
     jobs = collect(sweep_dir)
     if not jobs:
         return {}
-    metric, mode = pick_metric(jobs, metric, mode)
+    measured = [compare.final_metrics(j["run"]) for j in jobs]
+    metric, mode, index = compare.rank(measured, metric, mode)
+    best = None if index is None else jobs[index]["num"]
     swept = _swept(jobs)
-    mkeys = ["final_loss"] + sorted({k for j in jobs for k in metrics_of(j)} - {"final_loss", "steps"})
-    scored = [(metrics_of(j).get(metric), j["num"]) for j in jobs] if metric else []
-    scored = [(v, n) for v, n in scored if v is not None]
-    best = None
-    if scored:
-        best = (max if mode == "max" else min)(scored, key=lambda t: t[0])[1]
+    mkeys = ["final_loss"] + sorted({k for m in measured for k in m} - {"final_loss", "steps"})
 
     header = ["job", *swept, "steps", *mkeys, "status", "best"]
     rows: list[list] = []
-    for j in jobs:
-        m = metrics_of(j)
+    for j, m in zip(jobs, measured, strict=True):
         rows.append([j["num"], *(_value(j, k) for k in swept), m.get("steps"), *(m.get(k) for k in mkeys),
                      j["status"], "*" if j["num"] == best else ""])
 
@@ -148,49 +100,19 @@ def summarize(sweep_dir: Path, metric: str = "auto", mode: str = "auto", plot: b
         w.writerows(rows)
     title = f"best by {metric} ({'higher' if mode == 'max' else 'lower'} is better): job {best}" if best is not None \
         else "no job reported a metric to rank by"
-    md = [f"# Sweep summary: {sweep_dir}", "", f"{len(jobs)} jobs; {title}.", "",
-          "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    md += ["| " + " | ".join(_fmt(c) for c in r[:-1]) + (" | **best** |" if r[-1] else " |  |") for r in rows]
+    md = [f"# Sweep summary: {sweep_dir}", "", f"{len(jobs)} jobs; {title}.", ""]
+    md += compare.markdown(header, [[compare.fmt(c) for c in r[:-1]] + ["**best**" if r[-1] else ""] for r in rows])
     md += ["", "Run dirs:", ""] + [f"- job {j['num']}: `{j['dir']}`" for j in jobs]
     (sweep_dir / "sweep_summary.md").write_text("\n".join(md) + "\n")
 
     written = {"markdown": str(sweep_dir / "sweep_summary.md"), "csv": str(sweep_dir / "sweep_summary.csv"),
                "best_job": best, "metric": metric, "mode": mode}
-    if plot and any(j["curve"] for j in jobs):
-        written["plot"] = str(plot_curves(jobs, swept, best, sweep_dir / "loss_curves.png"))
+    if plot and any(j["run"].rows for j in jobs):
+        panels = [(f"#{j['num']}{' (best)' if j['num'] == best else ''}\n"
+                   + (", ".join(f"{k}={_value(j, k)}" for k in swept) or "(no overrides)"),
+                   j["run"].rows, j["num"] == best, f"no results ({j['status']})") for j in jobs]
+        written["plot"] = str(plots.side_by_side(panels, sweep_dir / "loss_curves.png"))
     return written
-
-
-def plot_curves(jobs: list[dict], swept: list[str], best, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; no display on clusters and CI
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    n = len(jobs)
-    cols = min(n, 4)
-    nrows = math.ceil(n / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 2.8 * nrows), sharey=True, squeeze=False)
-    for ax, j in zip(axes.flat, jobs):
-        if j["curve"]:
-            steps, losses = zip(*j["curve"])
-            ax.plot(steps, losses, color="tab:red" if j["num"] == best else "tab:blue", linewidth=1.5)
-        else:
-            ax.text(0.5, 0.5, f"no results ({j['status']})", ha="center", va="center", transform=ax.transAxes)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        label = ", ".join(f"{k}={_value(j, k)}" for k in swept) or "(no overrides)"
-        ax.set_title(f"#{j['num']}{' (best)' if j['num'] == best else ''}\n{label}", fontsize=8)
-        ax.set_xlabel("step", fontsize=8)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    for row in axes:
-        row[0].set_ylabel("train loss", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 class SweepSummary(Callback):

@@ -19,6 +19,8 @@ import socket
 import sys
 from pathlib import Path
 
+from workbench.train.distributed import requested_procs
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -107,7 +109,7 @@ def _results(cfg) -> dict:
     """What the workers left in the run directory (rank 0 writes the report)."""
     run_dir = Path(cfg.output_dir)
     out: dict = {"launched": "torchrun", "output_dir": str(run_dir.resolve()),
-                 "world_size": cfg.hardware.procs * cfg.hardware.nodes}
+                 "world_size": requested_procs(cfg.hardware)}
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
         by_step: dict = {}  # after an elastic restart the resumed steps are logged again: last wins

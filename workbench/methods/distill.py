@@ -52,7 +52,7 @@ import torch
 from workbench.core.errors import UserError
 from workbench.data.chat import IGNORE
 from workbench.data.collate import pad_batch
-from workbench.data.mixing import Mixture
+from workbench.data.mixing import Mixture, rank_share
 from workbench.data.overfit import Overfit
 from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
@@ -73,11 +73,9 @@ class Config:
     max_new_tokens: int = 16  # on-policy completion length at most
 
 
-def check(cfg, root) -> None:
-    """Validate the options (before any data or weights are read)."""
-    if not cfg.teacher:
-        raise UserError("method=distill needs method.teacher: a model directory, a run or export directory, "
-                        "a conf/model/ name or a hub id (owner/name)")
+def check(cfg) -> None:
+    """Validate the options (before any data or weights are read). A missing teacher and packed
+    rows are rules (workbench/config/rules.py: distill-needs-teacher, distill-packing)."""
     for field, value in (("beta", cfg.beta), ("lmbda", cfg.lmbda)):
         if not 0.0 <= value <= 1.0:
             raise UserError(f"method.{field} must be in [0, 1] (got {value})")
@@ -85,9 +83,6 @@ def check(cfg, root) -> None:
         raise UserError(f"method.temperature must be > 0 (got {cfg.temperature})")
     if cfg.max_new_tokens < 1:
         raise UserError(f"method.max_new_tokens must be >= 1 (got {cfg.max_new_tokens})")
-    if root.data.packing:
-        # on-policy rows are generated per step; packed rows are laid out once from the dataset
-        raise UserError("method=distill does not pack rows: set data.packing=false")
 
 
 # -- the teacher: which model, and is its vocabulary the student's --------------------------
@@ -187,7 +182,7 @@ class Distill(Method):
     def __init__(self, cfg, ctx):
         self.cfg = cfg
         self.ctx = ctx
-        check(cfg, ctx.cfg)
+        check(cfg)
         self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
         self.teacher_cfg = None
         self.teacher = None
@@ -236,13 +231,6 @@ class Distill(Method):
         self.teacher = SelectiveLM(model).eval()
 
     # -- batches -------------------------------------------------------------------------
-    def _draw(self, n: int) -> list:
-        out = []
-        for _ in range(n):
-            src, row = self.mixture.next()
-            out.append(self.sources[src].examples[row])
-        return out
-
     def on_policy(self, step: int) -> bool:
         """Whether step `step` trains on the student's own completions: a function of the run's
         seed and the step only, so every rank agrees and a resumed run repeats it."""
@@ -272,10 +260,9 @@ class Distill(Method):
 
     def next_batch(self, state, backend) -> StepBatch:
         t = self.ctx.cfg.train
-        world, rank = self.ctx.run.layout.dp, self.ctx.run.layout.dp_rank
-        per_rank = t.micro_batch_size * t.grad_accum
-        drawn = self.overfit.take(state.step, lambda: self._draw(per_rank * world))  # every rank draws it all ...
-        examples = drawn[rank * per_rank:(rank + 1) * per_rank]  # ... and keeps its slice
+        _, mine = rank_share(self.ctx.run.layout, t.micro_batch_size * t.grad_accum,
+                             lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
+        examples = [self.sources[s].examples[r] for s, r in mine]
         info = {f"mix/{s.source.name}": r for s, r in zip(self.sources, self.mixture.realised())}
         on = self.on_policy(state.step)
         info["on_policy"] = float(on)
@@ -285,7 +272,7 @@ class Distill(Method):
             info["completion_length"] = sum(lengths) / len(lengths)
         pad = self.ctx.tokenizer.pad_token_id
         micro = [{k: v.to(self.ctx.device) for k, v in pad_batch(examples[i:i + t.micro_batch_size], pad).items()}
-                 for i in range(0, per_rank, t.micro_batch_size)]
+                 for i in range(0, len(examples), t.micro_batch_size)]
         denom = float(sum(int(m["targets"].numel()) for m in micro))
         self._step_tokens = max(denom, 1.0)
         tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from workbench.core.errors import UserError
 from workbench.data.collate import pad_batch
+from workbench.data.mixing import rank_share
 from workbench.data.overfit import Overfit
 from workbench.data.pair_tree import takes_pairs, tree_batch, tree_fits
 from workbench.data.preference import pairs_report, read_pairs
@@ -218,17 +219,12 @@ class DPO(Method):
         return out
 
     # -- batches -------------------------------------------------------------------------
-    def _draw(self, n: int) -> list[tuple[int, int]]:
-        return [self.mixture.next() for _ in range(n)]
-
     def next_batch(self, state, backend) -> StepBatch:
         t = self.ctx.cfg.train
-        world, rank = self.ctx.run.layout.dp, self.ctx.run.layout.dp_rank
-        per_rank = t.micro_batch_size * t.grad_accum
-        drawn = self.overfit.take(state.step, lambda: self._draw(per_rank * world))  # every rank draws it all, keeps its slice
-        mine = drawn[rank * per_rank:(rank + 1) * per_rank]
+        _, mine = rank_share(self.ctx.run.layout, t.micro_batch_size * t.grad_accum,
+                             lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
         micro, tokens = [], 0
-        for i in range(0, per_rank, t.micro_batch_size):
+        for i in range(0, len(mine), t.micro_batch_size):
             idx = mine[i:i + t.micro_batch_size]
             m = self._collate([self.sources[s].pairs[r] for s, r in idx])
             tokens += m.pop("real_tokens")

@@ -47,7 +47,7 @@ from workbench.core import heartbeat
 from workbench.core.errors import UserError
 from workbench.data.chat import IGNORE, prompt_ids
 from workbench.data.collate import pad_batch
-from workbench.data.mixing import Mixture
+from workbench.data.mixing import Mixture, rank_share
 from workbench.data.overfit import Overfit
 from workbench.data.pair_tree import branch_batch, tree_fits
 from workbench.data.preference import read_prompts
@@ -133,11 +133,8 @@ def check(cfg, root) -> list:
         raise UserError(f"method.max_resample_rounds must be >= 0 (got {cfg.max_resample_rounds})")
     if cfg.truncated_reward is not None and not math.isfinite(cfg.truncated_reward):
         raise UserError(f"method.truncated_reward must be a finite number or null (got {cfg.truncated_reward})")
-    shape = batch_shape(cfg, root.train, int(root.hardware.procs) * int(root.hardware.nodes))
-    if root.backend.name == "deepspeed" and shape.grad_accum != root.train.grad_accum:
-        # DeepSpeed counts accumulation boundaries from its own config (train.grad_accum)
-        raise UserError(f"method.prompts_per_step={cfg.prompts_per_step} makes {shape.grad_accum} micro-batches per "
-                        f"step; with backend=deepspeed set train.grad_accum={shape.grad_accum} to match")
+    # how these options combine with train.* and the rank layout is a rule (workbench/config/rules.py:
+    # grpo-whole-groups, grpo-deepspeed-accum), checked with the rest before anything loads
     return rewards.resolve(root.reward)
 
 
@@ -153,41 +150,65 @@ class BatchShape:
 
     prompts: int  # per optimizer step, all ranks
     generations: int
-    world: int
+    dp: int  # data-parallel ranks (the resolved layout's)
     micro_batch_size: int
     grad_accum: int  # micro-batches per rank per step
 
     @property
+    def prompts_per_rank(self) -> int:
+        return self.prompts // self.dp
+
+    @property
     def completions_per_rank(self) -> int:
-        return self.prompts * self.generations // self.world
+        return self.prompts * self.generations // self.dp
 
     def describe(self) -> str:
         return (f"grpo batch: {self.prompts} prompts x {self.generations} generations = "
                 f"{self.prompts * self.generations} completions per optimizer step; per rank "
-                f"({self.world}): {self.completions_per_rank} = {self.grad_accum} micro-batches of "
+                f"({self.dp}): {self.completions_per_rank} = {self.grad_accum} micro-batches of "
                 f"{self.micro_batch_size}")
 
 
-def batch_shape(cfg, train, world: int) -> BatchShape:
-    """Prompts per step either from method.prompts_per_step or from the micro-batch settings;
-    a UserError names the fields when they do not divide into whole groups per rank."""
-    G, mb = cfg.num_generations, train.micro_batch_size
-    if cfg.prompts_per_step is None:
-        per_rank = mb * train.grad_accum
+def shape_problem(generations: int, prompts_per_step: int | None, micro_batch_size: int, grad_accum: int,
+                  dp: int) -> str | None:
+    """Why method.num_generations / prompts_per_step, train.micro_batch_size x grad_accum and
+    `dp` data-parallel ranks do not make whole groups per rank, naming the fields; None when
+    they do. The rule grpo-whole-groups (workbench/config/rules.py) refuses a run with it."""
+    G, mb = generations, micro_batch_size
+    if prompts_per_step is None:
+        per_rank = mb * grad_accum
         if per_rank % G:
-            raise UserError(f"train.micro_batch_size x train.grad_accum = {per_rank} completions per rank must be "
-                            f"a multiple of method.num_generations={G} (whole groups per rank), or set "
-                            "method.prompts_per_step")
-        return BatchShape(per_rank * world // G, G, world, mb, train.grad_accum)
-    prompts = cfg.prompts_per_step
-    if prompts < 1 or prompts % world:
-        raise UserError(f"method.prompts_per_step={prompts} must be a positive multiple of the {world} "
-                        "data-parallel rank(s) (whole groups per rank)")
-    per_rank = prompts * G // world
+            return (f"train.micro_batch_size x train.grad_accum = {per_rank} completions per rank must be "
+                    f"a multiple of method.num_generations={G} (whole groups per rank), or set "
+                    "method.prompts_per_step")
+        return None
+    if prompts_per_step < 1 or prompts_per_step % dp:
+        return (f"method.prompts_per_step={prompts_per_step} must be a positive multiple of the {dp} "
+                "data-parallel rank(s) (whole groups per rank)")
+    per_rank = prompts_per_step * G // dp
     if per_rank % mb:
-        raise UserError(f"method.prompts_per_step x method.num_generations / ranks = {per_rank} completions per "
-                        f"rank must be a multiple of train.micro_batch_size={mb}")
-    return BatchShape(prompts, G, world, mb, per_rank // mb)
+        return (f"method.prompts_per_step x method.num_generations / ranks = {per_rank} completions per "
+                f"rank must be a multiple of train.micro_batch_size={mb}")
+    return None
+
+
+def make_shape(generations: int, prompts_per_step: int | None, micro_batch_size: int, grad_accum: int,
+               dp: int) -> BatchShape:
+    """Prompts per step either from method.prompts_per_step or from the micro-batch settings,
+    over `dp` data-parallel ranks."""
+    problem = shape_problem(generations, prompts_per_step, micro_batch_size, grad_accum, dp)
+    if problem:  # a resolved run was refused by the rule already; this guards other callers
+        raise UserError(problem)
+    G, mb = generations, micro_batch_size
+    if prompts_per_step is None:
+        return BatchShape(mb * grad_accum * dp // G, G, dp, mb, grad_accum)
+    return BatchShape(prompts_per_step, G, dp, mb, prompts_per_step * G // dp // mb)
+
+
+def batch_shape(cfg, train, dp: int) -> BatchShape:
+    """The step's shape from the method options and train.*, over the run's data-parallel ranks
+    (ctx.run.layout.dp; the rules read the same layout)."""
+    return make_shape(cfg.num_generations, cfg.prompts_per_step, train.micro_batch_size, train.grad_accum, dp)
 
 
 def collate(seqs: list[tuple[list[int], list[int]]], G: int, first: int, pad_id: int, tree: bool) -> dict:
@@ -291,13 +312,11 @@ class GRPO(Method):
                             autocast=precision.autocast(self.ctx.run.precision, self.ctx.device), synced=synced,
                             passes=self._passes)
 
-    def _draw(self, prompts: int) -> list[dict]:
-        """This rank's share of the next `prompts` global prompts. Every rank draws all of them,
-        so the data position stays the same on every rank and resumes exactly."""
-        world, rank = self.ctx.run.layout.dp, self.ctx.run.layout.dp_rank
-        drawn = [self.mixture.next() for _ in range(prompts)]
-        k = prompts // world
-        return [self.sources[s].rows[r] for s, r in drawn[rank * k:(rank + 1) * k]]
+    def _draw(self, per_rank: int) -> list[dict]:
+        """This rank's `per_rank` prompt rows of the next global draw (mixing.rank_share: every
+        rank draws all of them, so the data position is the same everywhere and resumes exactly)."""
+        _, mine = rank_share(self.ctx.run.layout, per_rank, self.mixture.take)
+        return [self.sources[s].rows[r] for s, r in mine]
 
     def _groups(self, backend, rows: list[dict]) -> list[dict]:
         """Generate num_generations completions for each prompt row and score them: one record
@@ -319,7 +338,7 @@ class GRPO(Method):
             total = torch.where(cut, torch.tensor(float(c.truncated_reward)), total)
         return [{"conv": convs[i], "comp": comp[i * G:(i + 1) * G], "texts": texts[i * G:(i + 1) * G],
                  "per_fn": per_fn[i * G:(i + 1) * G], "total": total[i * G:(i + 1) * G],
-                 "signal": bool(total[i * G:(i + 1) * G].std() >= 1e-6)} for i in range(len(rows))]
+                 "signal": advantages.has_signal(total[i * G:(i + 1) * G])} for i in range(len(rows))]
 
     def _collect(self, backend, index: int) -> tuple[list[dict], dict]:
         """The step's groups for this rank, and the signal accounting. With dynamic sampling,
@@ -327,7 +346,7 @@ class GRPO(Method):
         rank runs the same number of refill rounds (generation may be a collective)."""
         c, want = self.cfg, self.shape.completions_per_rank // self.cfg.num_generations
         # debug.overfit_batches repeats the prompts (refills, below, still draw further ones)
-        generated = self._groups(backend, self.overfit.take(index, lambda: self._draw(self.shape.prompts)))
+        generated = self._groups(backend, self.overfit.take(index, lambda: self._draw(self.shape.prompts_per_rank)))
         if not c.dynamic_sampling:
             return generated, {"generated": generated, "rounds": 0, "dropped": 0}
         kept, rounds = [g for g in generated if g["signal"]], 0
@@ -335,7 +354,7 @@ class GRPO(Method):
             need = _all_max(max(0, want - len(kept)))
             if need == 0:
                 break
-            more = self._groups(backend, self._draw(need * self.ctx.run.layout.dp))
+            more = self._groups(backend, self._draw(need))
             generated += more
             kept += [g for g in more if g["signal"]]
             rounds += 1
@@ -410,8 +429,8 @@ class GRPO(Method):
         info = {"reward": float(all_total.mean()), "reward_std": float(all_total.std()),
                 "completion_length": float(lengths.mean()), "completion_length_max": float(lengths.max()),
                 "stopped_fraction": sum(stopped(ids, c.max_new_tokens) for ids in comp) / len(comp),
-                "zero_std_groups": zero, "signal_groups_trained": float(sum(1 for x in total.view(-1, c.num_generations)
-                                                                            if x.std() >= 1e-6))}
+                "zero_std_groups": zero,
+                "signal_groups_trained": float(sum(map(advantages.has_signal, total.view(-1, c.num_generations))))}
         if c.dynamic_sampling:
             info.update({"resample_rounds": float(acct["rounds"]), "groups_generated": float(len(gen)),
                          "groups_dropped": float(acct["dropped"])})

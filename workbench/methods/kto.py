@@ -52,7 +52,7 @@ import torch
 
 from workbench.core.errors import UserError
 from workbench.data.collate import pad_batch
-from workbench.data.mixing import Mixture
+from workbench.data.mixing import Mixture, rank_share
 from workbench.data.overfit import Overfit
 from workbench.data.pipeline import tokenizer_digest
 from workbench.data.recipes import load_recipe
@@ -79,8 +79,9 @@ class Config:
     reference: str = "auto"  # auto (adapter with peft, copy without) | adapter | copy
 
 
-def check(cfg, train=None) -> None:
-    """Validate the options (and, given train, that a micro-batch can hold KL pairs)."""
+def check(cfg) -> None:
+    """Validate the options. That a micro-batch can hold KL pairs (train.micro_batch_size >= 2)
+    is a rule of the combination (workbench/config/rules.py: kto-kl-needs-pairs)."""
     if cfg.loss_type not in LOSSES:
         raise UserError(f"method.loss_type={cfg.loss_type!r} is not one of {list(LOSSES)}")
     if cfg.reference == "precomputed":
@@ -96,10 +97,6 @@ def check(cfg, train=None) -> None:
             raise UserError(f"method.{name} must be >= 0 (got {cfg[name]})")
     if cfg.desirable_weight == 0 and cfg.undesirable_weight == 0:
         raise UserError("method.desirable_weight and method.undesirable_weight are both 0: nothing to train")
-    if train is not None and cfg.loss_type == "kto" and train.micro_batch_size < 2:
-        raise UserError("method=kto estimates its KL reference point from pairs within a micro-batch: set "
-                        f"train.micro_batch_size >= 2 (got {train.micro_batch_size}), or "
-                        "method.loss_type=apo_zero_unpaired, which has none")
 
 
 def kto_losses(r, z, desirable, cfg) -> torch.Tensor:
@@ -134,7 +131,7 @@ class KTO(Method):
         self.cfg = cfg
         self.ctx = ctx
         self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
-        check(cfg, ctx.cfg.train)
+        check(cfg)
         self.reference = ctx.run.reference  # workbench/config/resolved.py (auto -> adapter / copy)
         self.ref: Reference | None = None  # adapter / copy (workbench/methods/reference.py)
         self.kl = cfg.loss_type == "kto"
@@ -164,15 +161,13 @@ class KTO(Method):
     # -- batches -------------------------------------------------------------------------
     def next_batch(self, state, backend) -> StepBatch:
         t = self.ctx.cfg.train
-        world, rank = self.ctx.run.layout.dp, self.ctx.run.layout.dp_rank
-        per_rank = t.micro_batch_size * t.grad_accum
-        draw = lambda: [self.mixture.next() for _ in range(per_rank * world)]  # noqa: E731
-        drawn = self.overfit.take(state.step, draw)  # every rank draws it all, keeps its slice
-        mine = [self.sources[s].examples[r] for s, r in drawn[rank * per_rank:(rank + 1) * per_rank]]
+        _, drawn = rank_share(self.ctx.run.layout, t.micro_batch_size * t.grad_accum,
+                              lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
+        mine = [self.sources[s].examples[r] for s, r in drawn]
         pad, seq_len = self.ctx.tokenizer.pad_token_id, self.ctx.cfg.data.seq_len
         micro = [{k: v.to(self.ctx.device) for k, v in
                   collate(mine[i:i + t.micro_batch_size], pad, seq_len, self.kl).items()}
-                 for i in range(0, per_rank, t.micro_batch_size)]
+                 for i in range(0, len(mine), t.micro_batch_size)]
         good = float(sum(e.label for e in mine))
         self._counts = (float(len(mine)), good, float(len(mine)) - good)
         # the trained sequences' tokens; the KL pairs only run forward (like the reference, uncounted)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from workbench.data.chat import IGNORE
+from workbench.data.mixing import rank_share
 from workbench.data.overfit import Overfit
 from workbench.data.preference import Pair, pairs_report, read_pairs
 from workbench.methods.dpo import collate
@@ -58,15 +59,13 @@ class PairStream:
 
     def step(self, state) -> StepBatch:
         t = self.ctx.cfg.train
-        world, rank = self.ctx.run.layout.dp, self.ctx.run.layout.dp_rank
-        per_rank = t.micro_batch_size * t.grad_accum
-        drawn = self.overfit.take(state.step, lambda: [self.mixture.next() for _ in range(per_rank * world)])
-        pairs = [self.sources[s].pairs[r] for s, r in drawn]
-        mine = pairs[rank * per_rank:(rank + 1) * per_rank]
+        drawn, own = rank_share(self.ctx.run.layout, t.micro_batch_size * t.grad_accum,
+                                lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
+        pairs, mine = [self.sources[s].pairs[r] for s, r in drawn], [self.sources[s].pairs[r] for s, r in own]
         self.measure(pairs, mine)
         pad = self.ctx.tokenizer.pad_token_id
         micro, tokens = [], 0
-        for i in range(0, per_rank, t.micro_batch_size):
+        for i in range(0, len(mine), t.micro_batch_size):
             m = self.collate(mine[i:i + t.micro_batch_size], pad)
             # the tokens the model reads: a collate of shared-prompt rows says (their mask is 4-D)
             tokens += m.pop("real_tokens") if "real_tokens" in m else int(m["attention_mask"].sum())

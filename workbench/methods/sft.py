@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 
 from workbench.data.collate import pad_batch
-from workbench.data.mixing import Mixture
+from workbench.data.mixing import Mixture, rank_share
 from workbench.data.overfit import Overfit
 from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
@@ -61,37 +61,31 @@ class SFT(Method):
             info["pack/fill"] = self.packer.fill()
         return info
 
+    def _example(self, where: tuple[int, int]):
+        src, row = where
+        return self.sources[src].examples[row]
+
     def _packed_batch(self, state) -> StepBatch:
         from workbench.data.packing import attention_layout, packed_micro_batches
 
         t = self.ctx.cfg.train
-        per_rank = t.micro_batch_size * t.grad_accum
-        n_rows = per_rank * self.ctx.run.layout.dp
-        # every rank packs the global batch, keeps its rows
-        rows = self.overfit.take(state.step, lambda: self.packer.next_rows(n_rows))
+        # the rule of every method (mixing.rank_share): all ranks pack the global batch, each keeps its rows
+        _, rows = rank_share(self.ctx.run.layout, t.micro_batch_size * t.grad_accum,
+                             lambda n: self.overfit.take(state.step, lambda: self.packer.next_rows(n)))
         layout, mask = attention_layout(self.ctx.cfg.model.attn_implementation)
-        micro, real = packed_micro_batches(rows, lambda x: self.sources[x[0]].examples[x[1]], self.ctx.run.layout.dp_rank,
-                                           per_rank, t.micro_batch_size, self.ctx.tokenizer.pad_token_id,
+        micro, real = packed_micro_batches(rows, self._example, t.micro_batch_size, self.ctx.tokenizer.pad_token_id,
                                            layout, mask)
         denom = float(sum(int(m["targets"].numel()) for m in micro))
         return StepBatch(micro=micro, denom=denom, tokens=real, info=self._mix_info())
-
-    def _draw(self, n: int) -> list:
-        out = []
-        for _ in range(n):
-            src, row = self.mixture.next()
-            out.append(self.sources[src].examples[row])
-        return out
 
     def next_batch(self, state, backend) -> StepBatch:
         if self.packer is not None:
             return self._packed_batch(state)
         t = self.ctx.cfg.train
-        world, rank = self.ctx.run.layout.dp, self.ctx.run.layout.dp_rank
-        per_rank = t.micro_batch_size * t.grad_accum
-        examples = self.overfit.take(state.step, lambda: self._draw(per_rank * world))  # every rank draws the global batch ...
-        mine = examples[rank * per_rank:(rank + 1) * per_rank]  # ... and keeps its slice
-        micro = [self._collate(mine[i:i + t.micro_batch_size]) for i in range(0, per_rank, t.micro_batch_size)]
+        _, mine = rank_share(self.ctx.run.layout, t.micro_batch_size * t.grad_accum,
+                             lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
+        examples = [self._example(x) for x in mine]
+        micro = [self._collate(examples[i:i + t.micro_batch_size]) for i in range(0, len(examples), t.micro_batch_size)]
         denom = float(sum(int(m["targets"].numel()) for m in micro))
         tokens = sum(m.pop("real_tokens") for m in micro)
         return StepBatch(micro=micro, denom=denom, tokens=tokens, info=self._mix_info())

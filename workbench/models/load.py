@@ -236,9 +236,6 @@ def cast_weights(model, dtype: torch.dtype) -> None:
             p.data = p.data.to(dtype)
 
 
-ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "auto")
-
-
 def attention_for(impl: str, device: str) -> str:
     """The attention kernel to build with. Whether this machine can run the choice is a rule
     (workbench/config/rules.py: attention-choice, flash-attn-*).

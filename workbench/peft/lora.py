@@ -131,6 +131,3 @@ def base_model(model: nn.Module) -> nn.Module:
     """The underlying *ForCausalLM module (PEFT wrappers removed, adapters still in place)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
-
-def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}

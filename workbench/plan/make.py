@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from omegaconf import OmegaConf
-
 from workbench.config.run import derive
+from workbench.config.schema import pick
 from workbench.methods import registry
 from workbench.plan import catalog
 from workbench.plan.counts import count, probe
@@ -20,15 +19,7 @@ from workbench.plan.memory import estimate, tokens_per_micro
 from workbench.plan.setup import Setup
 from workbench.plan.speed import speed, train_flops_per_token
 from workbench.plan.tables import money, show
-
-
-def pick(cfg, keys, default):
-    """The first of `keys` that is set in cfg, else default."""
-    for key in [keys] if isinstance(keys, str) else keys:
-        value = OmegaConf.select(cfg, key, default=None)
-        if value is not None:
-            return value
-    return default
+from workbench.train.distributed import requested_procs
 
 
 def _flag(value) -> bool:
@@ -88,8 +79,10 @@ def _peak_tflops(hw, precision: str) -> float:
     return tflops
 
 
-def _row(cfg, counts, name, hw, mfu, calibrated: bool = False) -> dict:
-    devices = hw.procs * hw.nodes
+def _row(cfg, counts, name, hw, mfu, devices: int | None = None, calibrated: bool = False) -> dict:
+    """The verdict on hardware profile `hw`: with the processes it asks for, or `devices`;
+    `calibrated`: with the measured/predicted ratios an earlier run stored for it."""
+    devices = devices or requested_procs(hw)
     s = from_cfg(cfg, devices=devices)
     mem = catalog.memory_gb(hw)
     if hw.device == "cpu":
@@ -136,7 +129,8 @@ def make_plan(cfg, counts=None, hardware: list[str] | None = None, others: bool 
     mfu = float(pick(cfg, "plan.mfu", 0.4))
     s = from_cfg(cfg)
     est = estimate(counts, cfg.model.arch, s)
-    here = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu, calibrated=calibrated)
+    here = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu, devices=derive(cfg).layout.world,
+                calibrated=calibrated)
     wanted = hardware or list(pick(cfg, "plan.hardware", []) or [])
     rows = [_row(cfg, counts, name, hw, mfu) for name, hw in catalog.profiles().items()
             if (not wanted or name in wanted) and name != cfg.hardware.name] if others else []

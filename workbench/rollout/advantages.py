@@ -16,6 +16,8 @@ the step (the whole step on one rank; TRL gathers the step's rewards from every 
 
     python -m workbench method=rloo                                  # advantage=rloo
     python -m workbench method=rloo method.normalize_advantages=true
+
+`has_signal(group_rewards)` is the one test of whether a group carries any signal.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def rloo_advantages(rewards: torch.Tensor, num_generations: int, normalize: bool
     return adv
 
 
-def zero_std_fraction(rewards: torch.Tensor, num_generations: int) -> float:
-    """Share of groups whose completions all got the same reward (they carry no signal)."""
-    grouped = rewards.view(-1, num_generations)
-    return float((grouped.std(dim=1) < 1e-6).float().mean())
+def has_signal(rewards: torch.Tensor) -> bool:
+    """Whether one group's rewards vary (standard deviation >= 1e-6). A group that scored every
+    completion alike has zero advantage for each of them, so it adds no gradient: dynamic
+    sampling drops and refills it, and the signal log counts it."""
+    return bool(rewards.std() >= 1e-6)

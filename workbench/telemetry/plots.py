@@ -2,6 +2,7 @@
 
     plots.run_plots(rows, evals, run_dir / "plots")     # -> [(title, path), ...]
     plots.overlay(runs, path)                           # several runs' curves in one figure
+    plots.side_by_side(panels, path)                    # one small loss panel per run (a sweep)
 
 `rows` are metrics.jsonl's rows. The standard curves are train loss (with eval loss when an
 evaluation reports one), learning rate, grad norm, tokens/s (with MFU); every other numeric key a
@@ -179,5 +180,38 @@ def overlay(runs: list[tuple[str, list[dict]]], path: Path, keys=("loss", "token
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def side_by_side(panels: list[tuple[str, list[dict], bool, str]], path: Path, key: str = "loss") -> Path:
+    """One small panel per run, four to a row, on a shared y axis, from (title, rows, highlighted,
+    note): a highlighted run's curve is red, a run without rows shows its note instead (the
+    sweep's loss_curves.png)."""
+    import math
+
+    plt = _plt()
+    n = len(panels)
+    cols = min(n, 4)
+    nrows = math.ceil(n / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 2.8 * nrows), sharey=True, squeeze=False)
+    for ax, (title, rows, highlighted, note) in zip(axes.flat, panels):
+        xs, ys = _series(rows, key)
+        if xs:
+            ax.plot(xs, ys, color="tab:red" if highlighted else "tab:blue", linewidth=1.5)
+        else:
+            ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes)
+        ax.xaxis.set_major_locator(_steps())
+        ax.set_title(title, fontsize=8)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    for row in axes:
+        row[0].set_ylabel(f"train {key}", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

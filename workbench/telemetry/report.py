@@ -1,7 +1,9 @@
-"""report.md: the short human summary of a run (eval before/after, loss, speed, plots, export),
-and the comparison of several runs.
+"""report.md: the short human summary of a run (eval before/after, loss, speed, plots, export).
 
-A run's report embeds the PNGs of workbench/telemetry/plots.py from `<run_dir>/plots/`.
+    report.write(run_dir, run, results, rows)     # the runner, rank 0, at the end of a run
+
+A run's report embeds the PNGs of workbench/telemetry/plots.py from `<run_dir>/plots/`. Several
+runs are compared by workbench/telemetry/compare.py (`python -m workbench.report`).
 """
 
 from __future__ import annotations
@@ -133,78 +135,3 @@ def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
     slim = {k: v for k, v in results.items() if k != "losses"}
     (run_dir / "results.json").write_text(json.dumps({**slim, "losses": losses}, indent=1, default=str))
-
-
-# -- several runs ---------------------------------------------------------------------------
-def run_dirs(paths: list[str]) -> list[Path]:
-    """Run directories among `paths`; a directory without metrics.jsonl is searched one level
-    down (a multirun sweep dir holds its jobs as 0/, 1/, ...)."""
-    out = []
-    for p in map(Path, paths):
-        if (p / "metrics.jsonl").exists():
-            out.append(p)
-        elif p.is_dir():
-            subs = [d for d in p.iterdir() if (d / "metrics.jsonl").exists()]
-            out += sorted(subs, key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else 0, d.name))
-    return out
-
-
-def _load(run: Path) -> dict:
-    from omegaconf import OmegaConf
-
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "eval" not in r and "loss" in r]  # training steps (eval rows carry `eval`)
-    rows = [r for r in rows if "eval" not in r]  # eval rows (workbench/evals/hooks.py): results.json has them
-    results = json.loads((run / "results.json").read_text()) if (run / "results.json").exists() else {}
-    config = OmegaConf.to_container(OmegaConf.load(run / "config.yaml")) if (run / "config.yaml").exists() else {}
-    return {"rows": rows, "results": results, "config": config}
-
-
-def _flat(obj, prefix: str = "") -> dict:
-    if isinstance(obj, dict):
-        out = {}
-        for k, v in obj.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: obj}
-
-
-def compare(paths: list[str], out: Path | None = None) -> tuple[str, Path | None]:
-    """Markdown table of the runs (the config keys that differ between them, then loss, speed and
-    eval) and an overlay figure of their curves; written to `out`/comparison.{md,png} when given."""
-    runs = run_dirs(paths)
-    if not runs:
-        raise SystemExit(f"no run directories (with metrics.jsonl) among {paths}")
-    data = [_load(r) for r in runs]
-    flats = [_flat(d["config"]) for d in data]
-    keys = sorted({k for f in flats for k in f})
-    differing = [k for k in keys if k != "output_dir" and len({json.dumps(f.get(k), default=str) for f in flats}) > 1]
-    evals = sorted({k for d in data for k in (d["results"].get("eval_end") or {}) if k.endswith("accuracy")})
-    head = ["run", *differing, "steps", "loss first", "loss last", "tokens/s", "MFU",
-            *[f"{k.removeprefix('eval/')} after" for k in evals]]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for run, d, f in zip(runs, data, flats, strict=True):
-        rows = d["rows"]
-        steady = rows[1:] or rows
-        tps = [r["tokens_per_s"] for r in steady if r.get("tokens_per_s")]
-        mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
-        losses = [r["loss"] for r in rows]
-        end = d["results"].get("eval_end") or {}
-        cells = [str(run), *[str(f.get(k, "")) for k in differing], str(len(rows)),
-                 f"{losses[0]:.4f}" if losses else "-", f"{losses[-1]:.4f}" if losses else "-",
-                 f"{_median(tps):.0f}" if tps else "-", f"{_median(mfu):.1%}" if mfu else "-",
-                 *[f"{end[k]:.1%}" if isinstance(end.get(k), (int, float)) else "-" for k in evals]]
-        lines.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    fig = None
-    names = [", ".join(f"{k.split('.')[-1]}={f.get(k)}" for k in differing) or r.name
-             for r, f in zip(runs, flats, strict=True)]
-    if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        fig = plots.overlay(list(zip(names, [d["rows"] for d in data], strict=True)), out / "comparison.png")
-        body = f"# Comparison of {len(runs)} runs\n\n{table}\n"
-        if fig:
-            body += f"\n![curves]({fig.name})\n"
-        (out / "comparison.md").write_text(body)
-    return table, fig

@@ -107,7 +107,7 @@ class MlflowSink:
         exp = self.client.get_experiment_by_name(opts.experiment)
         exp_id = exp.experiment_id if exp else self.client.create_experiment(opts.experiment)
         self.run_id = self.client.create_run(exp_id, run_name=opts.run_name or run_dir.name).info.run_id
-        params = [Param(k, str(v)[:500]) for k, v in _flatten(config).items()]
+        params = [Param(k, (json.dumps(v) if isinstance(v, list) else str(v))[:500]) for k, v in flatten(config).items()]
         for i in range(0, len(params), 100):  # log_batch takes at most 100 params per call
             self.client.log_batch(self.run_id, params=params[i:i + 100])
         self.client.log_dict(self.run_id, config, "config.json")
@@ -186,16 +186,14 @@ def _wandb_key() -> bool:
         return False
 
 
-def _flatten(obj, prefix: str = "") -> dict:
-    out = {}
+def flatten(obj, prefix: str = "") -> dict:
+    """A nested config as {"optim.lr": 1e-4, ...}; lists stay values (MLflow's params, the run comparison)."""
     if isinstance(obj, dict):
+        out = {}
         for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-    elif isinstance(obj, list):
-        out[prefix[:-1]] = json.dumps(obj)
-    else:
-        out[prefix[:-1]] = obj
-    return out
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: obj}
 
 
 def _yaml(config: dict) -> str:

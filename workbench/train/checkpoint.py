@@ -1,5 +1,5 @@
-"""Checkpoints: written to a temporary directory, checksummed, renamed when complete, then
-`latest` moves.
+"""Checkpoints: written to a temporary directory, checksummed, published whole
+(workbench/core/atomic.py: fsynced, renamed into place), then `latest` moves.
 
     <output_dir>/checkpoints/step-00000040/
         model.safetensors     trainable weights (adapters only for LoRA)
@@ -27,7 +27,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -35,7 +34,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from workbench.core import atomic
 from workbench.core.errors import UserError
+from workbench.train.distributed import is_main_process
 
 FILES = "files.json"
 
@@ -50,7 +51,7 @@ def ckpt_root(output_dir) -> Path:
 
 def _step_dirs(root: Path) -> list[Path]:
     """Committed step directories, newest first."""
-    return sorted((p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")),
+    return sorted((p for p in root.glob("step-*") if p.is_dir() and not atomic.aside(p)),
                   key=lambda p: p.name, reverse=True)
 
 
@@ -63,13 +64,9 @@ def _sha256(path: Path) -> str:
 
 
 def _inventory(folder: Path) -> dict:
-    """{relative path: {size, sha256}} of every file under `folder`, each flushed to disk."""
-    out = {}
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != FILES):
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())  # durable before the rename publishes it
-        out[str(path.relative_to(folder))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-    return out
+    """{relative path: {size, sha256}} of every file under `folder` (what `verify` checks)."""
+    return {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != FILES)}
 
 
 def verify(path: Path) -> str | None:
@@ -101,7 +98,7 @@ def verify(path: Path) -> str | None:
 
 
 def _say(msg: str) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_main_process():
         print(msg, file=sys.stderr, flush=True)
 
 
@@ -188,13 +185,13 @@ def save(output_dir, step: int, backend_state: dict, meta: dict, rank: int = 0, 
     flush()
     root = ckpt_root(output_dir)
     name = f"step-{step:08d}"
-    final, tmp = root / name, root / f"{name}.tmp"
+    final = root / name
+    tmp = atomic.staging_path(final)
     sfx = _rank_suffix(rank)
     pending = None
     try:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            atomic.staging(final)
         barrier()
         if "writer" in backend_state:  # the backend writes its own sharded files on every rank
             pending = backend_state["writer"](tmp)
@@ -231,18 +228,12 @@ def _commit(root: Path, name: str, tmp: Path, final: Path, rank: int, keep: int,
     barrier()
     if rank == 0:
         try:
-            listing = tmp / f"{FILES}.tmp"
-            listing.write_text(json.dumps({"files": _inventory(tmp)}, indent=1))
-            os.replace(listing, tmp / FILES)
+            (tmp / FILES).write_text(json.dumps({"files": _inventory(tmp)}, indent=1))
         except OSError as exc:
             raise _write_failed(root, name, tmp, exc) from None
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # the checkpoint appears whole or not at all
+        atomic.publish(tmp, final)  # the checkpoint appears whole or not at all (a re-saved step: replaced whole)
         try:
-            pointer_tmp = root / "latest.tmp"
-            pointer_tmp.write_text(name)
-            os.replace(pointer_tmp, root / "latest")
+            atomic.write_text(root / "latest", name)
         except OSError:
             pass  # the pointer stays on the previous (complete) checkpoint: resume uses that one
         _prune(root, keep)
@@ -250,7 +241,7 @@ def _commit(root: Path, name: str, tmp: Path, final: Path, rank: int, keep: int,
 
 
 def _prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+    done = _step_dirs(root)[::-1]  # oldest first
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 

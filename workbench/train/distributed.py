@@ -3,6 +3,16 @@ sharding backend runs on one.
 
     rank, world = init_distributed("cpu")     # from torchrun's environment; (0, 1) without one
     ensure_process_group("cpu")               # FSDP2 / Megatron on a single process need a group too
+
+Before a run is resolved (the launch side, data read while validating), what the launcher said
+and what the config asks for are read through here:
+
+    requested_procs(cfg.hardware)             # hardware.procs x hardware.nodes: what to launch
+    launched_world(), launched_rank()         # WORLD_SIZE / RANK of a launched process, or None / 0
+    is_main_process()                         # rank 0 (or no launcher): the one that prints
+
+A resolved run reads its layout instead (`ctx.run.layout`: rank, world, dp, dp_rank, is_main),
+which workbench/config/run.py builds from these.
 """
 
 from __future__ import annotations
@@ -15,9 +25,30 @@ import torch
 import torch.distributed as dist
 
 
+def requested_procs(hardware) -> int:
+    """The processes a config asks for: hardware.procs per node x hardware.nodes."""
+    return int(hardware.procs) * int(hardware.nodes)
+
+
+def launched_world() -> int | None:
+    """WORLD_SIZE of a launched process (torchrun, Slurm, Ray, the user's own launcher); None without one."""
+    world = os.environ.get("WORLD_SIZE")
+    return int(world) if world else None
+
+
+def launched_rank() -> int:
+    """RANK of a launched process; 0 without a launcher."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_main_process() -> bool:
+    """Whether this process is rank 0 of its job (the one that prints notes before the run is resolved)."""
+    return launched_rank() == 0
+
+
 def init_distributed(device: str, timeout_minutes: int = 30) -> tuple[int, int]:
     """Join the launcher's group (torchrun's RANK / WORLD_SIZE); returns (rank, world)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = launched_world() or 1
     if world > 1 and not dist.is_initialized():
         # The timeout bounds every collective: a dead peer fails the job instead of hanging it.
         kw = {}
@@ -25,7 +56,7 @@ def init_distributed(device: str, timeout_minutes: int = 30) -> tuple[int, int]:
         if restart and "MASTER_ADDR" in os.environ:
             # After an elastic restart the rendezvous store still holds the dead attempt's
             # peer addresses under the same keys; a per-attempt prefix keeps them apart.
-            rank = int(os.environ["RANK"])
+            rank = launched_rank()
             host_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
             base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                                  is_master=host_store, timeout=timedelta(minutes=timeout_minutes))

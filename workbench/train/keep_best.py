@@ -6,10 +6,12 @@
 
 After every evaluation the metric (`eval/<task>/<key>`; the `eval/` may be left out) is compared
 with the best so far; when it is better, the committed checkpoint of that step is copied to
-`<output_dir>/checkpoints/best/` (copied to a temp dir, then renamed, so `best/` is always whole)
-and `checkpoints/best.json` records the step and value. Rolling checkpoints (`step-*`, pruned
-to train.keep_checkpoints) never touch it, and a resumed run reads best.json and goes on
-comparing. `train.export_best=true` exports the best weights instead of the last ones.
+`<output_dir>/checkpoints/best/` together with `best.json` (metric, mode, value, step), published
+as one directory (workbench/core/atomic.py), so the weights and the record that describes them
+are replaced together or not at all: `best_dir(run_dir)` finds the complete one even after a
+crash mid-publish. Rolling checkpoints (`step-*`, pruned to train.keep_checkpoints) never touch
+it, and a resumed run reads best.json and goes on comparing. `train.export_best=true` exports
+the best weights instead of the last ones.
 
 The copy needs the step's checkpoint on disk, so evaluations must fall on checkpoint steps
 (eval.every_n_steps a multiple of train.checkpoint_every); `check` says so before training.
@@ -21,9 +23,11 @@ import json
 import shutil
 from pathlib import Path
 
+from workbench.core import atomic
 from workbench.core.errors import UserError
 
 LOWER_IS_BETTER = ("loss", "perplexity", "error", "wer", "cer")
+RECORD = "best.json"  # inside best/, so it always describes the weights beside it
 
 
 def metric_key(name: str) -> str:
@@ -56,15 +60,31 @@ def check(cfg) -> None:
                         f"({cfg.eval.every_n_steps}) a multiple of train.checkpoint_every ({t.checkpoint_every})")
 
 
+def best_dir(run_dir) -> Path | None:
+    """The run's kept best checkpoint (a complete directory holding best.json), or None."""
+    return atomic.current(Path(run_dir) / "checkpoints" / "best")
+
+
+def record(run_dir) -> dict | None:
+    """best.json of the kept best checkpoint: metric, mode, value, step; None before one is kept."""
+    found = best_dir(run_dir)
+    if found is None:
+        return None
+    inside = found / RECORD
+    # runs from before the record moved inside best/ kept it beside the directory
+    path = inside if inside.is_file() else Path(run_dir) / "checkpoints" / RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 class Keeper:
     """Rank 0's record of the best evaluation; `update` after each evaluation."""
 
     def __init__(self, run_dir, metric: str, mode: str = "auto"):
-        self.root = Path(run_dir) / "checkpoints"
+        self.run_dir = Path(run_dir)
+        self.root = self.run_dir / "checkpoints"
         self.key = metric_key(metric)
         self.mode = mode_of(self.key, mode)
-        self.record = self.root / "best.json"
-        self.best = json.loads(self.record.read_text()) if self.record.exists() else None
+        self.best = record(self.run_dir)
 
     @property
     def path(self) -> Path | None:
@@ -85,15 +105,9 @@ class Keeper:
         src = self.root / f"step-{step:08d}"
         if step == 0 or not src.is_dir() or not self.better(value):
             return False  # nothing trained yet, or this step's checkpoint is written after this evaluation
-        tmp = self.root / "best.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp)
-        old = self.root / "best.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if (self.root / "best").exists():
-            (self.root / "best").rename(old)
-        tmp.rename(self.root / "best")
-        shutil.rmtree(old, ignore_errors=True)
-        self.best = {"metric": self.key, "mode": self.mode, "value": value, "step": step, "from": src.name}
-        self.record.write_text(json.dumps(self.best, indent=1))
+        best = {"metric": self.key, "mode": self.mode, "value": value, "step": step, "from": src.name}
+        with atomic.publishing(self.root / "best") as tmp:
+            shutil.copytree(src, tmp, dirs_exist_ok=True)
+            (tmp / RECORD).write_text(json.dumps(best, indent=1))
+        self.best = best
         return True

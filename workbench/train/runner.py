@@ -190,8 +190,10 @@ class Runner:
 
     def _load_best(self) -> str:
         """train.export_best: put the best evaluated checkpoint's weights back before the export."""
-        path = checkpoint.ckpt_root(self.run_dir) / "best"
-        if not path.is_dir():
+        from workbench.train.keep_best import best_dir
+
+        path = best_dir(self.run_dir)
+        if path is None:
             self.tracker.console("train.export_best: no best checkpoint was kept; exporting the last weights")
             return "last"
         self._load_weights(path)

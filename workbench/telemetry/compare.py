@@ -1,0 +1,150 @@
+"""Comparing finished runs: several run directories read one way, ranked one way, tabled one way.
+
+    python -m workbench.report runs/a runs/b --out cmp/      # compare(): comparison.md + .png
+    python -m workbench -m optim.lr=1e-4,3e-4                 # launch/sweep.py: sweep_summary.md/.csv,
+                                                             # the best job, loss_curves.png
+
+    run = read_run(run_dir)          # Run: training rows of metrics.jsonl, results.json, config.yaml
+    final_metrics(run)               # final_loss, steps and the end-of-training eval numbers
+    rank([final_metrics(r) for r in runs], "auto", "auto")   # (metric, mode, index of the best)
+
+Both comparisons read runs through `read_run` and write their tables with `markdown`; the sweep
+ranks its jobs with `rank` (the first eval accuracy, higher is better, else the final loss).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workbench.telemetry import plots
+from workbench.telemetry.trackers import flatten
+
+
+@dataclass
+class Run:
+    dir: Path
+    rows: list[dict] = field(default_factory=list)  # training steps (eval rows are in results.json)
+    results: dict = field(default_factory=dict)  # results.json
+    config: dict = field(default_factory=dict)  # config.yaml
+
+
+def read_run(run_dir) -> Run:
+    """What a run directory holds; any of its files may be missing (a job that failed early)."""
+    run_dir = Path(run_dir)
+    rows = []
+    if (run_dir / "metrics.jsonl").exists():
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "loss" in r and "eval" not in r]  # eval rows (workbench/evals/hooks.py) carry `eval`
+    results = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").exists() else {}
+    config = {}
+    if (run_dir / "config.yaml").exists():
+        from omegaconf import OmegaConf
+
+        config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+    return Run(run_dir, rows, results, config)
+
+
+def run_dirs(paths: list[str]) -> list[Path]:
+    """Run directories among `paths`; a directory without metrics.jsonl is searched one level
+    down (a multirun sweep dir holds its jobs as 0/, 1/, ...)."""
+    out = []
+    for p in map(Path, paths):
+        if (p / "metrics.jsonl").exists():
+            out.append(p)
+        elif p.is_dir():
+            subs = [d for d in p.iterdir() if (d / "metrics.jsonl").exists()]
+            out += sorted(subs, key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else 0, d.name))
+    return out
+
+
+def final_metrics(run: Run) -> dict[str, float]:
+    """Final train loss, the last step and the end-of-training eval numbers of one run."""
+    out: dict[str, float] = {}
+    losses = run.results.get("losses") or []
+    if run.rows:
+        out["final_loss"] = run.rows[-1]["loss"]
+        out["steps"] = run.rows[-1]["step"]
+    elif losses:
+        out["final_loss"] = losses[-1]
+    for k, v in sorted((run.results.get("eval_end") or {}).items()):
+        if isinstance(v, float) and k != "eval_seconds":  # accuracies etc.; counts are ints
+            out[k] = float(v)
+    return out
+
+
+def rank(metrics: list[dict[str, float]], metric: str = "auto", mode: str = "auto"
+         ) -> tuple[str | None, str, int | None]:
+    """(metric, mode, index of the best run) over runs' `final_metrics`. `auto`: the first eval
+    accuracy any run reports (higher is better), else the final loss (lower); a named metric is
+    lower-is-better when it is a loss. None when no run reports the metric."""
+    if metric == "auto":
+        accuracies = sorted({k for m in metrics for k in m if k.endswith("accuracy")})
+        metric, mode = (accuracies[0], "max") if accuracies else \
+            ("final_loss", "min") if any("final_loss" in m for m in metrics) else (None, "min")
+    elif mode == "auto":
+        mode = "min" if "loss" in metric else "max"
+    scored = [(m[metric], i) for i, m in enumerate(metrics) if metric and m.get(metric) is not None]
+    if not scored:
+        return metric, mode, None
+    return metric, mode, (max if mode == "max" else min)(scored, key=lambda t: t[0])[1]
+
+
+def fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+        ["| " + " | ".join(cells) + " |" for cells in rows]
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def compare(paths: list[str], out: Path | None = None) -> tuple[str, Path | None]:
+    """Markdown table of the runs (the config keys that differ between them, then loss, speed and
+    eval) and an overlay figure of their curves; written to `out`/comparison.{md,png} when given."""
+    dirs = run_dirs(paths)
+    if not dirs:
+        raise SystemExit(f"no run directories (with metrics.jsonl) among {paths}")
+    runs = [read_run(d) for d in dirs]
+    flats = [flatten(r.config) for r in runs]
+    keys = sorted({k for f in flats for k in f})
+    differing = [k for k in keys if k != "output_dir" and len({json.dumps(f.get(k), default=str) for f in flats}) > 1]
+    evals = sorted({k for r in runs for k in (r.results.get("eval_end") or {}) if k.endswith("accuracy")})
+    head = ["run", *differing, "steps", "loss first", "loss last", "tokens/s", "MFU",
+            *[f"{k.removeprefix('eval/')} after" for k in evals]]
+    body = []
+    for run, f in zip(runs, flats, strict=True):
+        steady = run.rows[1:] or run.rows
+        tps = [r["tokens_per_s"] for r in steady if r.get("tokens_per_s")]
+        mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
+        losses = [r["loss"] for r in run.rows]
+        end = run.results.get("eval_end") or {}
+        body.append([str(run.dir), *[str(f.get(k, "")) for k in differing], str(len(run.rows)),
+                     f"{losses[0]:.4f}" if losses else "-", f"{losses[-1]:.4f}" if losses else "-",
+                     f"{_median(tps):.0f}" if tps else "-", f"{_median(mfu):.1%}" if mfu else "-",
+                     *[f"{end[k]:.1%}" if isinstance(end.get(k), (int, float)) else "-" for k in evals]])
+    table = "\n".join(markdown(head, body))
+    fig = None
+    names = [", ".join(f"{k.split('.')[-1]}={f.get(k)}" for k in differing) or r.dir.name
+             for r, f in zip(runs, flats, strict=True)]
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        fig = plots.overlay(list(zip(names, [r.rows for r in runs], strict=True)), out / "comparison.png")
+        text = f"# Comparison of {len(runs)} runs\n\n{table}\n"
+        if fig:
+            text += f"\n![curves]({fig.name})\n"
+        (out / "comparison.md").write_text(text)
+    return table, fig
