@@ -40,6 +40,18 @@ def arith_exact(completions, answer, **_) -> list[float]:
     return [float(arith.is_correct(c, str(a))) for c, a in zip(completions, answer)]
 
 
+def arith_close(completions, answer, **_) -> list[float]:
+    """Partial credit that needs the right magnitude: for a bare integer x, max(0, 1 - |x - a| / |a|)
+    against the expected number a (1.0 when exact, 0.5 when half the answer away); 0.0 for
+    anything else. A bare number of the wrong size earns about nothing, so a policy cannot settle
+    on one-digit answers for a format bonus (reward=arith_format can: see README, GRPO)."""
+    out = []
+    for c, a in zip(completions, answer):
+        c, a = c.strip(), int(a)
+        out.append(max(0.0, 1.0 - abs(int(c) - a) / max(abs(a), 1)) if _NUMBER.fullmatch(c) else 0.0)
+    return out
+
+
 def number_format(completions, **_) -> list[float]:
     """1.0 when the completion is a bare integer and nothing else, else 0.0."""
     return [float(bool(_NUMBER.fullmatch(c.strip()))) for c in completions]
@@ -61,8 +73,8 @@ def digits(completions, **_) -> list[float]:
     return out
 
 
-REGISTRY: dict[str, Callable] = {"arith_exact": arith_exact, "format": number_format, "length": length,
-                                 "digits": digits}
+REGISTRY: dict[str, Callable] = {"arith_exact": arith_exact, "arith_close": arith_close, "format": number_format,
+                                 "length": length, "digits": digits}
 
 
 @dataclass
