@@ -225,7 +225,8 @@ class Runner:
                             last_checkpoint=lambda: checkpoint.latest_valid(self.run_dir))
         if cfg.debug.hang_phase and self.rank == cfg.debug.hang_rank:
             heartbeat.BEAT.hang = (cfg.debug.hang_phase, cfg.debug.hang_at_step)
-        self.dog.start()
+        if cfg.hardware.watchdog:
+            self.dog.start()
         try:
             return self._run()
         except BaseException as exc:

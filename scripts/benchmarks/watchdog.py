@@ -1,0 +1,87 @@
+"""What the watchdog costs: steps/s with and without heartbeats and the watchdog thread.
+
+    OMP_NUM_THREADS=2 python scripts/bench.py watchdog                          # the default run (SmolLM2 LoRA SFT)
+    OMP_NUM_THREADS=1 python scripts/bench.py watchdog --model tiny --steps 10 --rounds 4
+
+One runner is built; its steps run in blocks, alternating between the two variants so that load
+from other processes hits both alike:
+  off   the phase marks replaced by a no-op, no watchdog thread
+  on    the marks as a run makes them (workbench/core/heartbeat.py) and the watchdog thread
+        (workbench/train/watchdog.py) publishing and judging every `--interval` seconds
+A step is the runner's: the batch (marked `data`), forward and backward through the backend
+(marked inside), the optimizer (marked), and the step mark. The result is each variant's median
+step time and the cost of `on` as a share of `off`'s step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(args: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="bench.py watchdog")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--steps", type=int, default=4, help="steps per block")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between the thread's beats "
+                    "(a run uses 5 s or stall_timeout_s / 10): shorter is the harder case")
+    a = ap.parse_args(args)
+    os.environ.setdefault("WORKBENCH_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from hydra import compose, initialize_config_dir
+
+    from workbench.config.validate import validate
+    from workbench.core import heartbeat
+    from workbench.train.runner import Runner
+    from workbench.train.watchdog import Watchdog
+
+    total = a.steps * a.rounds * 2 + 1
+    with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = validate(compose("train", overrides=[f"model={a.model}", "eval=none", "train.export=false",
+                                                   "tracker=[]", f"train.max_steps={total}",
+                                                   f"output_dir={Path(tmp) / 'run'}"]))
+        runner = Runner(cfg)
+        runner.build()
+        be, method = runner.backend, runner.method
+        real_phase = heartbeat.phase
+
+        def block(n: int) -> list[float]:
+            out = []
+            for _ in range(n):
+                t = time.perf_counter()
+                heartbeat.step(runner.state.step)
+                with heartbeat.phase("data"):
+                    batch = method.next_batch(runner.state, be)
+                m = be.forward_backward(batch, method.loss)
+                with heartbeat.phase("optimizer"):
+                    m.update(be.optimizer_step())
+                runner.state.step += 1
+                out.append(time.perf_counter() - t)
+            return out
+
+        block(1)  # first step: allocation, warm-up
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        for _ in range(a.rounds):
+            for variant in times:
+                dog = None
+                if variant == "on":
+                    heartbeat.phase = real_phase
+                    dog = Watchdog(Path(tmp) / "run", 0, 1, stall_timeout_s=600, interval_s=a.interval)
+                    dog.start()
+                else:
+                    heartbeat.phase = lambda *_a, **_k: contextlib.nullcontext()
+                times[variant] += block(a.steps)
+                if dog is not None:
+                    dog.stop()
+        heartbeat.phase = real_phase
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    return {"benchmark": "watchdog", "model": a.model, "steps_per_variant": len(times["on"]), "interval_s": a.interval,
+            "off_s_per_step": round(off, 4), "on_s_per_step": round(on, 4), "cost": round(on / off - 1, 4)}
