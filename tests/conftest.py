@@ -82,3 +82,58 @@ def saved_tiny(tmp_path_factory, overrides: list[str]):
     load_model(cfg.model).save_pretrained(path)
     tok.save_pretrained(path)
     return SimpleNamespace(cfg=cfg, tok=tok, contract=contract, path=path)
+
+
+@pytest.fixture
+def trl_on_cpu(monkeypatch):
+    """TRL's trainers compute log-probs with a Triton kernel; on a CPU build, its math in plain
+    torch (tests/helpers.py TorchLogProb)."""
+    import trl.trainer.utils as trl_utils
+
+    from tests.helpers import TorchLogProb
+
+    if trl_utils._ChunkedLogProbFunction is None:
+        monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", TorchLogProb)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny model saved to a directory (TRL loads it from there) plus its tokenizer, contract
+    and the config of method=dpo peft=none. Modules that need another method's config define
+    their own `tiny`."""
+    return saved_tiny(tmp_path_factory, ["method=dpo", "peft=none"])
+
+
+@pytest.fixture
+def saved_figures(monkeypatch):
+    """file name -> what each matplotlib figure saved while the test runs drew: for each axes,
+    [(label, xs, ys, color), ...] of its lines, and the figure's size in pixels (height, width).
+    What a PNG shows is checked against its data, not only that a file was written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.colors import to_hex
+    from matplotlib.figure import Figure
+
+    saved: dict[str, dict] = {}
+    real = Figure.savefig
+
+    def savefig(fig, fname, *args, **kwargs):
+        real(fig, fname, *args, **kwargs)
+        dpi = kwargs.get("dpi") or fig.dpi
+        w, h = fig.get_size_inches()
+        saved[Path(str(fname)).name] = {
+            "axes": [[(line.get_label(), [float(x) for x in line.get_xdata()], [float(y) for y in line.get_ydata()],
+                       to_hex(line.get_color())) for line in ax.get_lines()] for ax in fig.axes],
+            "pixels": (round(h * dpi), round(w * dpi)),
+        }
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return saved
+
+
+def png_pixels(path):
+    """The PNG's pixels, (height, width, channels) floats in [0, 1]."""
+    import matplotlib.image
+
+    return matplotlib.image.imread(str(path))

@@ -10,12 +10,12 @@ with the HF model's and bridges back, and writes what it measured to a JSON file
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import torchrun
+from tests.tolerances import LOSS_RTOL
 
 pytest.importorskip("megatron.core")
 
@@ -23,21 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: list[str], out: Path, timeout: int = 240) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}",
-           str(HERE), "--out", str(out), *args]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(HERE, ["--out", out, *args], timeout)
     return json.loads(out.read_text())
 
 
@@ -46,7 +33,9 @@ def test_tp2_pp2_ep2_round_trip_and_logits(tmp_path):
     res = launch(["--layouts", "tp2,pp2,ep2"], tmp_path / "res.json")
     for case, r in res.items():
         assert r["round_trip_identical"], case
-        assert r["max_abs_logit_diff"] < 2e-5, (case, r)
+        # the same fp32 sums split over ranks and in other kernels: tests/tolerances.py scale_atol,
+        # LOSS_RTOL of the largest logit
+        assert r["max_abs_logit_diff"] <= LOSS_RTOL * r["max_abs_logit"], (case, r)
         assert r["n_tensors"] > 0
     # Every family ran under TP=2, the tiny Llama under PP=2, Mixtral's experts split over EP=2.
     assert {"tiny/tp2", "tiny/pp2", "qwen2/tp2", "qwen3/tp2", "mixtral/tp2", "mixtral/ep2"} <= set(res)
@@ -114,6 +103,7 @@ def worker(out: str, layouts: list[str]) -> None:
                 diff = _megatron_logits_diff(gpt, ids, pad, ref, par, cfg, attention_mask, cpu_device,
                                              gather_from_tensor_model_parallel_region)
             results[f"{name}/{layout}"] = {"round_trip_identical": bool(same), "max_abs_logit_diff": diff,
+                                           "max_abs_logit": float(ref[pad.bool()].abs().max()),
                                            "n_tensors": len(back)}
         ps.destroy_model_parallel()
     if dist.get_rank() == 0:

@@ -3,7 +3,7 @@ backend=single with the same global batch.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/distributed/test_methods_backends.py
 
-Each backend's runs share one torchrun job (tests/distributed/test_backends.py `torchrun`). The
+Each backend's runs share one torchrun job (tests/helpers.py `worker_job`). The
 single-process references accumulate two micro-batches, which the two ranks hold one each, so the
 runs differ only in the order of the gradient reductions: losses agree to LOSS_RTOL
 (tests/tolerances.py). The policy-gradient variants generate on each rank with that rank's own
@@ -17,11 +17,11 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import train
-from tests.distributed.test_backends import close, ov, torchrun
+from tests.helpers import close, ov, worker_job
 
 pytestmark = pytest.mark.distributed
 
-CHAR_LENGTH = 'reward.functions=["tests.unit.test_rewards:char_length"]'
+CHAR_LENGTH = 'reward.functions=["tests.rewards:char_length"]'
 PG_SHAPE = ["method.num_generations=4", "method.dynamic_sampling=false", CHAR_LENGTH]
 
 # name -> overrides (LoRA: the methods with a reference use the adapter-free base, which shards)
@@ -70,7 +70,7 @@ def sharded(tmp_path_factory, teacher):
             for tag, backend in BACKENDS.items() for n in METHODS]
     runs += [{"name": f"z2_{n}", "overrides": ov("backend=deepspeed", "backend.stage=2", *overrides(n, teacher), steps=2)}
              for n in GENERATES]
-    return torchrun(runs, tmp_path_factory.mktemp("sharded_methods"), timeout=1500)
+    return worker_job(runs, tmp_path_factory.mktemp("sharded_methods"), timeout=1500)
 
 
 @pytest.mark.parametrize("tag", sorted(BACKENDS))

@@ -25,7 +25,6 @@ import contextlib
 import ctypes
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,8 +35,8 @@ if __name__ == "__main__":  # a torchrun worker (see below) imports the tests pa
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.conftest import compose  # noqa: E402
-
-TOLERANCE = 0.10
+from tests.helpers import torchrun  # noqa: E402
+from tests.tolerances import PLAN_MEMORY_RTOL as TOLERANCE  # noqa: E402
 
 
 def _model_bytes(model) -> int:
@@ -154,19 +153,9 @@ def test_smollm2_135m_single(peft, precision, tmp_path):
 def run_fsdp2(cases: dict[str, list[str]], out: Path) -> dict[str, dict]:
     """Measure each case (name -> overrides) on 2 fsdp2 ranks in one torchrun job, so the job's
     processes, imports and process group are paid for once; the larger rank's result per case."""
-    import socket
-
-    root = Path(__file__).resolve().parents[2]
     out.mkdir(parents=True, exist_ok=True)
     (out / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-           str(Path(__file__).resolve()), "--worker", str(out)]
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    torchrun(Path(__file__).resolve(), ["--worker", out], timeout=900)
     worst = {}
     for name in cases:
         ranks = [json.loads((out / name / f"rank{r}.json").read_text()) for r in range(2)]

@@ -12,6 +12,7 @@ import os
 import pytest
 
 from tests.conftest import compose, train
+from tests.tolerances import LOSS_RTOL
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train.torch")
@@ -54,4 +55,5 @@ def test_two_workers_train_and_resume_after_a_worker_is_killed(cluster, tmp_path
 
     # 2 ranks x 4 examples == 1 rank with 2 x 4 accumulated: the same loss curve, crash and all
     ref = train(["train.max_steps=4", "train.grad_accum=2"], tmp_path / "ref")
-    assert [r["loss"] for r in rows] == pytest.approx(ref["losses"], rel=1e-4)
+    # only the order of the gradient reduction differs (tests/tolerances.py)
+    assert [r["loss"] for r in rows] == pytest.approx(ref["losses"], rel=LOSS_RTOL)

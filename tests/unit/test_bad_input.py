@@ -154,12 +154,12 @@ def test_bad_data(tmp_path, rows, extra, match):
 
 
 def test_identical_pairs_are_counted_and_skipped(tmp_path, capsys):
-    from tests.unit.test_data_formats import _tok, data_cfg
+    from tests.helpers import data_cfg, tiny_tokenizer
     from workbench.data.preference import tokenise_preferences
     from workbench.data.recipes import Source
 
     (tmp_path / "p.jsonl").write_text(jl(PAIR, {**PAIR, "rejected": "2"}, {**PAIR, "prompt": "2+2=", "chosen": "4"}))
-    tok, contract = _tok()
+    tok, contract = tiny_tokenizer()
     out = tokenise_preferences(Source(name="p", path=tmp_path / "p.jsonl"), tok, contract, data_cfg(tmp_path))
     assert len(out.pairs) == 2 and out.identical == 1
     assert all(p.chosen != p.rejected for p in out.pairs)

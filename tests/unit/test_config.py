@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from tests.conftest import CONF, compose
+from tests.conftest import CONF, TINY, compose
 from workbench.core.errors import UserError
 
 GROUPS = ["method", "peft", "model", "backend", "data", "precision", "optim", "eval", "hardware", "launcher"]
@@ -18,11 +18,51 @@ def choices(group: str) -> list[str]:
     return sorted(p.stem for p in (Path(CONF) / group).glob("*.yaml"))
 
 
+def own_values(group: str, name: str) -> dict[str, object]:
+    """dotted key -> value of what conf/<group>/<name>.yaml itself sets, at the key it lands on in
+    the composed config; left out: its defaults list, interpolations, nulls (filled in by
+    validation, e.g. data.recipe from the method), Hydra's own settings and the keys the tests'
+    baseline (tests/conftest.py TINY) overrides."""
+    from omegaconf import OmegaConf
+
+    path = Path(CONF) / group / f"{name}.yaml"
+    node = OmegaConf.load(path)
+    node.pop("defaults", None)
+    root = node if "@package _global_" in path.read_text() else OmegaConf.create({group: node})
+    out = {}
+
+    def walk(n, prefix):
+        for k in n:
+            key = f"{prefix}{k}"
+            if OmegaConf.is_interpolation(n, k):
+                continue
+            v = n[k]
+            if OmegaConf.is_dict(v):
+                walk(v, key + ".")
+            else:
+                out[key] = OmegaConf.to_container(v) if OmegaConf.is_list(v) else v
+
+    walk(root, "")
+    baseline = {o.split("=")[0].lstrip("+") for o in TINY}
+    return {k: v for k, v in out.items() if v is not None and not k.startswith("hydra.") and k not in baseline}
+
+
 @pytest.mark.parametrize("group", GROUPS)
 def test_every_choice_composes_and_validates(group):
+    """Each file composes and validates, and the config holds what the file says: a choice that
+    composed to the defaults, or to another file, would fail here."""
+    from omegaconf import OmegaConf
+
+    checked = 0
     for name in choices(group):
         cfg = compose([f"{group}={name}"])
-        assert cfg is not None
+        own = own_values(group, name)
+        for key, want in own.items():
+            got = OmegaConf.select(cfg, key)
+            got = OmegaConf.to_container(got) if OmegaConf.is_list(got) else got
+            assert got == want, (f"{group}={name}", key, got, want)
+        checked += len(own)
+    assert checked > 0
 
 
 def test_method_peft_cross_product_composes():

@@ -9,7 +9,7 @@ the backend does. The NLL terms are matched exactly, not on chosen rows of equal
 sides average it over every NLL token of the batch (workbench/methods/pairs.py, PairStream), and
 the pairs below have chosen completions of different lengths and prompts of different lengths,
 so a per-pair mean would fail the comparison. Both trainers score completions with full logits
-and selective_log_softmax, so the Triton log-prob shim of tests/unit/test_dpo.py is not needed.
+and selective_log_softmax, so the Triton log-prob shim of tests/helpers.py is not needed.
 """
 
 from __future__ import annotations
@@ -23,15 +23,13 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import compose, train
-from tests.tolerances import LOSS_RTOL, grad_atol
-from tests.unit import test_dpo
+from tests.helpers import DPO_PAIRS
+from tests.tolerances import F64_FUNC_RTOL, LOSS_RTOL, difference_atol, grad_atol
 from workbench.config.run import derive
 from workbench.core.errors import UserError
 from workbench.data.chat import prompt_ids
 from workbench.data.preference import Pair, preference_row, tokenise_completion
 from workbench.methods import cpo, orpo
-
-tiny = test_dpo.tiny  # the tiny model saved to a directory (a module-scoped fixture)
 
 
 def _features(pairs) -> list[dict]:
@@ -106,7 +104,7 @@ def _assert_equal(ours, trl):
 
 def _mixed_lengths(tiny):
     """Four shipped pairs with chosen completions of 2 and 3 digits, and one whose prompt is shorter."""
-    rows = [json.loads(line) for line in test_dpo.PAIRS.read_text().splitlines()]
+    rows = [json.loads(line) for line in DPO_PAIRS.read_text().splitlines()]
     rows = [rows[0], rows[4], rows[7], {"prompt": "What is 7 + 5?", "chosen": "12", "rejected": "The sum is 13."}]
     pairs = []
     for i, row in enumerate(rows):
@@ -136,9 +134,13 @@ def test_cpo_loss_and_grads_equal_trl(tiny, tmp_path, case, tree):
     loss, grads, metrics = _our_loss_and_grads(cpo, "cpo", tiny, pairs, tree=tree, **case)
     _assert_equal((loss, grads), (trl_loss, trl_grads))
     trl_metrics = {k: v[-1] for k, v in trainer._stored_metrics["train"].items()}
+    # rewards are beta x log-prob sums (or means) and margins their differences: they carry the
+    # rounding of the log-probs, not their own size (tests/tolerances.py)
+    logps = [trl_metrics["logps/chosen"], trl_metrics["logps/rejected"]]
+    atol = difference_atol(*logps, *(case["beta"] * x for x in logps))
     for ours, theirs in [("rewards/chosen", "rewards/chosen"), ("rewards/margins", "rewards/margins"),
                          ("logps/rejected", "logps/rejected"), ("rewards/accuracies", "rewards/accuracies")]:
-        assert metrics[ours] == pytest.approx(trl_metrics[theirs], rel=LOSS_RTOL, abs=1e-6)
+        assert metrics[ours] == pytest.approx(trl_metrics[theirs], rel=LOSS_RTOL, abs=atol)
     if case["cpo_alpha"]:
         assert metrics["nll/chosen"] == pytest.approx(trl_metrics["nll_loss"], rel=LOSS_RTOL)
 
@@ -176,7 +178,8 @@ def test_orpo_nll_on_completion_only(tiny, tree):
         pi_c, _ = sequence_logps(lm, micro).chunk(2)
     want = float(-pi_c.sum() / micro["n_tokens"].chunk(2)[0].sum())
     assert m_part["nll/chosen"] == pytest.approx(want, rel=LOSS_RTOL)
-    assert m_whole["nll/chosen"] != pytest.approx(want, rel=1e-3)  # the prompt's tokens count there
+    # the prompt's tokens count there: far beyond rounding, 100x the tolerance of equal values
+    assert abs(m_whole["nll/chosen"] - want) > 100 * LOSS_RTOL * abs(want)
     assert m_part["log_odds_ratio"] == pytest.approx(m_whole["log_odds_ratio"], rel=LOSS_RTOL)
     for loss, m in ((whole, m_whole), (part, m_part)):  # loss = NLL term + beta x mean -log s(log odds ratio)
         assert float(loss) == pytest.approx(m["nll/chosen"] - 0.25 * m["log_odds_ratio"], rel=LOSS_RTOL)
@@ -189,8 +192,8 @@ def test_log1mexp_is_stable():
     getcontext().prec = 50
     xs = [-50.0, -1.0, -0.6931, -0.6932, -1e-3, -1e-7]
     want = torch.tensor([float((1 - Decimal(x).exp()).ln()) for x in xs], dtype=torch.float64)
-    # a few fp64 roundings of the exp/log1p/expm1 it is made of
-    torch.testing.assert_close(orpo.log1mexp(torch.tensor(xs, dtype=torch.float64)), want, rtol=1e-14, atol=0)
+    # a few fp64 roundings of the exp/log1p/expm1 it is made of (tests/tolerances.py)
+    torch.testing.assert_close(orpo.log1mexp(torch.tensor(xs, dtype=torch.float64)), want, rtol=F64_FUNC_RTOL, atol=0)
     assert float(torch.log(1 - torch.exp(torch.tensor(-50.0, dtype=torch.float64)))) == 0.0  # what it avoids
 
 

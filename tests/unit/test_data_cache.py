@@ -9,12 +9,13 @@ import shutil
 
 import numpy as np
 
-from tests.unit.test_data_formats import ASSETS, _tok, data_cfg, source
+from tests.helpers import DATA_ASSETS as ASSETS
+from tests.helpers import data_cfg, source, tiny_tokenizer
 from workbench.data import chat, pipeline
 
 
 def test_second_run_reads_the_cache_and_a_change_rebuilds(tmp_path, monkeypatch):
-    tokenizer, contract = _tok()
+    tokenizer, contract = tiny_tokenizer()
     shutil.copy(ASSETS / "messages.jsonl", tmp_path / "m.jsonl")
     src = source("m.jsonl")
     src.path = tmp_path / "m.jsonl"
@@ -75,7 +76,7 @@ def test_preview_renders_masked_samples_without_loading_weights(tmp_path, monkey
 
 def test_a_long_tokenisation_reports_progress(tmp_path, monkeypatch, capsys):
     """Plain progress lines while a source tokenises (a fake clock makes it 'long')."""
-    tokenizer, contract = _tok()
+    tokenizer, contract = tiny_tokenizer()
     shutil.copy(ASSETS / "messages.jsonl", tmp_path / "m.jsonl")
     src = source("m.jsonl")
     src.path = tmp_path / "m.jsonl"
@@ -96,7 +97,7 @@ def test_preference_pairs_are_cached_like_sft_sources(tmp_path, monkeypatch):
     from workbench.data import preference
     from workbench.data.recipes import Source
 
-    tokenizer, contract = _tok()
+    tokenizer, contract = tiny_tokenizer()
     row = {"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5"}
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in [{**row, "margin": 1.5}, row, {**row, "rejected": "4"},
@@ -131,7 +132,7 @@ def test_unpaired_rows_are_cached_like_pairs(tmp_path, monkeypatch):
     from workbench.data import unpaired
     from workbench.data.recipes import Source
 
-    tokenizer, contract = _tok()
+    tokenizer, contract = tiny_tokenizer()
     rows = [{"prompt": "What is 2 + 2?", "completion": "4", "label": True},
             {"prompt": [{"role": "user", "content": "2+3="}],
              "completion": [{"role": "assistant", "content": "six"}], "label": False},

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_data_formats import ASSETS, _tok, data_cfg, source
+from tests.helpers import DATA_ASSETS as ASSETS
+from tests.helpers import data_cfg, source, tiny_tokenizer
 from workbench.core.errors import UserError
 from workbench.data import pipeline, readers
 from workbench.data.recipes import load_recipe
 
 
 def tokenise(tmp_path, src, **kw):
-    tokenizer, contract = _tok()
+    tokenizer, contract = tiny_tokenizer()
     return pipeline.tokenise_source(src, tokenizer, contract, data_cfg(tmp_path, **kw))
 
 

@@ -5,40 +5,17 @@
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-from types import SimpleNamespace
-
 import pytest
 
+from tests.helpers import DATA_ASSETS as ASSETS
+from tests.helpers import data_cfg, source, tiny_tokenizer
 from workbench.data import chat, formats, pipeline, readers
 from workbench.data.chat import IGNORE
-from workbench.data.recipes import Source
-
-ASSETS = Path(__file__).resolve().parents[1] / "assets" / "data"
-
-
-@functools.lru_cache(maxsize=1)
-def _tok():
-    from tests.conftest import compose
-    from workbench.models.load import load_tokenizer
-
-    tok = load_tokenizer(compose([]).model)
-    return tok, chat.setup_tokenizer(tok)
 
 
 @pytest.fixture
 def tok():
-    return _tok()
-
-
-def data_cfg(tmp_path, **kw):
-    base = dict(seq_len=256, on_bad_row="error", cache=True, cache_dir=str(tmp_path / "cache"))
-    return SimpleNamespace(**{**base, **kw})
-
-
-def source(name, fmt="auto", **kw):
-    return Source(name=name, path=ASSETS / name, format=fmt, **kw)
+    return tiny_tokenizer()
 
 
 def trained_spans(ids, labels):

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.unit.test_data_formats import _tok, data_cfg
+from tests.helpers import data_cfg, tiny_tokenizer
+from tests.tolerances import F64_SUM_ATOL, LOSS_RTOL
 from workbench.data import collate, packing
 from workbench.data.chat import IGNORE
 
@@ -84,14 +85,15 @@ def test_packed_loss_equals_unpacked_loss_on_the_tiny_model(mask):
         packed.pop("real_tokens")
         got, n_got = summed(packed)
     assert n_got == n_ref
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    # a sum of positive cross-entropies, each computed under another attention mask: tests/tolerances.py
+    torch.testing.assert_close(got, ref, rtol=LOSS_RTOL, atol=0.0)
 
 
 def test_real_token_fraction_on_the_embedded_mix(tmp_path):
     from workbench.data.pipeline import tokenise_recipe
     from workbench.data.recipes import load_recipe
 
-    tokenizer, contract = _tok()
+    tokenizer, contract = tiny_tokenizer()
     src = tokenise_recipe(load_recipe("arith_sft"), tokenizer, contract, data_cfg(tmp_path))[0]
     lengths = src.examples.lengths().tolist()
     # arithmetic examples are 49-50 tokens, so a 256-token row holds at most 5: BFD reaches that bound
@@ -111,7 +113,7 @@ def test_sft_trains_packed_and_logs_mix_and_fill(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     step = [r for r in rows if "pack/fill" in r][-1]
     mix = {k: v for k, v in step.items() if k.startswith("mix/")}
-    assert len(mix) == 6 and abs(sum(mix.values()) - 1) < 1e-9
+    assert len(mix) == 6 and sum(mix.values()) == pytest.approx(1.0, rel=0, abs=F64_SUM_ATOL * len(mix))
     assert step["pack/fill"] >= 0.9 and step["tokens"] > 0
 
 
@@ -134,20 +136,47 @@ def test_pad_free_packs_mixed_lengths_and_leaves_uniform_ones_padded():
     assert packing.pad_free([ex(n) for n in (20, 21, 19, 21)], 0, "rows", "4d") is None  # nothing to save
 
 
-def test_pad_free_sft_steps_equal_padded_ones(tmp_path):
+def test_pad_free_sft_steps_equal_padded_ones(tmp_path, monkeypatch):
     """data.pad_free trains on each step's own examples, as padded batches do, so the curve is the
-    padded one up to the rounding of another attention mask (tests/tolerances.py LOSS_RTOL), on
-    data whose lengths vary (formats_demo: 20 to 200+ tokens)."""
+    padded one up to the rounding of another attention mask (tests/tolerances.py LOSS_RTOL); and
+    the micro-batches the loss sees are packed: fewer rows and positions, the same targets and
+    real tokens. The data: one long conversation and five short ones, all six in every step (a
+    micro-batch is the whole file, reshuffled), so a row of the long one's width holds all five
+    short ones (the embedded arithmetic data is near-uniform and is not packed)."""
     import json
 
     from tests.conftest import train
-    from tests.tolerances import LOSS_RTOL
+    from workbench.methods import sft
 
-    common = ["data.recipe=formats_demo", "train.max_steps=3", "train.micro_batch_size=6",
+    def conv(question, answer):
+        return json.dumps({"messages": [{"role": "user", "content": question},
+                                        {"role": "assistant", "content": answer}]}) + "\n"
+
+    data = tmp_path / "mixed.jsonl"
+    data.write_text(conv("Tell me a story.", " ".join(f"word{i}" for i in range(60)))
+                    + "".join(conv(f"Say {i}.", str(i)) for i in range(5)))
+    seen: list[dict] = []
+    loss = sft.SFT.loss
+
+    def spy(self, model, micro):
+        ids = micro["input_ids"]
+        seen.append({"rows": ids.shape[0], "positions": ids.numel(), "packed": micro.get("position_ids") is not None,
+                     "targets": int(micro["targets"].numel())})
+        return loss(self, model, micro)
+
+    monkeypatch.setattr(sft.SFT, "loss", spy)
+    common = [f"data.path={data}", "train.max_steps=3", "train.micro_batch_size=6",
               f"data.cache_dir={tmp_path / 'cache'}"]
     free = train([*common, "data.pad_free=true"], tmp_path / "free")
+    free_micro, seen[:] = list(seen), []
     padded = train([*common, "data.pad_free=false"], tmp_path / "padded")
     assert free["losses"] == pytest.approx(padded["losses"], rel=LOSS_RTOL)
+
+    assert len(free_micro) == len(seen) == 3  # one micro-batch a step
+    assert all(m["rows"] == 6 and not m["packed"] for m in seen), seen
+    assert all(m["packed"] and m["rows"] == 2 for m in free_micro), free_micro  # the long one | the five short
+    assert all(3 * f["positions"] == s["positions"] for f, s in zip(free_micro, seen)), (free_micro, seen)
+    assert [m["targets"] for m in free_micro] == [m["targets"] for m in seen]  # the same loss positions
 
     def tokens(run):
         return [json.loads(x)["tokens"] for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, compose, train
-from tests.tolerances import LOSS_RTOL, grad_atol
+from tests.tolerances import LOSS_RTOL, SELF_DIVERGENCE_ATOL, binomial_band, grad_atol
 from workbench.config.run import derive
 from workbench.core.errors import UserError
 from workbench.data.chat import tokenize_chat
@@ -102,7 +102,8 @@ def test_loss_and_grads_equal_trl(tiny, tmp_path, beta):
     loss_sum, metrics = method.loss(SelectiveLM(model).train(), micro)
     loss = loss_sum / n_tokens
     loss.backward()
-    assert float(trl_loss.detach()) > 1e-3  # two different models: a divergence well above rounding
+    # two different models: a divergence 1000x what rounding leaves of a zero one (tests/tolerances.py)
+    assert float(trl_loss.detach()) > 1000 * SELF_DIVERGENCE_ATOL
     assert float(loss.detach()) == pytest.approx(float(trl_loss.detach()), rel=LOSS_RTOL)
     ours = {n: q.grad for n, q in model.named_parameters() if q.grad is not None}
     assert set(ours) == set(trl_grads) and len(ours) > 10
@@ -125,7 +126,7 @@ def test_divergence_equals_gkd_loss(beta):
     got = distill.generalised_jsd(s[keep], t[keep], beta, TEMPERATURE).sum() / keep.sum()
     torch.testing.assert_close(got, want, rtol=LOSS_RTOL, atol=0)
     # a teacher equal to the student is no divergence at all
-    assert float(distill.generalised_jsd(s[keep], s[keep], beta, TEMPERATURE).abs().max()) < 1e-6
+    assert float(distill.generalised_jsd(s[keep], s[keep], beta, TEMPERATURE).abs().max()) <= SELF_DIVERGENCE_ATOL
 
 
 def test_prompt_length_is_before_the_last_trained_span():
@@ -202,7 +203,7 @@ def test_trains(tiny, tmp_path, peft, lmbda):
             "method.max_new_tokens=6", "train.max_steps=2", "train.resume=never"]
     res = train(base, tmp_path / "a")
     losses = res["losses"]
-    assert len(losses) == 2 and all(math.isfinite(x) and x > 1e-3 for x in losses)
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 1000 * SELF_DIVERGENCE_ATOL for x in losses)
     rows = _rows(tmp_path / "a")
     assert [r["on_policy"] for r in rows] == [float(lmbda)] * 2
     if lmbda:
@@ -218,7 +219,7 @@ def test_teacher_equal_to_student_gives_no_loss(tmp_path):
     """method.teacher=tiny (a conf/model/ entry) is the student's own initial model: nothing to learn."""
     res = train(["method=distill", "peft=lora", "method.teacher=tiny", "method.lmbda=0", "train.max_steps=1"],
                 tmp_path)
-    assert abs(res["losses"][0]) < 1e-6
+    assert abs(res["losses"][0]) <= SELF_DIVERGENCE_ATOL
 
 
 def test_on_policy_steps_follow_the_seed():
@@ -227,7 +228,8 @@ def test_on_policy_steps_follow_the_seed():
     m = distill.Distill(cfg.method, ctx)
     draws = [m.on_policy(s) for s in range(400)]
     assert draws == [m.on_policy(s) for s in range(400)]  # a function of (seed, step)
-    assert 0.4 < sum(draws) / len(draws) < 0.6
+    low, high = binomial_band(0.5, len(draws))  # 0.4 .. 0.6 for 400 draws
+    assert low < sum(draws) / len(draws) < high
     other = compose(["method=distill", "method.teacher=tiny", "method.lmbda=0.5", "train.seed=1"])
     assert draws != [distill.Distill(other.method, SimpleNamespace(cfg=other, run=derive(other))).on_policy(s)
                      for s in range(400)]

@@ -13,82 +13,57 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.conftest import ROOT, saved_tiny, train
-from tests.tolerances import LOSS_RTOL, grad_atol
+from tests.conftest import ROOT, train
+from tests.helpers import DPO_PAIRS, dpo_pairs
+from tests.tolerances import LOSS_RTOL, difference_atol, grad_atol
 from workbench.config.run import derive
 from workbench.core.errors import UserError
-from workbench.data.preference import Pair, pairs_from_rows, tokenise_preferences
+from workbench.data.preference import tokenise_preferences
 from workbench.data.recipes import Source
 from workbench.methods import dpo
 
-PAIRS = ROOT / "data_recipes" / "data" / "arith_dpo_train.jsonl"
+# loss_type -> (our method options, TRL's loss_type and loss_weights for the same loss).
+# rpo: sigmoid plus rpo_alpha x the chosen NLL, which TRL spells loss_type=[sigmoid, sft].
+# smoothing: conservative DPO, -(1-e) log s(b d) - e log s(-b d). TRL's `sigmoid` has no label
+# smoothing; its `robust` loss is (-(1-e) log s(b d) + e log s(-b d)) / (1-2e), so
+# 2(1-e) sigmoid - (1-2e) robust = -2(1-e) log s(b d) + (1-e) log s(b d) - e log s(-b d), which is ours.
+ALPHA, SMOOTHING = 0.7, 0.2
+TRL_LOSSES = {
+    "sigmoid": ({}, dict(loss_type=["sigmoid"])),
+    "ipo": ({"loss_type": "ipo"}, dict(loss_type=["ipo"])),
+    "hinge": ({"loss_type": "hinge"}, dict(loss_type=["hinge"])),
+    "rpo": ({"rpo_alpha": ALPHA}, dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, ALPHA])),
+    "smoothing": ({"label_smoothing": SMOOTHING},
+                  dict(loss_type=["sigmoid", "robust"], loss_weights=[2 * (1 - SMOOTHING), -(1 - 2 * SMOOTHING)],
+                       label_smoothing=SMOOTHING)),
+}
 
 
-class TorchLogProb:
-    """The math of TRL's Triton `ChunkedLogProbFunction` in plain torch (Triton is absent on CPU builds).
-
-    TRL's trainers call it through their fused LM head for per-token log-probs; everything around it
-    (batching, masks, reference handling, the loss) stays TRL's own code.
-    """
-
-    @staticmethod
-    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
-        z = hidden @ weight.t() + (bias if bias is not None else 0)
-        z = z.float() * logit_scale
-        if softcap:
-            z = softcap * torch.tanh(z / softcap)
-        logp = torch.log_softmax(z / temperature, dim=-1)
-        lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        p = logp.exp()
-        return (lp,
-                (-(p * logp).sum(-1)).detach() if "entropy" in outputs else None,
-                torch.log((p * p).sum(-1)).detach() if "log_sum_sq_probs" in outputs else None,
-                z.mean(-1).detach() if "mean_logits" in outputs else None,
-                (z.argmax(-1) == targets) if "is_top1" in outputs else None)
-
-
-@pytest.fixture
-def trl_on_cpu(monkeypatch):
-    import trl.trainer.utils as trl_utils
-
-    if trl_utils._ChunkedLogProbFunction is None:
-        monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", TorchLogProb)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The tiny model saved to a directory (TRL loads it from there) plus its tokenizer and contract."""
-    return saved_tiny(tmp_path_factory, ["method=dpo", "peft=none"])
-
-
-def _pairs(tiny, n=3, two_digit_chosen=False) -> list[Pair]:
-    rows = [json.loads(line) for line in PAIRS.read_text().splitlines()]
-    if two_digit_chosen:  # equal chosen lengths: TRL's batch token-mean NLL = our mean of per-pair means
-        rows = [r for r in rows if len(r["chosen"]) == 2]
-    return pairs_from_rows(rows[:n], tiny.tok, tiny.contract)
-
-
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "rpo"])
-def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu):
-    """rpo: sigmoid plus rpo_alpha x the chosen NLL, which TRL spells loss_type=[sigmoid, sft]."""
+@pytest.mark.parametrize("loss_type", list(TRL_LOSSES))
+def test_loss_grads_and_metrics_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu):
+    """Both sides score the policy against the same perturbed reference (tests/helpers.py), so the
+    log-ratio difference d is not zero: at d = 0 the sigmoid loss is log 2 whatever beta and the
+    smoothing, the hinge is 1 and every reward accuracy is 0."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
+    from tests.helpers import perturbed_model
+    from workbench.methods.reference import Reference
     from workbench.models.head import SelectiveLM
 
-    beta, alpha = 0.3, 0.7
-    pairs = _pairs(tiny, two_digit_chosen=loss_type == "rpo")
-    trl_losses = dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, alpha]) if loss_type == "rpo" else \
-        dict(loss_type=[loss_type])
+    beta = 0.3
+    ours_opts, trl_losses = TRL_LOSSES[loss_type]
+    pairs = dpo_pairs(tiny, n=4, two_digit_chosen=loss_type == "rpo")
+    ref_model = perturbed_model(tiny.path, scale=0.01)
     # TRL: its own trainer on the saved model, its collator on our token ids, its loss.
     args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, **trl_losses, report_to=[],
                      use_cpu=True, bf16=False, max_length=None, per_device_train_batch_size=len(pairs),
                      dataset_num_proc=None)
     row = {"prompt": [{"role": "user", "content": "1+1?"}], "chosen": [{"role": "assistant", "content": "2"}],
            "rejected": [{"role": "assistant", "content": "3"}]}
-    trainer = DPOTrainer(model=str(tiny.path), args=args, train_dataset=Dataset.from_list([row]),
-                         processing_class=tiny.tok)
+    trainer = DPOTrainer(model=str(tiny.path), ref_model=copy.deepcopy(ref_model), args=args,
+                         train_dataset=Dataset.from_list([row]), processing_class=tiny.tok)
     examples = [{"prompt_ids": p.chosen[0][:p.prompt_len], "chosen_ids": p.chosen[0][p.prompt_len:],
                  "rejected_ids": p.rejected[0][p.prompt_len:]} for p in pairs]
     batch = trainer.data_collator(examples)
@@ -96,17 +71,21 @@ def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu):
     trl_loss = trainer.compute_loss(trainer.model, batch)
     trl_loss.backward()
     trl_grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
-    # Ours: the method's own loss with a frozen-copy reference, divided by the pair count as the backend does.
+    # Ours: the method's own loss against the same reference, divided by the pair count as the backend does.
     model = AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32)
     cfg = copy.deepcopy(tiny.cfg.method)
     OmegaConf.set_readonly(cfg, False)  # the loss under test reads these fields; set them by hand
-    cfg.beta, cfg.loss_type = beta, "sigmoid" if loss_type == "rpo" else loss_type
-    cfg.rpo_alpha = alpha if loss_type == "rpo" else 0.0
+    cfg.beta = beta
+    for k, v in ours_opts.items():
+        setattr(cfg, k, v)
+    dpo.check(cfg)  # the options are a valid combination
     ctx = SimpleNamespace(cfg=tiny.cfg, run=derive(tiny.cfg))  # the reference strategy as a run resolves it
     method = dpo.DPO(cfg, ctx)
     policy = SelectiveLM(model).train()
     method.attach(SimpleNamespace(unwrapped=lambda: policy))
+    method.ref = Reference.frozen(SelectiveLM(ref_model).eval())
     micro = dpo.collate(pairs, tiny.tok.pad_token_id)
     method._pairs_in_step = float(len(pairs))
     loss_sum, metrics = method.loss(policy, micro)
@@ -118,17 +97,58 @@ def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu):
     for n, g in ours.items():
         # summation order differs (index_add vs TRL's masked sums): tests/tolerances.py
         torch.testing.assert_close(g, trl_grads[n], rtol=LOSS_RTOL, atol=grad_atol(trl_grads[n]))
-    assert metrics["rewards/accuracies"] in (0.0, 1 / 3, 2 / 3, 1.0)
+    # the logged rewards are TRL's: beta x the log-ratios, their margin and how often chosen wins
+    # each reward is beta x a difference of log-prob sums: it carries their rounding (tests/tolerances.py)
+    atol = difference_atol(beta * trl_metrics["logps/chosen"], beta * trl_metrics["logps/rejected"])
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+        assert metrics[key] == pytest.approx(trl_metrics[key], rel=LOSS_RTOL, abs=atol), key
+    assert metrics["rewards/accuracies"] == trl_metrics["rewards/accuracies"]
 
 
-def test_label_smoothing_and_hinge_formulas():
+def test_accuracies_count_the_pairs_whose_chosen_reward_is_higher(tiny):
+    """rewards/accuracies on a batch where the policy prefers chosen for some pairs only (the
+    reference's log-probs handed in, so the rewards are known): 3 pairs of 4 by hand."""
+    from transformers import AutoModelForCausalLM
+
+    from workbench.models.head import SelectiveLM
+
+    pairs = dpo_pairs(tiny, n=4)
+    policy = SelectiveLM(AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32)).train()
+    micro = dpo.collate(pairs, tiny.tok.pad_token_id)
+    with torch.no_grad():
+        pi_c, pi_r = dpo.pair_logps(policy, micro).chunk(2)
+    # reference log-probs such that beta (pi - ref) is +1 / -1 for chosen / rejected, except pair 2 flipped
+    sign = torch.tensor([1.0, 1.0, -1.0, 1.0])
+    micro["ref_chosen"], micro["ref_rejected"] = pi_c - sign / 0.5, pi_r + sign / 0.5
+    cfg = copy.deepcopy(tiny.cfg.method)
+    OmegaConf.set_readonly(cfg, False)
+    cfg.beta, cfg.reference = 0.5, "precomputed"
+    method = dpo.DPO(cfg, SimpleNamespace(cfg=tiny.cfg, run=SimpleNamespace(reference="precomputed")))
+    method.ref_logps, method._pairs_in_step = [], 4.0
+    _, metrics = method.loss(policy, micro)
+    assert metrics["rewards/accuracies"] == 0.75
+    assert metrics["rewards/chosen"] == pytest.approx(0.5) and metrics["rewards/rejected"] == pytest.approx(-0.5)
+    assert metrics["rewards/margins"] == pytest.approx(1.0)
+
+
+def test_losses_of_hand_worked_pairs():
+    """Values worked out on paper, not by the code's formula. With b d = ln 3, s(b d) = 3/4 and
+    s(-b d) = 1/4: conservative DPO with a label flipped with probability e = 0.2 is the expected
+    cross-entropy 0.8 ln(4/3) + 0.2 ln 4; the hinge relu(1 - b d) is 0.5 at b d = 0.5 and 0 once
+    the margin b d reaches 1."""
+    import math
+
     cfg = SimpleNamespace(loss_type="sigmoid", beta=0.5, label_smoothing=0.2)
-    pc, pr, rc, rr = (torch.tensor([v]) for v in (-1.0, -3.0, -2.0, -2.5))
-    d = (pc - rc) - (pr - rr)
-    want = -0.8 * torch.nn.functional.logsigmoid(0.5 * d) - 0.2 * torch.nn.functional.logsigmoid(-0.5 * d)
-    torch.testing.assert_close(dpo.dpo_loss(pc, pr, rc, rr, cfg), want)
-    cfg.loss_type, cfg.label_smoothing = "hinge", 0.0
-    torch.testing.assert_close(dpo.dpo_loss(pc, pr, rc, rr, cfg), torch.relu(1 - 0.5 * d))
+    zero = torch.zeros(1)
+    d = torch.tensor([2 * math.log(3)])  # chosen log-ratio; the rejected one is 0, so b d = ln 3
+    got = dpo.dpo_loss(d, zero, zero, zero, cfg)
+    assert float(got) == pytest.approx(0.8 * math.log(4 / 3) + 0.2 * math.log(4), rel=LOSS_RTOL)
+    cfg.label_smoothing = 0.0
+    assert float(dpo.dpo_loss(d, zero, zero, zero, cfg)) == pytest.approx(math.log(4 / 3), rel=LOSS_RTOL)
+    cfg.loss_type = "hinge"
+    # log-ratios (chosen, rejected) = (0.25, -0.75) and (-1, -3): d = 1 and 2, b d = 0.5 and 1
+    got = dpo.dpo_loss(torch.tensor([0.25, -1.0]), torch.tensor([-0.75, -3.0]), torch.zeros(2), torch.zeros(2), cfg)
+    assert got.tolist() == [0.5, 0.0]
 
 
 def test_accepted_row_shapes_normalise_alike(tiny, tmp_path):
@@ -169,14 +189,15 @@ def test_bad_preference_options(tmp_path):
 def test_reference_strategies_agree_and_cache(tmp_path):
     """copy == precomputed on the full model; the precomputed cache is written once and reused."""
     recipe = tmp_path / "small.yaml"
-    recipe.write_text(f"sources:\n  - path: {PAIRS}\n    format: preference\n    max_samples: 24\n")
+    recipe.write_text(f"sources:\n  - path: {DPO_PAIRS}\n    format: preference\n    max_samples: 24\n")
     base = ["method=dpo", "peft=none", "train.max_steps=2", f"method.recipe={recipe}", "train.resume=never"]
     a = train(base + ["method.reference=copy"], tmp_path / "a")["losses"]
     b = train(base + ["method.reference=precomputed"], tmp_path / "b")["losses"]
-    assert a == pytest.approx(b, rel=1e-6)
+    # the reference log-probs come from batches of another size (padding): tests/tolerances.py
+    assert a == pytest.approx(b, rel=LOSS_RTOL)
     from workbench.core import cache
 
     cached = sorted((cache.root() / "ref_logps").glob("*/logps.safetensors"))
     assert cached
     c = train(base + ["method.reference=precomputed"], tmp_path / "c")["losses"]
-    assert c == pytest.approx(b, rel=1e-6)
+    assert c == b  # the cached values themselves: the same arithmetic

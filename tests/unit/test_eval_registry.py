@@ -7,6 +7,7 @@ and the report; a hook that raises names itself and the step, and the checkpoint
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -15,6 +16,7 @@ import sys
 import pytest
 
 from tests.conftest import compose, train
+from tests.tolerances import f32_roundings
 from workbench.core.errors import UserError
 from workbench.evals.hooks import EvalHookError, check_tasks
 
@@ -134,11 +136,26 @@ def test_grpo_reward_of_greedy_completions(tmp_path):
     f = tmp_path / "prompts.jsonl"
     f.write_text("".join(json.dumps({"prompt": f"What is {i} + 1? Answer with the number only.",
                                      "answer": str(i + 1)}) + "\n" for i in range(10)))
-    res = train([f"data.path={f}", "data.eval_split=3", "method=grpo", "reward=arith_exact", "train.max_steps=1",
+    # arith_exact is 0 on the random tiny model's text; char_length (len / 50) has spread
+    res = train([f"data.path={f}", "data.eval_split=3", "method=grpo", "train.max_steps=1",
+                 'reward.functions=[arith_exact,"tests.rewards:char_length"]',
                  "eval.tasks=[reward]", "eval.at_end=true", "method.max_new_tokens=4"], tmp_path / "run")
     end = res["eval_end"]
-    assert end["eval/reward/n"] == 3 and 0.0 <= end["eval/reward/mean"] <= 1.0
-    assert "eval/reward/arith_exact" in end and len(end["samples"]["reward"]) == 3
+    samples = end["samples"]["reward"]
+    assert end["eval/reward/n"] == 3 and len(samples) == 3  # every held-out prompt is reported
+    # each sample's reward is the functions' sum on its completion, recomputed here from the text
+    answers = {f"What is {i} + 1? Answer with the number only.": str(i + 1) for i in range(10)}
+    exact = [float(s["completion"].strip() == answers[s["prompt"]]) for s in samples]
+    length = [len(s["completion"]) / 50.0 for s in samples]
+    assert any(length), samples  # the completions are not all empty: the check below has values
+    # the evaluation scores in float32: a cast, a sum of 2 and a mean of 3 (tests/tolerances.py)
+    rtol = f32_roundings(6)
+    for s, e, n in zip(samples, exact, length):
+        assert s["reward"] == pytest.approx(e + n, rel=rtol), s
+    # the reported means are the means over those prompts
+    assert end["eval/reward/arith_exact"] == pytest.approx(sum(exact) / 3, rel=rtol)
+    assert end["eval/reward/tests.rewards:char_length"] == pytest.approx(sum(length) / 3, rel=rtol)
+    assert end["eval/reward/mean"] == pytest.approx((sum(exact) + sum(length)) / 3, rel=rtol)
 
 
 PEAK = '''
@@ -199,17 +216,18 @@ metric_list:
 """
 
 
-def test_lm_eval_is_an_optional_extra_checked_before_weights_load(tmp_path, monkeypatch):
-    import importlib.util
-
+def test_lm_eval_is_an_optional_extra_checked_before_weights_load(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
     with pytest.raises(UserError, match=r"'lm-eval' is not installed.*\.\[eval\]"):
         check_tasks(["lm_eval:arc_easy"])
-    monkeypatch.setattr(importlib.util, "find_spec", real)
-    if real("lm_eval") is not None:
-        with pytest.raises(UserError, match="task file not found"):
-            check_tasks([f"lm_eval:{tmp_path / 'none.yaml'}"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
+                    reason="lm-eval is an optional extra (.[eval]) and is not installed")
+def test_lm_eval_task_file_is_checked_before_weights_load(tmp_path):
+    with pytest.raises(UserError, match="task file not found"):
+        check_tasks([f"lm_eval:{tmp_path / 'none.yaml'}"])
 
 
 @pytest.mark.slow

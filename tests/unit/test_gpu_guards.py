@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, compose
+from tests.tolerances import LOSS_RTOL, VLLM_PROBE_DELTA, scale_atol
 from workbench.config import preflight, rules
 from workbench.config.run import derive
 from workbench.core.errors import UserError
@@ -126,7 +127,9 @@ def test_merged_state_dict_equals_peft_merge(tmp_path):
     ref = dict(copy.deepcopy(model).merge_and_unload().named_parameters())
     assert set(merged) == set(ref)
     for name, t in ref.items():
-        torch.testing.assert_close(merged[name].float(), t.float(), rtol=1e-5, atol=1e-6, msg=name)
+        # W + B A summed in another order than PEFT's merge (tests/tolerances.py)
+        torch.testing.assert_close(merged[name].float(), t.float(), rtol=LOSS_RTOL, atol=scale_atol(t.float()),
+                                   msg=name)
     # the training model keeps its adapters unmerged
     assert any("lora_A" in n for n, _ in model.named_parameters())
     assert not any(getattr(m, "merged", False) for m in model.modules())
@@ -180,7 +183,7 @@ def test_engine_sync_generate_and_stale_check(tmp_path):
     stand_in = HFStandIn(plain)
     engine = vllm_engine.VLLMEngine(cfg, tok, contract, adapter=stand_in)
     first = engine.sync_weights(model)
-    assert first["probe_logprob_delta"] < 0.05
+    assert first["probe_logprob_delta"] <= VLLM_PROBE_DELTA  # the weights arrive in bf16: tests/tolerances.py
     convs = [[{"role": "user", "content": "1+1?"}], [{"role": "user", "content": "2+2?"}]]
     ids = engine.generate(convs, num_generations=3, max_new_tokens=3, temperature=1.0, top_p=1.0)
     assert len(ids) == 6 and ids[0] == ids[2] and all(contract.end_of_turn_id not in x for x in ids)
@@ -209,8 +212,19 @@ def test_gpu_check_dry_runs_every_section(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(summary.read_text())
     assert out["mode"] == "dry"
-    for name in ("bf16_full_ft", "lora", "fp8", "rollout", "planner", "megatron"):
-        assert isinstance(out[name], dict) or out[name].startswith("skipped: "), (name, out[name])
+    # every section runs on CPU except the Megatron forward, which says why it did not
+    for name in ("bf16_full_ft", "lora", "fp8", "rollout", "planner"):
+        assert isinstance(out[name], dict), (name, out[name])
+    assert out["megatron"].startswith("skipped: --dry"), out["megatron"]
+    # the planner's predictions for its three configs (--dry: model=tiny, and a smaller stand-in
+    # for the 1B model): LoRA needs less than full fine-tuning of the same model, another shape
+    # another amount; the measurement needs CUDA's memory counters
+    plan = {k: v for k, v in out["planner"].items() if k != "section_seconds"}
+    assert set(plan) == {"135m_full_bf16", "135m_lora", "1b_full_bf16"}, plan
+    for entry in plan.values():
+        assert entry["measured_peak_gb"].startswith("skipped: --dry"), entry
+    peak = {k: v["predicted_peak_gb"] for k, v in plan.items()}
+    assert 0 < peak["135m_lora"] < peak["135m_full_bf16"] != peak["1b_full_bf16"] > 0, peak
     ft = out["bf16_full_ft"]
     assert ft["smollm2_135m"]["tokens_per_s"] > 0 and ft["llama_1b_random"]["n_params"] != ft["smollm2_135m"]["n_params"]
     assert out["lora"]["lora_hf"]["tokens_per_s"] > 0

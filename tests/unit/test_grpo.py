@@ -12,31 +12,18 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import compose, train
+from tests.helpers import MAX_NEW, G, grpo_completions
 from tests.tolerances import LOSS_RTOL, grad_atol
-from tests.unit.test_dpo import tiny, trl_on_cpu  # noqa: F401 - shared fixtures
 from workbench.core.errors import UserError
 from workbench.data.chat import IGNORE, prompt_ids
 from workbench.methods import grpo
 from workbench.methods.reference import Reference
 from workbench.rollout.advantages import group_advantages
 
-G, MAX_NEW = 4, 8
-
-
-def _completions(tok, eot):
-    """Two prompts x G completions of different lengths; some stopped (end-of-turn), some cut at MAX_NEW."""
-    texts = ["12", "3 4", "five six seven eight nine ten eleven", "7", "", "99 bottles of beer on the wall", "1",
-             "x"]
-    out = []
-    for t in texts:
-        ids = tok(t, add_special_tokens=False)["input_ids"][:MAX_NEW]
-        out.append(ids + ([eot] if len(ids) < MAX_NEW else []))
-    return out
-
 
 @pytest.mark.parametrize("tree", [False, True], ids=["rows", "tree"])  # method.share_prompt
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
-def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, tree, trl_on_cpu):  # noqa: F811
+def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, tree, trl_on_cpu):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
@@ -49,7 +36,7 @@ def test_loss_and_grads_equal_trl(tiny, tmp_path, loss_type, tree, trl_on_cpu): 
     prompts = [[{"role": "user", "content": "What is 12 + 30?"}], [{"role": "user", "content": "What is 45 + 17?"}]]
     p_ids = [prompt_ids(tok, p) for p in prompts]
     assert len(p_ids[0]) == len(p_ids[1])
-    comps = _completions(tok, eot)
+    comps = grpo_completions(tok, eot)
     rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.0, 0.2, 1.0, 0.3])
     adv = group_advantages(rewards, G, "group")
 
@@ -164,7 +151,7 @@ def test_sft_shaped_data_is_refused_for_grpo(tmp_path):
 
 def test_grpo_runs_with_kl_and_several_iterations(tmp_path):
     """peft=lora: adapter-disabled reference; num_iterations=2 reuses one generation batch for two steps."""
-    res = train(["method=grpo", 'reward.functions=["tests.unit.test_rewards:char_length"]', "method.beta=0.1",
+    res = train(["method=grpo", 'reward.functions=["tests.rewards:char_length"]', "method.beta=0.1",
                  "method.num_iterations=2", "train.max_steps=2", "train.resume=never"], tmp_path)
     import json
 

@@ -70,7 +70,7 @@ def test_refill_is_capped_and_warns(tmp_path, capsys):
 
 def test_prompts_per_step_sets_the_batch_independently_of_the_micro_batch(tmp_path, capsys):
     out = tmp_path / "run"
-    train(BASE + ['reward.functions=["tests.unit.test_rewards:char_length"]', "method.prompts_per_step=4",
+    train(BASE + ['reward.functions=["tests.rewards:char_length"]', "method.prompts_per_step=4",
                   "train.micro_batch_size=2"], out)
     err = capsys.readouterr().err
     assert "4 prompts x 2 generations = 8 completions per optimizer step" in err

@@ -99,32 +99,30 @@ def test_outside_slurm_asks_for_multirun(tmp_path, monkeypatch):
         slurm.launch(compose(["launcher.name=slurm"], tmp_path))
 
 
-def test_inside_a_slurm_task_exports_ranks_and_records_the_job(tmp_path, monkeypatch):
+def test_inside_a_slurm_task_exports_ranks_and_records_the_job(tmp_path):
     import json
+    import os
 
     from workbench.launch import slurm
 
     env = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2",
            "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        # setenv first so that monkeypatch removes what submitit exports here when the test ends
-        # (a leaked WORLD_SIZE would make every later run in this process wait for a rendezvous)
-        monkeypatch.setenv(k, "unset")
-        monkeypatch.delenv(k)
-    cfg = compose(["launcher=slurm", "launcher.partition=gpu"], tmp_path / "job")
-    assert slurm.launch(cfg) is None  # train in this process, as rank 0 of 4
-    import os
-
-    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("0", "4", "0")
-    assert os.environ["MASTER_ADDR"] == "gpu07"
-    record = json.loads((tmp_path / "job" / "launch" / "launch.json").read_text())
-    assert record["slurm"]["SLURM_JOB_ID"] == "4242" and record["dist"]["WORLD_SIZE"] == 4
-    assert (tmp_path / "job" / "launch" / "job_config.yaml").exists()
-
-
-def test_no_distributed_variables_leak_from_the_slurm_test():
-    import os
-
-    assert "WORLD_SIZE" not in os.environ and "MASTER_ADDR" not in os.environ
+    dist = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+    before = {k: os.environ.get(k) for k in (*env, *dist)}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        for k in dist:
+            # setenv first so that monkeypatch removes what submitit exports here when the test ends
+            # (a leaked WORLD_SIZE would make every later run in this process wait for a rendezvous)
+            mp.setenv(k, "unset")
+            mp.delenv(k)
+        cfg = compose(["launcher=slurm", "launcher.partition=gpu"], tmp_path / "job")
+        assert slurm.launch(cfg) is None  # train in this process, as rank 0 of 4
+        assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("0", "4", "0")
+        assert os.environ["MASTER_ADDR"] == "gpu07"
+        record = json.loads((tmp_path / "job" / "launch" / "launch.json").read_text())
+        assert record["slurm"]["SLURM_JOB_ID"] == "4242" and record["dist"]["WORLD_SIZE"] == 4
+        assert (tmp_path / "job" / "launch" / "job_config.yaml").exists()
+    # what the launch exported is gone again: the environment is as before the test
+    assert {k: os.environ.get(k) for k in (*env, *dist)} == before

@@ -17,6 +17,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tests.conftest import compose
+from tests.tolerances import DORA_ACTIVATION_RTOL
 from workbench.peft.lora import base_model
 from workbench.plan.activations import block_bytes, block_cast_bytes
 from workbench.plan.counts import count, probe
@@ -78,4 +79,7 @@ def test_block_activations_match_saved_tensors(prec, peft, kernel, tmp_path):
     counts = count(probe(cfg.model), arch, cfg.peft)
     predicted = BATCH * SEQ * block_bytes(arch, s, SEQ, math=kernel == SDPBackend.MATH) \
         + block_cast_bytes(counts, arch, s)
-    assert predicted == pytest.approx(measured, rel=0.02), f"{prec} {peft} {kernel.name}"
+    if peft == "dora":  # DoRA's magnitude-norm intermediates are counted approximately (tests/tolerances.py)
+        assert predicted == pytest.approx(measured, rel=DORA_ACTIVATION_RTOL), f"{prec} {kernel.name}"
+    else:  # tensor by tensor: the same bytes
+        assert predicted == measured, f"{prec} {peft} {kernel.name}"

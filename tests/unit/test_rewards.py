@@ -5,19 +5,15 @@
 
 from __future__ import annotations
 
+import math
 
-def char_length(completions, **_) -> list[float]:
-    """A reward with spread on a random model's text (used by the grpo golden curves)."""
-    return [len(c) / 50.0 for c in completions]
+import pytest
+from omegaconf import OmegaConf
 
-
-import math  # noqa: E402
-
-import pytest  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from workbench.core.errors import UserError  # noqa: E402
-from workbench.rollout import rewards  # noqa: E402
+from tests.rewards import char_length
+from tests.tolerances import f32_roundings
+from workbench.core.errors import UserError
+from workbench.rollout import rewards
 
 PROMPTS = [[{"role": "user", "content": "What is 2 + 3?"}]] * 3
 TEXTS = ["5", " 5 ", "The answer is 5."]
@@ -34,12 +30,13 @@ def test_builtins():
     assert got[:, 0].tolist() == [1.0, 1.0, 0.0]
     assert got[:, 1].tolist() == [1.0, 1.0, 0.0]
     assert got[:, 2].tolist() == [1 - 1 / 8, 1 - 2 / 8, 1 - 4 / 8]
-    assert got[0, 3] == 1.0 and 0 < got[2, 3] < 0.2
+    # "The answer is 5.": 1 digit of 13 non-space characters, in float32
+    assert got[0, 3] == 1.0 and float(got[2, 3]) == pytest.approx(1 / 13, rel=f32_roundings(1))
 
 
 def test_weights_and_module_function():
     fns = rewards.resolve(OmegaConf.create({"functions": [{"name": "arith_exact", "weight": 2.0},
-                                                          "tests.unit.test_rewards:char_length"]}))
+                                                          "tests.rewards:char_length"]}))
     assert [f.weight for f in fns] == [2.0, 1.0] and fns[1].fn is char_length
 
 
