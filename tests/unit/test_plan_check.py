@@ -43,13 +43,14 @@ def test_a_run_compares_its_measurements_with_the_plan_and_calibrates_later_dry_
     assert abs(cal["tokens_per_s"] - measured) < abs(raw["tokens_per_s"] - measured)
 
 
-def test_another_precision_is_another_hardware_entry(tmp_path, monkeypatch):
+def test_another_precision_or_model_is_another_entry(tmp_path, monkeypatch):
     monkeypatch.setattr(plan_check, "table_path", lambda: tmp_path / "calibration.json")
     cfg = compose([])
     check = {"figures": {"peak_gib": {"ratio": 2.0}}}
-    plan_check.store(cfg.hardware, "fp32", check, tmp_path)
-    assert plan_check.calibration(cfg.hardware, "fp32")["peak_gib"] == 2.0
-    assert plan_check.calibration(cfg.hardware, "bf16-mixed") is None
+    plan_check.store(cfg.hardware, "fp32", cfg.model.name, check, tmp_path)
+    assert plan_check.calibration(cfg.hardware, "fp32", cfg.model.name)["peak_gib"] == 2.0
+    assert plan_check.calibration(cfg.hardware, "bf16-mixed", cfg.model.name) is None
+    assert plan_check.calibration(cfg.hardware, "fp32", "llama3-70b") is None
 
 
 def test_off_figures_are_named():

@@ -98,7 +98,7 @@ def _row(cfg, counts, name, hw, mfu, devices: int | None = None, calibrated: boo
     if calibrated:  # measured/predicted of an earlier run on this hardware (plan.calibrate=true)
         from workbench.telemetry.plan_check import calibration
 
-        ratios = calibration(hw, s.precision)
+        ratios = calibration(hw, s.precision, cfg.model.name)
     if ratios:
         v_peak = v.peak_gb * ratios.get("peak_gib", 1.0)
         sp = speed(tokens, fpt, need or devices, _peak_tflops(hw, s.precision) * ratios.get("tokens_per_s", 1.0),

@@ -34,7 +34,8 @@ def peak_flops(hw, pol, device: str) -> tuple[float, str]:
 
 def device_name(device: str) -> str:
     if device == "cuda":
-        return torch.cuda.get_device_name()
+        # a plan for a GPU profile is also made on machines without one (dry runs, CI)
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -111,13 +111,15 @@ def step_figures(rows: list[dict]) -> dict:
 
 
 # -- calibration --------------------------------------------------------------------------
-def hardware_key(hw, precision: str) -> str:
+def hardware_key(hw, precision: str, model: str) -> str:
+    """Ratios hold for one model on one hardware: a tiny model's memory ratio says nothing
+    about a 7B's, so each model gets its own entry."""
     from workbench.telemetry.peak import device_name
 
-    return f"{hw.name}|{device_name(hw.device)}|{precision}"
+    return f"{hw.name}|{device_name(hw.device)}|{precision}|{model}"
 
 
-def store(hw, precision: str, check: dict, run_dir) -> dict:
+def store(hw, precision: str, model: str, check: dict, run_dir) -> dict:
     """Keep measured/predicted for this hardware (plan.calibrate=true); returns the entry."""
     from workbench.core import cache
 
@@ -126,16 +128,16 @@ def store(hw, precision: str, check: dict, run_dir) -> dict:
     path = table_path()
     with cache.lock(path):
         table = _read(path)
-        table[hardware_key(hw, precision)] = entry
+        table[hardware_key(hw, precision, model)] = entry
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(table, indent=1))
         tmp.replace(path)
     return entry
 
 
-def calibration(hw, precision: str) -> dict | None:
-    """The stored ratios for this hardware, or None."""
-    return _read(table_path()).get(hardware_key(hw, precision))
+def calibration(hw, precision: str, model: str) -> dict | None:
+    """The stored ratios for this model on this hardware, or None."""
+    return _read(table_path()).get(hardware_key(hw, precision, model))
 
 
 def table_path() -> Path:

@@ -369,7 +369,8 @@ class Runner:
                      "tokens_per_s": tps}
         check = plan_check.compare(predicted, measured)
         if self.cfg.plan.calibrate:
-            check["stored"] = plan_check.store(self.cfg.hardware, self.pol.name, check, self.run_dir)
+            check["stored"] = plan_check.store(self.cfg.hardware, self.pol.name, self.cfg.model.name, check,
+                                             self.run_dir)
         self.tracker.console(plan_check.line(check, self.state.step))
         return {"steps": self.state.step, **check}
 
