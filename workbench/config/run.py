@@ -81,6 +81,11 @@ class GlobalBatch:
     dp: int  # data-parallel ranks
 
     @property
+    def per_rank(self) -> int:
+        """Rows one data-parallel rank trains on per step (what every method draws per rank)."""
+        return self.micro * self.accum
+
+    @property
     def size(self) -> int:
         return self.micro * self.accum * self.dp
 
