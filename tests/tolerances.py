@@ -20,6 +20,14 @@ one evaluation moves by up to SUM_ULPS = 16 ulps, 1.9e-6 relative.
 - grad_atol(ref): a gradient element sums products over tokens and, at the head, over the
   vocabulary; its rounding scales with the largest elements of that gradient, not with itself
   (small elements are differences of large products): LOSS_RTOL times the largest |element|.
+- The resume certificate (workbench/train/replay.py, whose constants must equal these): the loss of
+  one fixed micro-batch, forward only, under the same weights in another layout. In fp32 only the
+  summation order differs, the LOSS_RTOL case. With bf16 or fp16 compute every matmul output is
+  rounded to bf16 at worst (EPS_BF16 = 2**-8 relative a rounding) and another summation order can
+  move a rounding by one ulp: a token's cross-entropy lse(z) - z_y moves by twice the largest
+  logit change, and the logits carry one more rounding from the hidden state entering the head
+  and one from the final norm, so PROBE_RTOL_HALF = 4 bf16 ulps, relative to the logits' scale,
+  which the probe's loss (about log V on random tokens) exceeds.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ EPS32 = 2.0**-23
 SUM_ULPS = 16
 LOSS_RTOL = 1e-5
 NEAR_ZERO_ATOL = SUM_ULPS * EPS32
+EPS_BF16 = 2.0**-8
+PROBE_RTOL_HALF = 4 * EPS_BF16
 
 
 def grad_atol(ref) -> float:

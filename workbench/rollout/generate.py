@@ -148,7 +148,7 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: i
     width = max(len(p) for p in prompts)
     G = num_return_sequences
     # output rows are prompt-major on both paths: row j continues prompt j // G as its (j % G)-th
-    rows = [(*noise_keys[j // G], j % G) for j in range(len(prompts) * G)] if noise_keys is not None else None
+    row_keys = [(*noise_keys[j // G], j % G) for j in range(len(prompts) * G)] if noise_keys is not None else None
     ids, attn = _left_pad(prompts, width, pad)
     # distinct prompts, and for every output row the distinct prompt it continues
     first: dict[tuple, int] = {}
@@ -177,7 +177,7 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: i
                 do_sample=do_sample, temperature=temperature if do_sample else None,
                 top_p=top_p if do_sample else None, top_k=None,
                 num_return_sequences=G, eos_token_id=eot_id, pad_token_id=pad,
-                synced_gpus=synced, logits_processor=gumbel_max(rows) if do_sample else None, **extra,
+                synced_gpus=synced, logits_processor=gumbel_max(row_keys) if do_sample else None, **extra,
             )
     finally:
         if cfg is not None:

@@ -4,6 +4,7 @@ canonical (Hugging Face) naming, written with torch.distributed.checkpoint (DCP)
     flat = canonical.torch_state(module, optimizer, trainable)   # single/DDP and FSDP2 (DTensor shards)
     future = canonical.write(step_dir / "canonical", flat)       # collective; every rank writes its part
     canonical.torch_load(module, optimizer, trainable, canonical.reader(step_dir / "canonical"))
+    tensors = canonical.read_all(step_dir / "canonical")         # everything, whole, one process
 
 Keys (one flat dict of tensors, nothing else, so reading unpickles nothing):
     model/<name>                  a trainable tensor (full fine-tuning: every parameter but a tied
@@ -114,6 +115,13 @@ def describe(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
     meta = HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata
     return {k: (tuple(m.size), m.properties.dtype) for k, m in meta.items()}
+
+
+def read_all(path: Path) -> dict:
+    """Every tensor of a canonical directory, whole, in one process (tools and tests)."""
+    want = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in describe(path).items()}
+    reader(path)(want)
+    return want
 
 
 def reader(path: Path, where: str = "") -> Reader:

@@ -5,7 +5,8 @@ with, whatever layout wrote it and whatever layout reads it.
     loss = replay.probe_loss_of(backend, probe)             # forward only, collective
     cert = replay.certificate(saved, loss, probe, written_by, here)   # -> manifest.json resume.certificate
 
-At save time the run records the probe: the mean next-token cross-entropy of one fixed micro-batch
+At save time the run records the probe: the mean next-token cross-entropy (a reward model: the mean
+squared score) of one fixed micro-batch
 (`rows` x `len` token ids drawn from a generator seeded by train.seed, no data needed) under the
 weights being saved, forward only. On resume, before the first step, the same micro-batch goes
 through the loaded weights under the new layout and the two losses must agree within the
@@ -61,10 +62,14 @@ def probe_micro(spec: dict, device: str) -> dict:
 
 
 def probe_loss(model, micro: dict):
-    """The probe's loss function (a method's loss signature, so every backend runs it as its own)."""
+    """The probe's loss function (a method's loss signature, so every backend runs it as its own):
+    next-token cross-entropy, or, for a model with a scalar head (method=rm), the squared scores."""
     logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], position_ids=None,
                    select=micro["select"])
-    loss = F.cross_entropy(logits.float(), micro["targets"], reduction="sum")
+    if logits.shape[-1] == 1:
+        loss = logits.float().square().sum()
+    else:
+        loss = F.cross_entropy(logits.float(), micro["targets"], reduction="sum")
     return loss, {"target_tokens": float(micro["targets"].numel())}
 
 
