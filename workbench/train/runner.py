@@ -171,7 +171,7 @@ class Runner:
             f"global batch {b.size} = {b.micro} x {b.accum} x {b.dp} data-parallel (written as {written['micro']} x "
             f"{written['accum']} x {written['dp']}), {self.state.samples_seen} samples seen, RNG "
             + ("restored" if saved_rng is not None else "re-seeded for the new layout"))}
-        if not same:
+        if not same or (written["micro"], written["accum"], written["dp"]) != (b.micro, b.accum, b.dp):
             self._say(f"resuming {path.name} written by {cert['from']} under {cert['to']}: {self._resumed['batch']}; "
                       f"certificate {'ok' if cert['ok'] else 'FAILED'} (rel diff {cert['rel_diff']:.1e}, "
                       f"tolerance {cert['tolerance']:.0e})")
