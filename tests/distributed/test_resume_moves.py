@@ -113,6 +113,16 @@ def megatron_job(tmp_path_factory):
     return out, torchrun(runs, out, timeout=1500)
 
 
+@pytest.fixture(scope="module")
+def megatron_pp_job(tmp_path_factory, megatron_job):
+    """Pipeline stages (pp=2) read the FSDP2 writer's checkpoint, and write it again stage by stage."""
+    out = tmp_path_factory.mktemp("moves_megatron_pp")
+    src = megatron_job[0] / "f2_sgd"
+    pp = ["backend=megatron", "backend.pp=2"]
+    runs = [reader("pp2_from_f2", src, *SGD, *pp), reader("pp2_resave_from_f2", src, *SGD, *pp, steps=2)]
+    return out, torchrun(runs, out, timeout=1500)
+
+
 # -- the checks ---------------------------------------------------------------------------------
 def certified(run_dir: Path, source: str, target: str) -> dict:
     cert = json.loads((run_dir / "manifest.json").read_text())["resume"]["certificate"]
@@ -254,6 +264,14 @@ def test_megatron_tp2_to_single(megatron_job, tmp_path):
 def test_megatron_tp2_to_zero3x2(megatron_job):
     src, res = megatron_job
     moved("megatron tp2 -> zero3x2", _losses(res, "m2"), _losses(res, "z3_from_m2"), src / "z3_from_m2")
+
+
+@pytest.mark.slow
+def test_fsdp2x2_to_megatron_pp2_and_back_bit_for_bit(megatron_job, megatron_pp_job):
+    src, res = megatron_pp_job
+    moved("fsdp2x2 -> megatron pp2", _losses(megatron_job[1], "f2_sgd"), _losses(res, "pp2_from_f2"),
+          src / "pp2_from_f2")
+    same_tensors(megatron_job[0] / "f2_sgd", src / "pp2_resave_from_f2")  # each stage wrote its own layers
 
 
 @pytest.mark.slow

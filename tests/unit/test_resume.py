@@ -112,6 +112,13 @@ def test_a_layout_that_cannot_keep_the_global_batch_is_refused_naming_the_neares
     assert resume.keep_global_batch(free, _rec(), Layout(world=3)) is free
 
 
+def test_grpo_prompts_per_step_fixes_the_global_batch_at_any_layout(tmp_path):
+    base = ["method=grpo", "method.prompts_per_step=4", "method.num_generations=4", "train.micro_batch_size=4"]
+    for procs, accum in ((1, 4), (2, 2), (4, 1)):
+        b = derive(compose([*base, f"hardware.procs={procs}"], tmp_path)).batch
+        assert (b.accum, b.size) == (accum, 16), procs
+
+
 # -- the schedule -------------------------------------------------------------------------------
 def test_schedule_continues_with_the_restored_lr():
     from workbench.train.optim import build_optimizer, build_scheduler

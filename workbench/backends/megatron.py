@@ -386,12 +386,12 @@ class MegatronBackend(Backend):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor, Shard
 
-        if self._tp_mesh is None:
-            self._tp_mesh = DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), "cpu")
+        if self._tp_mesh is None:  # the run's device type: its process groups' backend expects it
+            self._tp_mesh = DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), self.device)
         shape = list(t.shape)
         shape[dim] = full
         size = torch.Size(shape)
-        return DTensor.from_local(t.contiguous(), self._tp_mesh, [Shard(dim)], shape=size,
+        return DTensor.from_local(t.to(self.device).contiguous(), self._tp_mesh, [Shard(dim)], shape=size,
                                   stride=torch.empty(size, device="meta").stride())
 
     def _gathered_experts(self, experts: list) -> dict:

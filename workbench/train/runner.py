@@ -28,6 +28,7 @@ from workbench.backends import registry as backends
 from workbench.config.resolved import resolve as resolve_run
 from workbench.config.run import Run
 from workbench.core import heartbeat, startup
+from workbench.core.errors import UserError
 from workbench.core.secrets import redact, secret_values
 from workbench.evals import hooks
 from workbench.methods import registry as methods
@@ -86,6 +87,7 @@ class Runner:
         self.pol = self.run_facts.precision
         self.backend = None  # build() sets model, method, backend
         self._best = None  # train.keep_best's keeper, made at the first evaluation
+        self._resumed: dict | None = None  # where the run resumed from, its certificate (workbench/train/replay.py)
         self._eval_cache: dict = {}  # eval data tokenised once per run
         self._tokenizer = tokenizer
         self._rss0 = plan_check.rss_gib()
@@ -148,8 +150,6 @@ class Runner:
             return str(path)
         rec, here = checkpoint.record(path), resume.layout_of(self.cfg, self.run_facts)
         if self.cfg.train.keep_global_batch and rec["global_batch"] != self.run_facts.batch.size:
-            from workbench.core.errors import UserError
-
             raise UserError(f"{path.name} has global batch {rec['global_batch']}, this run {self.run_facts.batch.size}; "
                             "resume it with its own train.micro_batch_size, or train.keep_global_batch=false")
         self.backend.load_canonical(canonical.reader(path / checkpoint.CANONICAL, where=path.name))
@@ -403,8 +403,6 @@ class Runner:
             dist.barrier()
         failed = (results.get("export") or {}).get("failed")
         if failed and not cfg.export.allow_mismatch:  # after the report, which shows the numbers
-            from workbench.core.errors import UserError
-
             raise UserError(f"export: the parity gate failed for {', '.join(failed)} (see {self.run_dir}/report.md "
                             "and results.json); the files are kept; export.allow_mismatch=true accepts them")
         return results
