@@ -30,6 +30,14 @@ relative.
 - Values that must differ (a changed token's log-prob, the NLL with the prompt counted) are
   asserted at least 10 x LOSS_RTOL apart, relative to their size: beyond any rounding these
   derivations allow equal values.
+- The resume certificate (workbench/train/replay.py, whose constants must equal these): the loss of
+  one fixed micro-batch, forward only, under the same weights in another layout. In fp32 only the
+  summation order differs, the LOSS_RTOL case. With bf16 or fp16 compute every matmul output is
+  rounded to bf16 at worst (EPS_BF16 = 2**-8 relative a rounding) and another summation order can
+  move a rounding by one ulp: a token's cross-entropy lse(z) - z_y moves by twice the largest
+  logit change, and the logits carry one more rounding from the hidden state entering the head
+  and one from the final norm, so PROBE_RTOL_HALF = 4 bf16 ulps, relative to the logits' scale,
+  which the probe's loss (about log V on random tokens) exceeds.
 
 The rest are below, each with its derivation: a few roundings of one value (F32_STORED_RTOL,
 SELF_DIVERGENCE_ATOL, F64_FUNC_RTOL, F64_SUM_ATOL), an algorithm's own bound (mix_share_atol),
@@ -44,6 +52,8 @@ EPS64 = 2.0**-52
 SUM_ULPS = 16
 LOSS_RTOL = 1e-5
 NEAR_ZERO_ATOL = SUM_ULPS * EPS32
+EPS_BF16 = 2.0**-8
+PROBE_RTOL_HALF = 4 * EPS_BF16
 
 
 def scale_atol(ref) -> float:

@@ -92,6 +92,8 @@ def run_job(cfg: DictConfig) -> dict | None:
               f"backend={cfg.backend.name}")
         for w in facts.get("warnings", []):
             print(f"warning: {w}")
+        if facts.get("resume"):  # an existing run directory: where it continues and at what batch
+            print(facts["resume"])
         render(facts["plan"])
         return facts
     from workbench.launch import dispatch

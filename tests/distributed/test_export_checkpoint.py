@@ -1,5 +1,6 @@
 """`python -m workbench.export <run_dir> step=N` re-exports a saved checkpoint, sharded ones
-included, and gets the same files as the export at the end of the run that wrote it.
+included (with the backend that wrote them, and on one process), and gets the same files as the
+export at the end of the run that wrote it.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/distributed/test_export_checkpoint.py -m "slow or not slow"
 """
@@ -47,6 +48,9 @@ def test_checkpoint_export_equals_end_of_run_export(tmp_path, backend):
     _run(["workbench", *RUN, *backend, f"output_dir={run}"])
     _run(["workbench.export", str(run), "step=2"])
     _same_export(run / "export", run / "exports" / "step-00000002" / "export")
+    if backend != ["backend=single"]:  # any checkpoint exports on one process too (its canonical format)
+        _run(["workbench.export", str(run), "step=2", "backend=single", "hardware.procs=1"])
+        _same_export(run / "export", run / "exports" / "step-00000002" / "export")
 
 
 def test_export_of_a_missing_step_is_one_error_line(tmp_path):

@@ -35,23 +35,31 @@ def _damaged_run(tmp_path, damage):
     return train(CKPT, out)
 
 
+def _tensor_file(step):
+    """The checkpoint's (one-process) file of weights and optimizer state (workbench/train/canonical.py)."""
+    return next((step / checkpoint.CANONICAL).glob("*.safetensors"))
+
+
 def test_truncated_file_falls_back_to_the_previous_checkpoint(tmp_path, baseline, capsys):
+    name = []
+
     def truncate(step):
-        f = step / "model.safetensors"
+        f = _tensor_file(step)
+        name.append(str(f.relative_to(step)))
         f.write_bytes(f.read_bytes()[:100])
 
     res = _damaged_run(tmp_path, truncate)
     assert res["resumed_from"].endswith("step-00000002")
     assert res["losses"] == baseline[2:]  # exact: the same steps 3 and 4
     err = capsys.readouterr().err
-    assert "resuming from step-00000002" in err and "step-00000004" in err and "model.safetensors is truncated" in err
+    assert "resuming from step-00000002" in err and "step-00000004" in err and f"{name[0]} is truncated" in err
 
 
 def test_missing_file_falls_back_to_the_previous_checkpoint(tmp_path, baseline, capsys):
-    res = _damaged_run(tmp_path, lambda step: (step / "optim.pt").unlink())
+    res = _damaged_run(tmp_path, lambda step: (step / "rng.pt").unlink())
     assert res["resumed_from"].endswith("step-00000002")
     assert res["losses"] == baseline[2:]
-    assert "optim.pt is missing" in capsys.readouterr().err
+    assert "rng.pt is missing" in capsys.readouterr().err
 
 
 def test_changed_bytes_are_caught_by_the_checksum(tmp_path):
@@ -79,17 +87,18 @@ def test_explicit_resume_path_that_does_not_verify_is_refused(tmp_path):
 
 
 def test_disk_full_keeps_the_previous_checkpoint(tmp_path, baseline, monkeypatch):
+    from torch.distributed.checkpoint import filesystem
+
     out = tmp_path / "run"
-    real = checkpoint.save_file
+    real = filesystem._write_item
 
-    def full_disk(tensors, path, *a, **k):
-        if "step-00000004" in str(path):
-            with open(path, "wb") as f:  # a partial file, as a full disk leaves it
-                f.write(b"\0" * 64)
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real(tensors, path, *a, **k)
+    def full_disk(transforms, stream, data, *a, **k):  # where DCP writes each tensor's bytes
+        if "step-00000004" in str(getattr(stream, "name", "")):
+            stream.write(b"\0" * 64)  # a partial file, as a full disk leaves it
+            raise OSError(errno.ENOSPC, "No space left on device", stream.name)
+        return real(transforms, stream, data, *a, **k)
 
-    monkeypatch.setattr(checkpoint, "save_file", full_disk)
+    monkeypatch.setattr(filesystem, "_write_item", full_disk)
     with pytest.raises(checkpoint.CheckpointWriteError) as exc:
         train(CKPT, out)
     msg = str(exc.value)
@@ -97,7 +106,7 @@ def test_disk_full_keeps_the_previous_checkpoint(tmp_path, baseline, monkeypatch
     root = checkpoint.ckpt_root(out)
     assert not (root / "step-00000004.tmp").exists() and not (root / "step-00000004").exists()
     assert checkpoint.verify(root / "step-00000002") is None
-    monkeypatch.setattr(checkpoint, "save_file", real)  # space is back: relaunch
+    monkeypatch.setattr(filesystem, "_write_item", real)  # space is back: relaunch
     res = train(CKPT, out)
     assert res["resumed_from"].endswith("step-00000002") and res["losses"] == baseline[2:]
 

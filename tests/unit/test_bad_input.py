@@ -225,7 +225,7 @@ CONFIG_CASES = [
     ("recipe-unknown", ["data.recipe=nope"], r"data.recipe='nope'"),
     ("recipe-is-a-directory", ["data.recipe=__DIR__"], r"data.recipe=.*no file"),
     ("keep-checkpoints-negative", ["train.keep_checkpoints=-1"], r"train.keep_checkpoints"),
-    ("resume-damaged-checkpoint", ["train.resume=__DIR__"], r"train.resume=.*state.json is missing"),
+    ("resume-damaged-checkpoint", ["train.resume=__DIR__"], r"train.resume=.*train.json is missing"),
 ]
 
 

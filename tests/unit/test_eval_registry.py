@@ -167,6 +167,8 @@ def peak(ctx):
 def test_keep_best_keeps_the_best_evaluated_checkpoint_apart_and_exports_it(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
+    from workbench.train.canonical import read_all
+
     (tmp_path / "peak_hook.py").write_text(PEAK)
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "run"
@@ -178,9 +180,9 @@ def test_keep_best_keeps_the_best_evaluated_checkpoint_apart_and_exports_it(tmp_
     assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000003"]  # rolling: only the last
     best = json.loads((ckpts / "best" / "best.json").read_text())  # the record moves with the weights
     assert best["step"] == 1 and best["mode"] == "max" and best["value"] == 0
-    kept = load_file(ckpts / "best" / "model.safetensors")
-    last = load_file(ckpts / "step-00000003" / "model.safetensors")
-    assert any(not (kept[k] == last[k]).all() for k in kept)
+    kept = {k[6:]: t for k, t in read_all(ckpts / "best" / "canonical").items() if k.startswith("model/")}
+    last = read_all(ckpts / "step-00000003" / "canonical")
+    assert any(not (kept[k] == last[f"model/{k}"]).all() for k in kept)
     exported = load_file(out / "export" / "adapter" / "adapter_model.safetensors")
     total = lambda d: sorted(round(float(t.double().abs().sum()), 6) for t in d.values())  # noqa: E731
     assert res["exported_from"].endswith("best") and total(exported) == total(kept)

@@ -26,14 +26,15 @@ MODULES = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__
 LAYERS = [
     # foundation: nothing from the workbench but itself
     ["workbench.core", "workbench.config.schema", "workbench.config.files", "workbench.train.batch",
-     "workbench.train.state", "workbench.train.distributed", "workbench.train.signal"],
+     "workbench.train.state", "workbench.train.distributed", "workbench.train.signal", "workbench.train.noise"],
     # parts: tensors, data, models, the arithmetic of precision and FLOPs
     ["workbench.train.precision", "workbench.train.optim", "workbench.train.kernels", "workbench.data",
      "workbench.models", "workbench.peft", "workbench.megatron", "workbench.rollout", "workbench.telemetry.flops",
      "workbench.export.gguf"],
     # engines: methods, backends, evaluations, checkpoints, what observes a run, the planner
     ["workbench.methods", "workbench.backends", "workbench.evals", "workbench.train.checkpoint",
-     "workbench.train.faults", "workbench.train.keep_best", "workbench.train.watchdog", "workbench.telemetry", "workbench.plan",
+     "workbench.train.canonical", "workbench.train.resume", "workbench.train.replay", "workbench.train.faults",
+     "workbench.train.keep_best", "workbench.train.watchdog", "workbench.telemetry", "workbench.plan",
      "workbench.export.parity", "workbench.export.hub"],
     # the resolved run: validation, the rule table and the decisions derived from a config
     ["workbench.config.validate", "workbench.config.run", "workbench.config.rules", "workbench.config.resolved",

@@ -134,7 +134,7 @@ def rm_run(tmp_path_factory):
 
 
 def test_rm_trains_with_lora_head_trainable_and_checkpointed(rm_run):
-    from safetensors.torch import load_file
+    from workbench.train.canonical import read_all
 
     losses = rm_run.results["losses"]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses) and losses[0] != losses[1]
@@ -142,8 +142,8 @@ def test_rm_trains_with_lora_head_trainable_and_checkpointed(rm_run):
     assert head.weight.shape == (1, 64) and head.weight.requires_grad
     lora = sum(p.numel() for n, p in rm_run.runner.model.named_parameters() if "lora_" in n)
     assert rm_run.results["n_trainable"] == lora + 64
-    saved = load_file(str(rm_run.dir / "checkpoints" / "step-00000002" / "model.safetensors"))
-    key = next(k for k in saved if k.endswith("lm_head.weight"))
+    saved = read_all(rm_run.dir / "checkpoints" / "step-00000002" / "canonical")
+    key = next(k for k in saved if k.startswith("model/") and k.endswith("lm_head.weight"))
     torch.testing.assert_close(saved[key], head.weight.detach())
     rows = [json.loads(x) for x in (rm_run.dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "eval" not in r]

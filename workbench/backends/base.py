@@ -4,16 +4,22 @@ The runner only talks to a backend through these calls, so a backend is free to 
 (FSDP2, ZeRO) or to run its own pipeline schedule (Megatron) inside forward_backward. Every
 backend class names `Backend` as its base, so the optional parts below come with their
 defaults: the runner calls them, it never probes for them.
+
+State goes through one format every layout reads (workbench/train/canonical.py): a backend
+gives its part of the canonical tensors (`canonical_state`) and fills itself from a reader
+(`load_canonical`), in its own shapes and shards; the schedule travels as JSON.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager as ContextManager
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from workbench.train import canonical
 from workbench.train.batch import StepBatch
 
 LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]]
@@ -21,8 +27,6 @@ LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]]
 
 class Backend(Protocol):
     name: str
-    sharded: bool = False  # each rank checkpoints its own shard (checkpoint.save/load per rank)
-    external_checkpoint: bool = False  # the backend writes/reads its checkpoint files itself (DCP, DeepSpeed)
     skips_steps: bool = False  # gradients sit in param.grad before optimizer_step, so a bad step can be dropped
 
     def wrap(self, model: torch.nn.Module, ctx) -> None:
@@ -41,10 +45,30 @@ class Backend(Protocol):
         """(module for HF generate, synced): synced means every rank must keep stepping until
         all have stopped, because each step gathers sharded parameters."""
 
-    def state_dict(self) -> dict:
-        """Everything to resume: trainable weights, optimizer, scheduler, scaler."""
+    def forward_only(self, micro: dict, loss_fn: LossFn) -> float:
+        """loss_fn's summed loss over its `target_tokens`, no gradient, the same micro-batch on
+        every rank (collective under sharding): the replay certificate's probe."""
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def canonical_state(self) -> dict:
+        """This rank's part of the canonical tensors (collective): trainable weights and their
+        optimizer state under canonical names (workbench/train/canonical.py)."""
+
+    def save_canonical(self, path: Path):
+        """Write the canonical tensors into `path` (collective); a future when the write goes on
+        in the background (checkpoint.flush commits it), else None."""
+        return canonical.write(path, self.canonical_state())
+
+    def load_canonical(self, read: canonical.Reader) -> None:
+        """Fill weights and optimizer state: build what this rank needs in its own shapes, `read` it."""
+
+    def schedule_state(self) -> dict:
+        """The LR schedule (and loss scaler) as JSON (canonical.schedule_state)."""
+
+    def load_schedule(self, state: dict) -> None: ...
+
+    def load_legacy(self, path: Path, rank: int) -> None:
+        """A checkpoint from before the canonical format, at the layout that wrote it."""
+        raise NotImplementedError
 
     def gathered_model(self) -> torch.nn.Module | None:
         """The trained model as a plain module for eval and export; sharding backends gather the

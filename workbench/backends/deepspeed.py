@@ -9,9 +9,12 @@ adds the partitioning, clipping (optim.max_grad_norm) and, for bf16/fp16, its ma
 The ZeRO-3 knobs have the names of DeepSpeed's own JSON fields. On CPU, DeepSpeed needs
 DS_ACCELERATOR=cpu, which this module sets before importing it.
 
-Checkpoints are DeepSpeed's (`engine.save_checkpoint`) inside the workbench step directory;
-with peft only the trainable tensors are written. They are DeepSpeed's pickled format, read
-back only from this run's own output_dir.
+Checkpoints are the canonical format (workbench/train/canonical.py), through DeepSpeed's
+per-parameter accessors (deepspeed.utils.safe_get/set_full_fp32_param and _optimizer_state):
+writing, every rank joins each parameter's gather and the parameter's owner (index % world)
+keeps the full fp32 master and Adam moments; reading, every rank reads the full tensors in
+chunks and keeps its fragment. So any ZeRO stage at any world size, FSDP2, single and Megatron
+read what ZeRO wrote and the other way round; with peft only the trainable tensors are written.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ import torch.distributed as dist
 from workbench.backends.base import Backend
 from workbench.backends.step import all_sum
 from workbench.core.errors import missing_package
+from workbench.train import canonical
 from workbench.train.batch import StepBatch
 from workbench.train.optim import build_optimizer, build_scheduler
 
-TAG = "zero"  # DeepSpeed's checkpoint tag inside each workbench step directory
+TAG = "zero"  # DeepSpeed's own checkpoint tag in step directories from before the canonical format
+READ_CHUNK_BYTES = 1 << 30  # full fp32 tensors a rank reads at once when loading (weights + moments)
 
 
 @dataclass
@@ -75,11 +80,13 @@ def _import():
     return deepspeed
 
 
-def ds_config(cfg, tcfg, pol, max_grad_norm: float, n_params: int = 1 << 62) -> dict:
+def ds_config(cfg, tcfg, pol, max_grad_norm: float, n_params: int = 1 << 62, accum: int | None = None) -> dict:
     """The DeepSpeed JSON config from the workbench's config.
 
     Buckets are buffers of that many elements; one larger than the model only wastes memory
-    (DeepSpeed allocates them whole), so they are capped at the number of parameters.
+    (DeepSpeed allocates them whole), so they are capped at the number of parameters. `accum`:
+    the resolved run's micro-batches per step (a resume at another world size keeps the global
+    batch by changing it; workbench/config/run.py), else train.grad_accum.
     """
     cap = max(int(n_params), 1)
     zero: dict = {
@@ -101,7 +108,7 @@ def ds_config(cfg, tcfg, pol, max_grad_norm: float, n_params: int = 1 << 62) -> 
                                        **({"nvme_path": cfg.nvme_path} if kind == "nvme" else {})}
     out = {
         "train_micro_batch_size_per_gpu": tcfg.micro_batch_size,
-        "gradient_accumulation_steps": tcfg.grad_accum,
+        "gradient_accumulation_steps": accum or tcfg.grad_accum,
         "gradient_clipping": max_grad_norm,
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,  # the workbench's torch AdamW, for identical steps
@@ -118,8 +125,6 @@ def ds_config(cfg, tcfg, pol, max_grad_norm: float, n_params: int = 1 << 62) -> 
 
 class DeepSpeedBackend(Backend):
     name = "deepspeed"
-    sharded = True
-    external_checkpoint = True  # DeepSpeed writes and reads its own checkpoint files
 
     def __init__(self, cfg, ctx):
         self.cfg = cfg
@@ -137,7 +142,7 @@ class DeepSpeedBackend(Backend):
         self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         optim_cfg, max_steps = ctx.cfg.optim, ctx.cfg.train.max_steps
         config = ds_config(self.cfg, ctx.cfg.train, self.pol, optim_cfg.max_grad_norm,
-                           n_params=sum(p.numel() for p in model.parameters()))
+                           n_params=sum(p.numel() for p in model.parameters()), accum=ctx.run.batch.accum)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
             optimizer=lambda params: build_optimizer(params, optim_cfg),
@@ -192,6 +197,8 @@ class DeepSpeedBackend(Backend):
         scale = self.world / max(denom, 1e-12)
         total, sums = 0.0, {}
         for i, micro in enumerate(batch.micro):
+            if batch.micro_seeds:
+                torch.manual_seed(batch.micro_seeds[i])  # layout-free dropout (workbench/train/noise.py)
             loss_sum, metrics = loss_fn(self.engine, micro)
             self.engine.backward(loss_sum.float() * scale, scale_wrt_gas=False)
             if i < len(batch.micro) - 1:
@@ -207,23 +214,112 @@ class DeepSpeedBackend(Backend):
         gn = self.engine.get_global_grad_norm()
         return {"grad_norm": float(gn) if gn is not None else float("nan"), "lr": lr}
 
-    # -- state ---------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"writer": self.save_to}
+    def forward_only(self, micro: dict, loss_fn) -> float:
+        """Through the module and its ZeRO-3 hooks, in the parameters' dtype, as training runs it."""
+        was = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                loss_sum, _ = loss_fn(self.model, micro)
+        finally:
+            self.model.train(was)
+        return float(loss_sum.detach().float())
 
-    def save_to(self, path: Path):
-        self.engine.save_checkpoint(str(path), tag=TAG, save_latest=False,
-                                    exclude_frozen_parameters=self.ctx.run.peft.adapter)
-        return None
+    # -- state (workbench/train/canonical.py) ----------------------------------------------------
+    def _named(self) -> list:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
-    def load_from(self, path: Path) -> None:
+    def _moments(self) -> tuple[str, ...]:
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        return ("exp_avg", "exp_avg_sq") if isinstance(inner, torch.optim.Adam | torch.optim.AdamW) else ()
+
+    def _flat_states(self) -> list[dict]:
+        """The inner optimizer's state of each flat fp32 partition (one per param group)."""
+        zo = self.engine.optimizer
+        flats = zo.fp32_partitioned_groups_flat if self.cfg.stage == 3 else zo.single_partition_of_fp32_groups
+        return [zo.optimizer.state[f] for f in flats if f in zo.optimizer.state]
+
+    def canonical_state(self) -> dict:
+        """Collective: every rank joins each parameter's gather; its owner keeps the CPU copy."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        states = self._flat_states()
+        step = float(states[0]["step"]) if states and "step" in states[0] else 0.0
+        out = {}
+        for i, (n, p) in enumerate(self._named()):
+            full = {"": safe_get_full_fp32_param(p)}
+            for k in self._moments() if states else ():
+                full[k] = safe_get_full_optimizer_state(p, k)
+            if i % self.world != self.rank:
+                continue
+            c = canonical.canonical_name(n)
+            out[f"model/{c}"] = full[""].detach().float().cpu().clone()
+            for k in self._moments() if states else ():
+                out[f"optim/{c}/{k}"] = full[k].detach().float().cpu().clone()
+                out[f"optim/{c}/step"] = torch.tensor(step)
+        return out
+
+    def _init_optimizer_state(self) -> None:
+        """A fresh engine has no Adam state until its first step (ZeRO-1/2 link each parameter's
+        fragment of it only then): create it, zero, and link the fragments, so that
+        safe_set_full_optimizer_state has somewhere to write. The linking call is DeepSpeed's own
+        (private) step-time initialiser; tests/unit/test_resume.py names it if it disappears."""
+        zo = self.engine.optimizer
+        flats = zo.fp32_partitioned_groups_flat if self.cfg.stage == 3 else zo.single_partition_of_fp32_groups
+        for f in flats:
+            if not zo.optimizer.state.get(f):
+                zo.optimizer.state[f] = {"step": torch.tensor(0.0), **{k: torch.zeros_like(f) for k in self._moments()}}
+        if self.cfg.stage != 3:
+            zo._lazy_init_hp_params_optimizer_state()
+
+    def load_canonical(self, read) -> None:
+        """Every rank reads the full tensors of a chunk of parameters and keeps its fragment: the
+        fp32 master and moments (DeepSpeed's setters write this rank's part only), and the
+        low-precision copy the forward uses (ZeRO-3: gathered, written by rank 0, re-partitioned)."""
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        moments = self._moments()
+        if moments:
+            self._init_optimizer_state()
+        steps = set()
+        for chunk in _chunks(self._named(), self.cfg.stage, READ_CHUNK_BYTES // (4 * (1 + len(moments)))):
+            want = {}
+            for n, p in chunk:
+                c, shape = canonical.canonical_name(n), tuple(p.ds_shape) if self.cfg.stage == 3 else tuple(p.shape)
+                want[f"model/{c}"] = torch.empty(shape, dtype=torch.float32)
+                for k in moments:
+                    want[f"optim/{c}/{k}"] = torch.empty(shape, dtype=torch.float32)
+                if moments:
+                    want[f"optim/{c}/step"] = torch.tensor(0.0)
+            read(want)
+            for n, p in chunk:
+                c = canonical.canonical_name(n)
+                w = want[f"model/{c}"]
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=self.cfg.stage == 3):
+                    if self.cfg.stage != 3 or self.rank == 0:
+                        p.data.copy_(w.view(p.shape).to(p.dtype))
+                safe_set_full_fp32_param(p, w.to(p.device))
+                for k in moments:
+                    safe_set_full_optimizer_state(p, want[f"optim/{c}/{k}"].to(p.device), k)
+                    steps.add(float(want[f"optim/{c}/step"]))
+        if len(steps) > 1:
+            raise RuntimeError(f"deepspeed: the checkpoint's parameters have different optimizer steps {sorted(steps)}")
+        for state in self._flat_states() if steps else ():  # one step count per flat partition
+            state["step"] = torch.tensor(next(iter(steps)))
+
+    def schedule_state(self) -> dict:
+        return canonical.schedule_state(self.scheduler)
+
+    def load_schedule(self, state: dict) -> None:
+        canonical.apply_schedule(self.scheduler, self.optimizer, state)
+
+    def load_legacy(self, path: Path, rank: int) -> None:
+        """DeepSpeed's own checkpoint (zero/), at the same stage and world size."""
         load_path, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_module_strict=False,
                                                    load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
             raise RuntimeError(f"deepspeed: no checkpoint under {path}/{TAG}")
-
-    def load_state_dict(self, state: dict) -> None:
-        self.load_from(state["path"])
 
     def gathered_model(self):
         """Collective: a plain copy of the trained model with full weights on rank 0, None elsewhere."""
@@ -241,6 +337,20 @@ class DeepSpeedBackend(Backend):
         if self.rank != 0:
             return None
         return rebuild_plain(self.ctx.run, full, only=names)
+
+
+def _chunks(named: list, stage: int, elements: int):
+    """Consecutive runs of parameters of at most `elements` elements each (at least one each)."""
+    chunk, size = [], 0
+    for n, p in named:
+        numel = int(p.ds_numel) if stage == 3 else p.numel()
+        if chunk and size + numel > elements:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((n, p))
+        size += numel
+    if chunk:
+        yield chunk
 
 
 def build(cfg, ctx) -> DeepSpeedBackend:

@@ -9,9 +9,9 @@ DTensors sharded on dim 0 over all ranks; `wrap` checks that they really are and
 otherwise. Gradients are reduce-scattered and averaged over ranks, like DDP, so the loss
 scaling below matches backend=single exactly at equal global batch.
 
-Checkpoints are torch.distributed.checkpoint (DCP) directories: each rank writes its own
-shards, and a checkpoint can be loaded at another world size. With peft, only the trainable
-(adapter) tensors are saved; the frozen base is reloaded from its source.
+Checkpoints are the canonical format (workbench/train/canonical.py): each rank writes its own
+DTensor shards, and any layout reads them. With peft, only the trainable (adapter) tensors are
+saved; the frozen base is reloaded from its source.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from workbench.backends.base import Backend
-from workbench.backends.step import accumulate, clip_and_step
+from workbench.backends.step import accumulate, clip_and_step, forward_only
 from workbench.peft.lora import base_model
+from workbench.train import canonical
 from workbench.train.batch import StepBatch
 from workbench.train.distributed import ensure_process_group
 from workbench.train.optim import build_optimizer, build_scheduler
@@ -61,8 +62,6 @@ def keep_quant_state(model: torch.nn.Module) -> None:
 
 class FSDP2Backend(Backend):
     name = "fsdp2"
-    sharded = True
-    external_checkpoint = True  # torch.distributed.checkpoint (DCP) files
     skips_steps = True
 
     def __init__(self, cfg, ctx):
@@ -170,41 +169,41 @@ class FSDP2Backend(Backend):
         return clip_and_step(self.model.parameters(), self.optimizer, self.scheduler, self.scaler,
                              self.max_grad_norm)
 
-    # -- state ---------------------------------------------------------------------------
-    def _dcp_state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def forward_only(self, micro: dict, loss_fn) -> float:
+        self._forwarded = True
+        return forward_only(self.model, micro, loss_fn, self.pol, self.device)
+
+    # -- state (workbench/train/canonical.py: each rank writes its DTensor shards) -------------
+    def canonical_state(self) -> dict:
+        return canonical.torch_state(self.model, self.optimizer, self.trainable)
+
+    def save_canonical(self, path: Path):
+        if not self.cfg.async_checkpoint:
+            return canonical.write(path, self.canonical_state())
+        # Shards are staged to host memory now and written in a background thread; the
+        # checkpoint only becomes `latest` once the returned future has completed. The
+        # thread's collectives get their own process group, so they never interleave with
+        # the training step's.
+        if self._ckpt_group is None:
+            self._ckpt_group = dist.new_group(backend="gloo")
+        return canonical.write(path, self.canonical_state(), process_group=self._ckpt_group, async_save=True)
+
+    def load_canonical(self, read) -> None:
+        canonical.torch_load(self.model, self.optimizer, self.trainable, read)
+
+    def schedule_state(self) -> dict:
+        return canonical.schedule_state(self.scheduler, self.scaler)
+
+    def load_schedule(self, state: dict) -> None:
+        canonical.apply_schedule(self.scheduler, self.optimizer, state, self.scaler)
+
+    def load_legacy(self, path: Path, rank: int) -> None:
+        """dcp/ (DCP's own format, its metadata pickled) + schedule.pt."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
         msd, osd = get_state_dict(self.model, self.optimizer)
-        keep = set(self.trainable)
-        return {"model": {k: v for k, v in msd.items() if k in keep}, "optim": osd}
-
-    def state_dict(self) -> dict:
-        """What checkpoint.save writes: the DCP directory comes from `writer` on every rank."""
-        return {"writer": self.save_to}
-
-    def save_to(self, path: Path):
-        import torch.distributed.checkpoint as dcp
-
-        state = self._dcp_state()
-        if self.rank == 0:
-            torch.save({"scheduler": self.scheduler.state_dict(),
-                        "scaler": self.scaler.state_dict() if self.scaler else None}, Path(path) / "schedule.pt")
-        if self.cfg.async_checkpoint:
-            # Shards are staged to host memory now and written in a background thread; the
-            # checkpoint only becomes `latest` once the returned future has completed. The
-            # thread's collectives get their own process group, so they never interleave with
-            # the training step's.
-            if self._ckpt_group is None:
-                self._ckpt_group = dist.new_group(backend="gloo")
-            return dcp.async_save(state, checkpoint_id=str(Path(path) / "dcp"), process_group=self._ckpt_group)
-        dcp.save(state, checkpoint_id=str(Path(path) / "dcp"))
-        return None
-
-    def load_from(self, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        state = self._dcp_state()
+        state = {"model": {k: v for k, v in msd.items() if k in set(self.trainable)}, "optim": osd}
         dcp.load(state, checkpoint_id=str(Path(path) / "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(strict=False))
@@ -212,9 +211,6 @@ class FSDP2Backend(Backend):
         self.scheduler.load_state_dict(rest["scheduler"])
         if self.scaler and rest.get("scaler"):
             self.scaler.load_state_dict(rest["scaler"])
-
-    def load_state_dict(self, state: dict) -> None:
-        self.load_from(state["path"])
 
     def gathered_model(self):
         """Collective: a plain copy of the trained model with full weights on rank 0, None elsewhere."""

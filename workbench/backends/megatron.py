@@ -15,8 +15,12 @@ ranks, sequence-parallel norms over TP and tied embeddings between first and las
 Data: a rank's *data-parallel* rank and size decide its slice of the global batch (TP and PP
 peers train on the same examples); the resolved run's layout (workbench/config/resolved.py) holds them
 and `wrap()` checks that Megatron-Core's process groups agree.
-Checkpoints: the workbench format, one file per rank (`sharded=True`) holding its Megatron-Core
-shard, with the TP/PP/EP layout recorded; resuming needs the same layout.
+Checkpoints: the canonical format (workbench/train/canonical.py) under Hugging Face names, so
+any layout reads them. Writing gathers nothing: each TP block of a weight or an Adam moment is
+a rectangular block of the HF tensor (the bridge's `pieces`), written as a DTensor shard over
+the TP group; replicated norms are plain tensors, PP stages write their own keys. Reading, every
+rank reads the full HF tensors of its stage and bridges weights and moments alike
+(`to_megatron`). MoE experts are gathered over the ranks before writing.
 `unwrapped()` is the HF model with the current weights bridged back (refreshed after the last
 step, at eval steps and, for GRPO's rollouts, after every step; on one process also on demand).
 """
@@ -31,7 +35,9 @@ import torch.distributed as dist
 from torch import nn
 
 from workbench.backends.base import Backend
+from workbench.backends.step import forward_only
 from workbench.core.errors import UserError
+from workbench.train import canonical
 from workbench.train import precision as prec
 from workbench.train.batch import StepBatch
 from workbench.train.distributed import ensure_process_group
@@ -133,11 +139,11 @@ def _pad_micro(micro: dict, length: int) -> dict:
 
 class MegatronBackend(Backend):
     name = "megatron"
-    sharded = True
 
     def __init__(self, cfg, ctx):
         self.cfg = cfg
         self.ctx = ctx
+        self._tp_mesh = None  # the TP group as a device mesh, for checkpoint shards
 
     # -- setup ---------------------------------------------------------------------------
     def wrap(self, train_module: nn.Module, ctx) -> None:
@@ -214,15 +220,39 @@ class MegatronBackend(Backend):
 
     def forward_backward(self, batch: StepBatch, loss_fn) -> dict[str, float]:
         from megatron.core import parallel_state as ps
+
+        denom = self._sum(batch.denom, self.dp_group)
+        sums = self._schedule(list(batch.micro), loss_fn, 1.0 / max(denom, 1e-12), forward_only=False,
+                              seeds=batch.micro_seeds)
+        self._reduce_grads(ps)
+        out = {k: self._sum(v, self.dp_group) for k, v in sums.items()}
+        loss = out.pop("loss_sum") / max(denom, 1e-12)
+        return {"loss": loss, **out}
+
+    def forward_only(self, micro: dict, loss_fn) -> float:
+        if self.par.pp == 1:
+            from workbench.megatron.cpu_shim import cpu_device
+
+            with cpu_device():  # the TP gather of the logits asks torch.cuda for a device
+                return forward_only(self.module, micro, loss_fn, self.pol, self.device)
+        self.gpt.eval()
+        try:
+            with torch.no_grad():
+                return self._schedule([micro], loss_fn, 1.0, forward_only=True)["loss_sum"]
+        finally:
+            self.gpt.train()
+
+    def _schedule(self, micro: list, loss_fn, scale: float, forward_only: bool, seeds=None) -> dict[str, float]:
+        """Megatron-Core's schedule over `micro`; the method's summed metrics, summed over PP stages
+        (only the last stage computes the loss: it names the sums, every stage joins)."""
+        from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather
 
         from workbench.megatron.cpu_shim import cpu_device
 
-        self.gpt.train()
-        denom = self._sum(batch.denom, self.dp_group)
-        scale = 1.0 / max(denom, 1e-12)
-        micro = list(batch.micro)
+        if not forward_only:
+            self.gpt.train()
         length = max(m["input_ids"].shape[1] for m in micro)
         if self.par.sequence_parallel:
             length = -(-length // self.par.tp) * self.par.tp
@@ -240,8 +270,13 @@ class MegatronBackend(Backend):
                 sums[k] = sums.get(k, 0.0) + float(v)
             return loss_sum.float() * scale, torch.tensor(1, dtype=torch.int), {}
 
+        order = iter(seeds or [])
+
         def forward_step(data_iterator, model):
             m = next(data_iterator)
+            seed = next(order, None)
+            if seed is not None:
+                torch.manual_seed(seed)  # layout-free dropout (workbench/train/noise.py)
             with prec.autocast(self.pol, self.device):
                 if self.par.pp == 1:
                     loss_sum, metrics = loss_fn(self.module, m)
@@ -254,17 +289,12 @@ class MegatronBackend(Backend):
         with cpu_device():
             fb(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.gpt],
                num_microbatches=len(micro), seq_length=length, micro_batch_size=micro[0]["input_ids"].shape[0],
-               forward_only=False)
-        self._reduce_grads(ps)
-        # Only the last PP stage computed the loss: it names the sums, every stage joins the
-        # reductions (zeros elsewhere), then data-parallel ranks' sums are added.
+               forward_only=forward_only)
         names = [sorted(sums)]
         pp_group = ps.get_pipeline_model_parallel_group()
         if self.par.pp > 1:
             dist.broadcast_object_list(names, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group)
-        out = {k: self._sum(self._sum(sums.get(k, 0.0), pp_group), self.dp_group) for k in names[0]}
-        loss = out.pop("loss_sum") / max(denom, 1e-12)
-        return {"loss": loss, **out}
+        return {k: self._sum(sums.get(k, 0.0), pp_group) for k in names[0]}
 
     def _reduce_grads(self, ps) -> None:
         params = [p for p in self.gpt.parameters() if p.requires_grad and p.grad is not None]
@@ -326,32 +356,141 @@ class MegatronBackend(Backend):
             self._sync_hf()  # export and eval read the HF model; every rank joins the gather
         return {"grad_norm": float(gn), "lr": lr}
 
-    # -- state ---------------------------------------------------------------------------
+    # -- state (workbench/train/canonical.py) ----------------------------------------------------
+    def _canonical_pieces(self, pairs, prefix: str) -> dict:
+        """{prefix + HF name: this rank's block} for (Megatron name, tensor) pairs: a DTensor shard
+        over the TP group where the bridge splits the tensor, a plain tensor where it is replicated
+        (DCP writes one copy). Vocabulary rows lose the TP padding (an uneven last shard)."""
+        from workbench.megatron import bridge
+
+        out, experts = {}, []
+        vocab = self.hf_config.vocab_size
+        for name, key, dim, t in bridge.pieces(pairs, self.hf_config, self.layout):
+            if "#expert." in name:
+                experts.append((name, key, dim, t))
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                lo = self.layout.tp_rank * t.shape[0]
+                out[prefix + name] = self._tp_shard(t[:max(0, min(t.shape[0], vocab - lo))], 0, vocab)
+            elif key == ():
+                out[prefix + name] = t
+            else:
+                out[prefix + name] = self._tp_shard(t, dim, t.shape[dim] * self.layout.tp)
+        if experts:  # a rank holds two row blocks of the fused gate_up tensor: gather, write whole
+            out.update({prefix + k: v for k, v in self._gathered_experts(experts).items()})
+        return out
+
+    def _tp_shard(self, t: torch.Tensor, dim: int, full: int):
+        if self.layout.tp == 1:
+            return t
+        from megatron.core import parallel_state as ps
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._tp_mesh is None:  # the run's device type: its process groups' backend expects it
+            self._tp_mesh = DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), self.device)
+        shape = list(t.shape)
+        shape[dim] = full
+        size = torch.Size(shape)
+        return DTensor.from_local(t.to(self.device).contiguous(), self._tp_mesh, [Shard(dim)], shape=size,
+                                  stride=torch.empty(size, device="meta").stride())
+
+    def _gathered_experts(self, experts: list) -> dict:
+        from workbench.megatron import bridge
+
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, experts)  # in-process tensors, never from files
+        by_name: dict = {}
+        for part in everyone:
+            for name, key, dim, t in part:
+                by_name.setdefault(name, {}).setdefault(key, (dim, t))
+        out: dict = {}
+        bridge._assemble_experts(by_name, out)
+        return out
+
+    def _moments(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq") if isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW) else ()
+
+    def canonical_state(self) -> dict:
+        named = [(n, p) for n, p in self.gpt.named_parameters()]
+        flat = self._canonical_pieces([(n, p.detach()) for n, p in named], "model/")
+        state = [self.optimizer.state.get(p, {}) for _, p in named]
+        if not all(state) or not self._moments():
+            return flat
+        for key in self._moments():
+            moments = self._canonical_pieces([(n, st[key]) for (n, _), st in zip(named, state)], "optim/")
+            flat.update({f"{k}/{key}": v for k, v in moments.items()})
+        step = torch.tensor(float(state[0]["step"]))
+        for k in [k for k in flat if k.startswith("model/")]:
+            flat[f"optim/{k[6:]}/step"] = step.clone()
+        return flat
+
+    def _stage_names(self) -> dict[str, torch.Size]:
+        """HF names (and full shapes) of what this rank's PP stage holds."""
+        from workbench.megatron import bridge
+
+        cfg, lay = self.hf_config, self.layout
+        layers = {f"model.layers.{i}." for i in bridge.stage_layers(cfg.num_hidden_layers, lay.pp, lay.pp_rank)}
+        first, last = lay.pp_rank == 0, lay.pp_rank == lay.pp - 1
+        out = {}
+        for k, v in self.hf.state_dict().items():
+            if k == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue  # the tied head is the embedding
+            if (any(k.startswith(x) for x in layers) or (k == "model.embed_tokens.weight"
+                                                          and (first or (last and cfg.tie_word_embeddings)))
+                    or (last and k in ("model.norm.weight", "lm_head.weight"))):
+                out[k] = v.shape
+        return out
+
+    def load_canonical(self, read) -> None:
+        from workbench.megatron import bridge
+
+        names, moments = self._stage_names(), self._moments()
+        want = {f"model/{k}": torch.empty(s) for k, s in names.items()}
+        for k, s in names.items():
+            for key in moments:
+                want[f"optim/{k}/{key}"] = torch.empty(s)
+            if moments:
+                want[f"optim/{k}/step"] = torch.tensor(0.0)
+        read(want)
+        dtype = next(self.gpt.parameters()).dtype
+        bridge.load_into(self.gpt, {n: t.to(dtype) for n, t in bridge.to_megatron(
+            {k: want[f"model/{k}"] for k in names}, self.hf_config, self.layout).items()})
+        if not moments:
+            return
+        local = {key: bridge.to_megatron({k: want[f"optim/{k}/{key}"] for k in names}, self.hf_config, self.layout)
+                 for key in moments}
+        step = want[f"optim/{next(iter(names))}/step"]
+        for n, p in self.gpt.named_parameters():
+            st = self.optimizer.state[p]
+            for key in moments:
+                st[key] = local[key][n].to(p.device).clone()
+            st["step"] = step.clone()
+
+    def schedule_state(self) -> dict:
+        return {**canonical.schedule_state(self.scheduler), "steps": self.steps}
+
+    def load_schedule(self, state: dict) -> None:
+        canonical.apply_schedule(self.scheduler, self.optimizer, {k: v for k, v in state.items() if k != "steps"})
+        self.steps = int(state.get("steps", state["last_epoch"]))
+
     def _layout_record(self) -> dict:
         lay = self.layout
         return {"tp": lay.tp, "tp_rank": lay.tp_rank, "pp": lay.pp, "pp_rank": lay.pp_rank, "ep": lay.ep,
-                "ep_rank": lay.ep_rank, "format": "megatron-core local spec, this rank's shard"}
+                "ep_rank": lay.ep_rank}
 
-    def state_dict(self) -> dict:
-        return {
-            "sharded": True,
-            "model": {n: p.detach() for n, p in self.gpt.named_parameters()},
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "layout": self._layout_record(),
-            "steps": self.steps,
-        }
+    def load_legacy(self, path, rank: int) -> None:
+        """model{.rankN}.safetensors + optim{.rankN}.pt: this rank's Megatron-Core shard, same layout."""
+        from safetensors.torch import load_file
 
-    def load_state_dict(self, state: dict) -> None:
         from workbench.megatron import bridge
 
+        sfx = "" if rank == 0 else f".rank{rank}"
+        state = torch.load(path / f"optim{sfx}.pt", weights_only=True)
         saved, mine = state.get("layout", {}), self._layout_record()
-        diff = {k: (saved.get(k), mine[k]) for k in ("tp", "pp", "ep", "tp_rank", "pp_rank", "ep_rank")
-                if saved.get(k) != mine[k]}
-        if diff:
-            raise UserError(f"checkpoint was written with a different Megatron layout {diff} (saved, now); "
-                            "resume with the same backend.tp/pp/ep")
-        bridge.load_into(self.gpt, state["model"])
+        if any(saved.get(k) != v for k, v in mine.items()):
+            raise UserError(f"{path}: written with the Megatron layout {saved}, this run is {mine}; resume with "
+                            "that layout once (backend.tp/pp/ep) to convert it to the canonical format")
+        bridge.load_into(self.gpt, load_file(path / f"model{sfx}.safetensors"))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state.get("steps", 0))

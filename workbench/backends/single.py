@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from workbench.backends.base import Backend
-from workbench.backends.step import accumulate, clip_and_step
+from workbench.backends.step import accumulate, clip_and_step, forward_only
+from workbench.train import canonical
 from workbench.train.batch import StepBatch
 from workbench.train.optim import build_optimizer, build_scheduler
 
@@ -48,6 +49,7 @@ class SingleBackend(Backend):
         self.scheduler = build_scheduler(self.optimizer, ctx.cfg.optim, ctx.cfg.train.max_steps)
         self.scaler = torch.amp.GradScaler(self.device) if self.pol.loss_scaling else None
         self.max_grad_norm = ctx.cfg.optim.max_grad_norm
+        self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
 
     def unwrapped(self) -> torch.nn.Module:
         return self.model
@@ -69,27 +71,36 @@ class SingleBackend(Backend):
         return clip_and_step(self.model.parameters(), self.optimizer, self.scheduler, self.scaler,
                              self.max_grad_norm)
 
-    # -- state ---------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {
-            "model": {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad},
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler else None,
-        }
+    def forward_only(self, micro: dict, loss_fn) -> float:
+        return forward_only(self.model, micro, loss_fn, self.pol, self.device)
 
-    def load_state_dict(self, state: dict) -> None:
+    # -- state (workbench/train/canonical.py; DDP replicas write each key once) ---------------
+    def canonical_state(self) -> dict:
+        return canonical.torch_state(self.model, self.optimizer, self.trainable)
+
+    def load_canonical(self, read) -> None:
+        canonical.torch_load(self.model, self.optimizer, self.trainable, read)
+
+    def schedule_state(self) -> dict:
+        return canonical.schedule_state(self.scheduler, self.scaler)
+
+    def load_schedule(self, state: dict) -> None:
+        canonical.apply_schedule(self.scheduler, self.optimizer, state, self.scaler)
+
+    def load_legacy(self, path, rank: int) -> None:
+        """model.safetensors + optim.pt (position-indexed optimizer state), written by rank 0."""
+        from safetensors.torch import load_file
+
+        weights = load_file(path / "model.safetensors")
+        rest = torch.load(path / "optim.pt", weights_only=True)
         params = dict(self.model.named_parameters())
-        missing = [n for n in state["model"] if n not in params]
-        if missing:
-            raise RuntimeError(f"checkpoint has parameters the model lacks: {missing[:3]}")
         with torch.no_grad():
-            for n, t in state["model"].items():
+            for n, t in weights.items():
                 params[n].copy_(t)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+        self.optimizer.load_state_dict(rest["optimizer"])
+        self.scheduler.load_state_dict(rest["scheduler"])
+        if self.scaler and rest.get("scaler"):
+            self.scaler.load_state_dict(rest["scaler"])
 
 
 def build(cfg, ctx) -> SingleBackend:

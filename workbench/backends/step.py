@@ -6,6 +6,8 @@
   by the world size, because DDP, FSDP2 and ZeRO all average gradients over ranks: the result
   is the gradient of one big batch on one device.
 - `clip_and_step`: unscale (fp16), clip, optimizer and scheduler step, zero grads.
+- `forward_only`: one micro-batch's summed loss without gradient, in eval mode (the resume
+  certificate's probe, workbench/train/replay.py).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def accumulate(net, batch: StepBatch, loss_fn, pol, device: str, world: int, sca
     total, sums = 0.0, {}
     with lora.inputs_in_autocast(net, pol.autocast_dtype):  # no fp32 round trip of adapter inputs
         for i, micro in enumerate(batch.micro):
+            if batch.micro_seeds:
+                torch.manual_seed(batch.micro_seeds[i])  # layout-free dropout (workbench/train/noise.py)
             with heartbeat.phase("forward"), sync(i == len(batch.micro) - 1), prec.autocast(pol, device):
                 loss_sum, metrics = loss_fn(net, micro)
             loss = loss_sum.float() * scale
@@ -60,6 +64,18 @@ def accumulate(net, batch: StepBatch, loss_fn, pol, device: str, world: int, sca
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
     return {"loss": all_sum(total) / max(denom, 1e-12), **sums}
+
+
+def forward_only(net, micro: dict, loss_fn, pol, device: str) -> float:
+    """loss_fn's summed loss of `micro`: no gradient, eval mode (no dropout), the run's autocast."""
+    was = net.training
+    net.eval()
+    try:
+        with torch.no_grad(), prec.autocast(pol, device):
+            loss_sum, _ = loss_fn(net, micro)
+    finally:
+        net.train(was)
+    return float(loss_sum.detach().float())
 
 
 def clip_and_step(params, optimizer, scheduler, scaler, max_grad_norm: float) -> dict[str, float]:

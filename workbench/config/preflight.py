@@ -8,7 +8,9 @@ In order, cheapest first, all before any weights load:
 3. the plan (workbench/plan/): a run that cannot fit the configured hardware is refused here,
    with where it would fit, how many devices it needs, and time and cost;
 4. where the weights come from (nothing is downloaded);
-5. one data sample rendered through the chat template and loss mask (tokenizer only).
+5. one data sample rendered through the chat template and loss mask (tokenizer only);
+6. on an existing run directory, the checkpoint it would resume (workbench/train/resume.py): the
+   same model, adapter and tokenizer, and the batch at this layout (dry_run prints that plan).
 
 With dry_run=true, problems of *this machine* (no GPU, weights not local, a GPU-only package
 missing) are warnings, so a laptop can plan a cluster run.
@@ -132,5 +134,11 @@ def check(cfg, env: rules.Env | None = None) -> dict:
             warnings.append(str(exc))
     else:
         warnings.append(f"data sample not rendered: model={cfg.model.name}'s tokenizer is not on this machine")
+    from workbench.train import resume
+
+    rec = resume.record_of(cfg.output_dir, cfg.train.resume)
+    if rec is not None and "tokenizer" in facts:
+        resume.check_identity(rec, resume.identity(run.cfg, run, *facts["tokenizer"]))
+    facts["resume"] = resume.plan_line(rec, run.cfg, run)
     return facts
 

@@ -81,6 +81,11 @@ class GlobalBatch:
     dp: int  # data-parallel ranks
 
     @property
+    def per_rank(self) -> int:
+        """Rows one data-parallel rank trains on per step (what every method draws per rank)."""
+        return self.micro * self.accum
+
+    @property
     def size(self) -> int:
         return self.micro * self.accum * self.dp
 
@@ -206,9 +211,21 @@ def derive(cfg: DictConfig, rank: int | None = None, world: int | None = None, h
     name = precision_name(cfg)
     pol = precision.policy(name) if here else precision.spec(name)
     return Run(cfg=cfg, device=cfg.hardware.device, precision=pol, peft=Peft(cfg.peft.kind, quant_storage(cfg)),
-               reference=reference(cfg), layout=lay,
-               batch=GlobalBatch(cfg.train.micro_batch_size, cfg.train.grad_accum, lay.dp),
+               reference=reference(cfg), layout=lay, batch=GlobalBatch(cfg.train.micro_batch_size, accum(cfg, lay), lay.dp),
                facts=registry.spec(cfg.method.name).facts)
+
+
+def accum(cfg, lay: Layout) -> int:
+    """Micro-batches per rank per step: train.grad_accum, except for GRPO with
+    method.prompts_per_step, whose step is that many groups at any layout (when they divide into
+    whole micro-batches per rank; the rule grpo-whole-groups refuses the rest)."""
+    m = _method(cfg)
+    pps = m.get("prompts_per_step") if m is not None and m.name == "grpo" else None
+    if pps:
+        per_rank, rest = divmod(int(pps) * int(m.get("num_generations", 1)), lay.dp)
+        if not rest and per_rank % cfg.train.micro_batch_size == 0:
+            return per_rank // cfg.train.micro_batch_size
+    return cfg.train.grad_accum
 
 
 def needs_bitsandbytes(cfg) -> bool:

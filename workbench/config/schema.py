@@ -169,6 +169,12 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0 = only at the end
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto (latest in output_dir, if any) | never | <checkpoint dir>
+    # Resuming at another world size keeps the checkpoint's global batch by recomputing grad_accum
+    # (workbench/train/resume.py); false: this run's micro x accum x ranks is the new global batch.
+    keep_global_batch: bool = True
+    # The replay certificate on every resume (workbench/train/replay.py): error stops a run whose
+    # loaded weights do not reproduce the saved probe loss; warn reports it and goes on.
+    resume_check: str = "error"
     export: bool = True
     export_merged: bool = True
     compile: bool = False

@@ -105,6 +105,7 @@ def _check_values(cfg: DictConfig) -> None:
         ("data.on_bad_row", cfg.data.on_bad_row in ("error", "skip"), "must be error or skip"),
         ("data.pack_len", cfg.data.pack_len == 0 or cfg.data.pack_len >= cfg.data.seq_len, "must be 0 or >= data.seq_len"),
         ("model.loader", cfg.model.loader in ("hf", "unsloth"), "must be hf or unsloth"),
+        ("train.resume_check", cfg.train.resume_check in ("error", "warn"), "must be error or warn"),
     ]
     for name, ok, why in checks:
         if not ok:

@@ -2,6 +2,7 @@
 
     python -m workbench.export runs/<run>              # export its newest valid checkpoint again
     python -m workbench.export runs/<run> step=200 export.gguf=[f16]   # a given step, more formats
+    python -m workbench.export runs/<run> backend=single hardware.procs=1   # any checkpoint, on one process
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def main(argv: list[str]) -> int:
     for a in argv[1:]:
         if a.startswith("step="):
             step = int(a.split("=", 1)[1])
+        elif a.startswith("backend="):
+            # the run's config.yaml is flat (no group defaults): another backend replaces the node,
+            # its own options taking their defaults (every layout reads every checkpoint)
+            extra += ["~backend", f"+backend.name={a.split('=', 1)[1]}"]
         else:
             extra.append(a)
     try:

@@ -139,14 +139,16 @@ def load_into(gpt: torch.nn.Module, local: dict) -> None:
 
 
 # -- Megatron -> HF -----------------------------------------------------------------------------
-def _pieces(gpt: torch.nn.Module, cfg, lay: Layout) -> list[tuple[str, tuple, int, torch.Tensor]]:
-    """(hf name, order key, concat dim, tensor) for every local parameter."""
+def pieces(pairs, cfg, lay: Layout) -> list[tuple[str, tuple, int, torch.Tensor]]:
+    """(hf name, order key, concat dim, tensor) for every local (Megatron name, tensor) pair: a
+    parameter, or anything laid out like one (an Adam moment: the mapping is elementwise).
+    The order key is () for a tensor replicated over TP, else the key of its block."""
     fam = family(cfg)
     ng, nh, hd = cfg.num_key_value_heads, cfg.num_attention_heads, head_dim(cfg)
     r = lay.tp_rank
     layers = list(stage_layers(cfg.num_hidden_layers, lay.pp, lay.pp_rank))
     out = []
-    for name, p in gpt.named_parameters():
+    for name, p in pairs:
         t = p.detach().to("cpu", copy=True)
         parts = name.split(".")
         if name == "embedding.word_embeddings.weight":
@@ -202,15 +204,15 @@ def _layer_pieces(h, rest, t, fam, ng, nh, hd, lay: Layout):
 
 def to_hf(gpt: torch.nn.Module, cfg, lay: Layout, group=None) -> dict:
     """The full HF state dict, gathered from every TP/PP/EP rank onto every rank (CPU tensors)."""
-    mine = _pieces(gpt, cfg, lay)
+    mine = pieces(gpt.named_parameters(), cfg, lay)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)  # in-process tensors, never from files
     else:
         everyone = [mine]
     by_name: dict[str, dict[tuple, tuple[int, torch.Tensor]]] = {}
-    for pieces in everyone:
-        for name, key, dim, t in pieces:
+    for part in everyone:
+        for name, key, dim, t in part:
             by_name.setdefault(name, {}).setdefault(key, (dim, t))  # data-parallel copies: keep one
     out = {}
     experts: dict[str, dict] = {}

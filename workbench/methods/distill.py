@@ -260,7 +260,7 @@ class Distill(Method):
 
     def next_batch(self, state, backend) -> StepBatch:
         t = self.ctx.cfg.train
-        _, mine = rank_share(self.ctx.run.layout, t.micro_batch_size * t.grad_accum,
+        _, mine = rank_share(self.ctx.run.layout, self.ctx.run.batch.per_rank,
                              lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
         examples = [self.sources[s].examples[r] for s, r in mine]
         info = {f"mix/{s.source.name}": r for s, r in zip(self.sources, self.mixture.realised())}

@@ -221,7 +221,7 @@ class DPO(Method):
     # -- batches -------------------------------------------------------------------------
     def next_batch(self, state, backend) -> StepBatch:
         t = self.ctx.cfg.train
-        _, mine = rank_share(self.ctx.run.layout, t.micro_batch_size * t.grad_accum,
+        _, mine = rank_share(self.ctx.run.layout, self.ctx.run.batch.per_rank,
                              lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
         micro, tokens = [], 0
         for i in range(0, len(mine), t.micro_batch_size):

@@ -205,10 +205,11 @@ def make_shape(generations: int, prompts_per_step: int | None, micro_batch_size:
     return BatchShape(prompts_per_step, G, dp, mb, prompts_per_step * G // dp // mb)
 
 
-def batch_shape(cfg, train, dp: int) -> BatchShape:
-    """The step's shape from the method options and train.*, over the run's data-parallel ranks
-    (ctx.run.layout.dp; the rules read the same layout)."""
-    return make_shape(cfg.num_generations, cfg.prompts_per_step, train.micro_batch_size, train.grad_accum, dp)
+def batch_shape(cfg, batch) -> BatchShape:
+    """The step's shape from the method options and the resolved run's batch (ctx.run.batch:
+    micro-batch, accumulation, data-parallel ranks; a resume at another world size changes the
+    accumulation to keep the global batch, workbench/train/resume.py)."""
+    return make_shape(cfg.num_generations, cfg.prompts_per_step, batch.micro, batch.accum, batch.dp)
 
 
 def collate(seqs: list[tuple[list[int], list[int]]], G: int, first: int, pad_id: int, tree: bool) -> dict:
@@ -263,7 +264,9 @@ class GRPO(Method):
         self._uses = 0
         self._passes: list[Forward] = []  # this rollout's forward passes without gradient (FLOP count)
         self._step_tokens = 1.0
-        self.shape = batch_shape(cfg, ctx.cfg.train, ctx.run.layout.dp)
+        self.shape = batch_shape(cfg, ctx.run.batch)
+        self._rollout_state: dict | None = None  # where the cached rollout's prompts began (checkpoints)
+        self._regenerate: dict | None = None  # a rollout to make again after resuming mid-iteration
 
     # -- data ----------------------------------------------------------------------------
     def prepare(self, ctx) -> None:
@@ -293,7 +296,9 @@ class GRPO(Method):
             self.engine = VLLMEngine(self.ctx.cfg, self.ctx.tokenizer, self.ctx.contract)
 
     # -- rollouts ------------------------------------------------------------------------
-    def _generate(self, backend, convs: list) -> list[list[int]]:
+    def _generate(self, backend, convs: list, keys: list[int]) -> list[list[int]]:
+        """Completions of each conversation; `keys`: each prompt's global sample index, which with
+        train.seed and the step keys its sampling noise (the same completions at any world size)."""
         c = self.cfg
         if self.engine is not None:
             self.engine.sync_weights(backend.unwrapped().inner)
@@ -310,20 +315,23 @@ class GRPO(Method):
                             do_sample=True, temperature=c.temperature, top_p=c.top_p,
                             num_return_sequences=c.num_generations,
                             autocast=precision.autocast(self.ctx.run.precision, self.ctx.device), synced=synced,
-                            passes=self._passes)
+                            passes=self._passes, noise_keys=[(self.ctx.cfg.train.seed, self._step, k) for k in keys])
 
-    def _draw(self, per_rank: int) -> list[dict]:
-        """This rank's `per_rank` prompt rows of the next global draw (mixing.rank_share: every
-        rank draws all of them, so the data position is the same everywhere and resumes exactly)."""
+    def _draw(self, per_rank: int) -> list[tuple[int, dict]]:
+        """This rank's `per_rank` prompt rows of the next global draw, each with its global sample
+        index (mixing.rank_share: every rank draws all of them, so the data position is the same
+        everywhere and resumes exactly)."""
+        start = sum(self.mixture.taken) + self.ctx.run.layout.dp_rank * per_rank
         _, mine = rank_share(self.ctx.run.layout, per_rank, self.mixture.take)
-        return [self.sources[s].rows[r] for s, r in mine]
+        return [(start + i, self.sources[s].rows[r]) for i, (s, r) in enumerate(mine)]
 
-    def _groups(self, backend, rows: list[dict]) -> list[dict]:
+    def _groups(self, backend, drawn: list[tuple[int, dict]]) -> list[dict]:
         """Generate num_generations completions for each prompt row and score them: one record
         per group."""
         c, G = self.cfg, self.cfg.num_generations
+        rows = [r for _, r in drawn]
         convs = [r["prompt"] for r in rows]
-        comp = self._generate(backend, convs)
+        comp = self._generate(backend, convs, [k for k, _ in drawn])
         if len(comp) != len(rows) * G:
             raise RuntimeError(f"rollout engine returned {len(comp)} completions for {len(rows)} x {G}")
         texts = [self.ctx.tokenizer.decode(ids, skip_special_tokens=True) for ids in comp]
@@ -460,9 +468,20 @@ class GRPO(Method):
                                      "reward": float(total[i])}) + "\n")
 
     def next_batch(self, state, backend) -> StepBatch:
+        if self._regenerate is not None:  # resumed mid-iteration: the same prompts, sampled again
+            again, self._regenerate = self._regenerate, None
+            after = self.mixture.state_dict()
+            self.mixture.load_state_dict(again["mixture_before"])
+            self._step = again["step"]
+            self._rollout_state = again
+            self._cached = self._rollout(backend, again["index"])
+            self.mixture.load_state_dict(after)  # the data position the checkpoint holds, whatever refills drew
+            self._uses = again["uses"]
         if self._cached is None or self._uses >= self.cfg.num_iterations:
             self._step = state.step
-            self._cached, self._uses = self._rollout(backend, state.step // self.cfg.num_iterations), 0
+            index = state.step // self.cfg.num_iterations
+            self._rollout_state = {"index": index, "step": state.step, "mixture_before": self.mixture.state_dict()}
+            self._cached, self._uses = self._rollout(backend, index), 0
         self._uses += 1
         # the rollout's forward passes ran once: the FLOP count takes them on its first step only
         return self._cached if self._uses == 1 else replace(self._cached, forward_passes=[])
@@ -495,10 +514,16 @@ class GRPO(Method):
         return per_tok.sum(), metrics
 
     def state_dict(self) -> dict:
-        return {"mixture": self.mixture.state_dict()}
+        """The data position; mid-iteration (num_iterations > 1) also where the cached rollout's
+        prompts began, so a resume samples that rollout's prompts again before moving on."""
+        state = {"mixture": self.mixture.state_dict()}
+        if self._rollout_state is not None and 0 < self._uses < self.cfg.num_iterations:
+            state["rollout"] = {**self._rollout_state, "uses": self._uses}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.mixture.load_state_dict(state["mixture"])
+        self._regenerate = state.get("rollout")
 
 
 def _signal_share(with_signal: float, groups: int) -> float:

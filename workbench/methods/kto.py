@@ -161,7 +161,7 @@ class KTO(Method):
     # -- batches -------------------------------------------------------------------------
     def next_batch(self, state, backend) -> StepBatch:
         t = self.ctx.cfg.train
-        _, drawn = rank_share(self.ctx.run.layout, t.micro_batch_size * t.grad_accum,
+        _, drawn = rank_share(self.ctx.run.layout, self.ctx.run.batch.per_rank,
                               lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
         mine = [self.sources[s].examples[r] for s, r in drawn]
         pad, seq_len = self.ctx.tokenizer.pad_token_id, self.ctx.cfg.data.seq_len

@@ -59,7 +59,7 @@ class PairStream:
 
     def step(self, state) -> StepBatch:
         t = self.ctx.cfg.train
-        drawn, own = rank_share(self.ctx.run.layout, t.micro_batch_size * t.grad_accum,
+        drawn, own = rank_share(self.ctx.run.layout, self.ctx.run.batch.per_rank,
                                 lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
         pairs, mine = [self.sources[s].pairs[r] for s, r in drawn], [self.sources[s].pairs[r] for s, r in own]
         self.measure(pairs, mine)

@@ -70,7 +70,7 @@ class SFT(Method):
 
         t = self.ctx.cfg.train
         # the rule of every method (mixing.rank_share): all ranks pack the global batch, each keeps its rows
-        _, rows = rank_share(self.ctx.run.layout, t.micro_batch_size * t.grad_accum,
+        _, rows = rank_share(self.ctx.run.layout, self.ctx.run.batch.per_rank,
                              lambda n: self.overfit.take(state.step, lambda: self.packer.next_rows(n)))
         layout, mask = attention_layout(self.ctx.cfg.model.attn_implementation)
         micro, real = packed_micro_batches(rows, self._example, t.micro_batch_size, self.ctx.tokenizer.pad_token_id,
@@ -82,7 +82,7 @@ class SFT(Method):
         if self.packer is not None:
             return self._packed_batch(state)
         t = self.ctx.cfg.train
-        _, mine = rank_share(self.ctx.run.layout, t.micro_batch_size * t.grad_accum,
+        _, mine = rank_share(self.ctx.run.layout, self.ctx.run.batch.per_rank,
                              lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
         examples = [self._example(x) for x in mine]
         micro = [self._collate(examples[i:i + t.micro_batch_size]) for i in range(0, len(examples), t.micro_batch_size)]

@@ -27,6 +27,12 @@ a cumulative sum over the whole vocabulary, so a last-bit difference in the logi
 CPU's matmul kernels, another thread count) moves every boundary of that sum and flips about
 one draw in a thousand on a flat distribution; an argmax flips only when the top two perturbed
 scores are within rounding of each other. Rollouts, and so GRPO runs, then repeat on any machine.
+
+The noise: with `noise_keys` (one per conversation; GRPO passes (train.seed, step, the prompt's
+global sample index)), each completion draws from a generator of its own keyed by its
+conversation's key and its index among the G (workbench/train/noise.py), so the same prompt at
+the same step gets the same completions on 1 rank or 4, in any batch. Without keys the noise
+comes from the process's generator (evaluation, distillation).
 """
 
 from __future__ import annotations
@@ -34,16 +40,28 @@ from __future__ import annotations
 import torch
 
 from workbench.data.chat import prompt_ids
+from workbench.train import noise
 
 
-def gumbel_max():
+def gumbel_max(rows: list[tuple] | None = None):
     """A logits processor that makes the draw deterministic given the noise: all mass on
-    argmax(scores + Gumbel noise). It runs after HF's temperature and top-p warpers."""
+    argmax(scores + Gumbel noise). It runs after HF's temperature and top-p warpers. `rows`: a
+    key per output row (its uniforms come from a generator of its own), else the process's
+    generator draws them."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     class GumbelMax(LogitsProcessor):
+        gens: list | None = None
+
+        def uniforms(self, scores):
+            if rows is None:
+                return torch.rand(scores.shape, device=scores.device, dtype=torch.float32)
+            if self.gens is None:
+                self.gens = [noise.generator(*k, device=scores.device) for k in rows]
+            return torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device) for g in self.gens])
+
         def __call__(self, input_ids, scores):
-            u = torch.rand(scores.shape, device=scores.device, dtype=torch.float32)
+            u = self.uniforms(scores)
             u = u.clamp_(torch.finfo(torch.float32).tiny, 1.0 - torch.finfo(torch.float32).eps)
             pick = (scores.float() - torch.log(-torch.log(u))).argmax(-1, keepdim=True)
             out = torch.full_like(scores, float("-inf"))
@@ -104,30 +122,33 @@ def _forward_passes(distinct: int | None, width: int, rows: int, generated: int,
 def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, eot_id: int,
              do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
              num_return_sequences: int = 1, autocast=None, synced: bool = False,
-             dedup: bool = True, passes: list | None = None) -> list[list[int]]:
+             dedup: bool = True, passes: list | None = None, noise_keys: list[tuple] | None = None) -> list[list[int]]:
     """Completion token ids (end-of-turn and padding stripped) for each conversation; with
     num_return_sequences=G, G per conversation, conversation i's at [i*G, (i+1)*G).
 
     synced: every rank keeps stepping until all ranks are done (parameters sharded over ranks).
     dedup: prefill each distinct prompt once and share its KV cache (see the module docstring);
     False: HF's plain path, which prefills every one of the len(conversations) x G rows.
-    passes: a list that receives the forward passes made (workbench.train.batch.Forward), for the FLOP count."""
+    passes: a list that receives the forward passes made (workbench.train.batch.Forward), for the FLOP count.
+    noise_keys: one key per conversation for the sampling noise (see the module docstring)."""
     prompts = [prompt_ids(tokenizer, c) for c in conversations]
     return generate_ids(model, prompts, max_new_tokens, eot_id, tokenizer.pad_token_id, do_sample=do_sample,
                         temperature=temperature, top_p=top_p, num_return_sequences=num_return_sequences,
-                        autocast=autocast, synced=synced, dedup=dedup, passes=passes)
+                        autocast=autocast, synced=synced, dedup=dedup, passes=passes, noise_keys=noise_keys)
 
 
 @torch.no_grad()
 def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: int, pad: int,
                  do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
                  num_return_sequences: int = 1, autocast=None, synced: bool = False,
-                 dedup: bool = True, passes: list | None = None) -> list[list[int]]:
+                 dedup: bool = True, passes: list | None = None, noise_keys: list[tuple] | None = None) -> list[list[int]]:
     """`generate` on prompts already tokenised (distillation's on-policy completions)."""
     import contextlib
 
     width = max(len(p) for p in prompts)
     G = num_return_sequences
+    # output rows are prompt-major on both paths: row j continues prompt j // G as its (j % G)-th
+    row_keys = [(*noise_keys[j // G], j % G) for j in range(len(prompts) * G)] if noise_keys is not None else None
     ids, attn = _left_pad(prompts, width, pad)
     # distinct prompts, and for every output row the distinct prompt it continues
     first: dict[tuple, int] = {}
@@ -156,7 +177,7 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: i
                 do_sample=do_sample, temperature=temperature if do_sample else None,
                 top_p=top_p if do_sample else None, top_k=None,
                 num_return_sequences=G, eos_token_id=eot_id, pad_token_id=pad,
-                synced_gpus=synced, logits_processor=gumbel_max() if do_sample else None, **extra,
+                synced_gpus=synced, logits_processor=gumbel_max(row_keys) if do_sample else None, **extra,
             )
     finally:
         if cfg is not None:

@@ -84,6 +84,16 @@ def _stall(stalled: dict | None) -> list[str]:
     return out
 
 
+def _resume(resumed: dict | None) -> list[str]:
+    """The replay certificate of a resumed run (workbench/train/replay.py)."""
+    cert = (resumed or {}).get("certificate")
+    if not cert:
+        return []
+    return [f"- resume certificate: {'ok' if cert['ok'] else 'FAILED'} ({cert['from']} -> {cert['to']}: probe loss "
+            f"{cert['probe_loss']:.8g} saved, {cert['probe_loss_resumed']:.8g} resumed, relative difference "
+            f"{cert['rel_diff']:.2e}, tolerance {cert['tolerance']:.1e}); {resumed.get('batch', '')}"]
+
+
 def _plan_check(check: dict | None) -> list[str]:
     """The planner's prediction against the run (workbench/telemetry/plan_check.py)."""
     if not check or not check.get("figures"):
@@ -117,6 +127,7 @@ def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
     if results.get("first_step_seconds") is not None:
         lines.append(f"- first optimizer step {results['first_step_seconds']:.1f} s after start; "
                      f"wall {results.get('wall_seconds', 0):.0f} s")
+    lines += _resume(results.get("resume"))
     lines += _stall(results.get("stalled"))
     lines += _plan_check(results.get("plan_check"))
     acc = _acc_rows(results)

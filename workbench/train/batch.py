@@ -30,6 +30,10 @@ class StepBatch:
     # the share of what the step trains on (all ranks) that carries gradient: 1.0 for most methods;
     # GRPO: groups with reward spread (workbench/train/signal.py watches it)
     signal: float = 1.0
+    # when the model has dropout: a seed per micro-batch, keyed by its rows' global sample index
+    # (workbench/train/noise.py), set by the runner; backends seed the generator with it before
+    # each micro-batch's forward, so the masks do not depend on the world size
+    micro_seeds: list[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,12 @@
 (workbench/core/atomic.py: fsynced, renamed into place), then `latest` moves.
 
     <output_dir>/checkpoints/step-00000040/
-        model.safetensors     trainable weights (adapters only for LoRA)
-        optim.pt              optimizer/scheduler/scaler state (loaded with weights_only=True)
-        state.json            step, tokens, data position (and rng.pt: RNG) of this rank
+        canonical/            trainable weights and optimizer state under Hugging Face names, one
+                              safetensors file per writing rank (workbench/train/canonical.py):
+                              any backend at any world size reads it
+        train.json            step, global samples, data position, LR schedule, the layout that wrote
+                              it, the model/adapter/tokenizer it belongs to, the replay probe
+        rng.pt, rng.rankN.pt  each rank's RNG (restored only at the same layout)
         files.json            every other file of the checkpoint with its size and sha256
     <output_dir>/checkpoints/latest   text file naming the newest complete checkpoint
 
@@ -16,10 +19,11 @@ write that fails (disk full) removes its `.tmp`, leaves the previous checkpoint 
 stops the run with `CheckpointWriteError`, naming the checkpoint a resume will use. Nothing
 here unpickles arbitrary objects. Tests: tests/integration/test_faults.py.
 
-Sharding backends (fsdp2, deepspeed) write their own files into the step directory on every
-rank: their state dict is `{"writer": fn}` and `fn(tmp_dir)` may return a future (async save);
-the checkpoint is then committed (checksummed, renamed, `latest` moved) by `flush()` once it
-completes.
+The tensors are written by the backend on every rank (`Backend.save_canonical`), which may
+return a future (async save); the checkpoint is then committed (checksummed, renamed, `latest`
+moved) by `flush()` once it completes. Step directories from before the canonical format
+(state.json, model.safetensors / dcp/ / zero/) are still read, at the layout that wrote them
+(`legacy_layout`).
 """
 
 from __future__ import annotations
@@ -32,13 +36,15 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from workbench.core import atomic
 from workbench.core.errors import UserError
 from workbench.train.distributed import is_main_process
 
 FILES = "files.json"
+TRAIN = "train.json"  # the run's state at the step, one file for all ranks
+CANONICAL = "canonical"  # the tensors (workbench/train/canonical.py)
+LEGACY = "state.json"  # rank 0's state in step directories from before the canonical format
 
 
 class CheckpointWriteError(UserError):
@@ -72,14 +78,15 @@ def _inventory(folder: Path) -> dict:
 def verify(path: Path) -> str | None:
     """Why the checkpoint at `path` is unusable, or None when every file matches its record."""
     path = Path(path)
-    if not (path / "state.json").is_file():
-        return "state.json is missing"
+    state = path / TRAIN if (path / TRAIN).is_file() or not (path / LEGACY).is_file() else path / LEGACY
+    if not state.is_file():
+        return f"{TRAIN} is missing"
     listing = path / FILES
     if not listing.is_file():
         try:  # checkpoints from before files.json existed carry no "integrity" mark
-            marked = "integrity" in json.loads((path / "state.json").read_text())
+            marked = "integrity" in json.loads(state.read_text())
         except (OSError, ValueError):
-            return "state.json is unreadable"
+            return f"{state.name} is unreadable"
         return f"{FILES} is missing" if marked else None
     try:
         files = json.loads(listing.read_text())["files"]
@@ -180,8 +187,11 @@ def _write_failed(root: Path, name: str, tmp: Path, exc: OSError) -> CheckpointW
                                 "free space (or lower train.keep_checkpoints) and relaunch")
 
 
-def save(output_dir, step: int, backend_state: dict, meta: dict, rank: int = 0, world: int = 1,
-         keep: int = 2, barrier=lambda: None) -> Path:
+def save(output_dir, step: int, write_tensors, record: dict, rng: dict, rank: int = 0, keep: int = 2,
+         barrier=lambda: None) -> Path:
+    """Write step `step`'s checkpoint (collective): `write_tensors(dir)` writes this rank's part of
+    the canonical tensors (and may return a future), every rank its RNG, rank 0 `record` as
+    train.json; committed now, or by `flush()` once the future completes."""
     flush()
     root = ckpt_root(output_dir)
     name = f"step-{step:08d}"
@@ -193,15 +203,10 @@ def save(output_dir, step: int, backend_state: dict, meta: dict, rank: int = 0, 
         if rank == 0:
             atomic.staging(final)
         barrier()
-        if "writer" in backend_state:  # the backend writes its own sharded files on every rank
-            pending = backend_state["writer"](tmp)
-        elif rank == 0 or backend_state.get("sharded"):
-            weights = {k: v.detach().contiguous().cpu() for k, v in backend_state["model"].items()}
-            save_file(weights, tmp / f"model{sfx}.safetensors")
-            rest = {k: v for k, v in backend_state.items() if k not in ("model", "sharded")}
-            torch.save(rest, tmp / f"optim{sfx}.pt")
-        torch.save(meta.pop("rng"), tmp / f"rng{sfx}.pt")
-        (tmp / f"state{sfx}.json").write_text(json.dumps({**meta, "integrity": 1}, indent=1))
+        pending = write_tensors(tmp / CANONICAL)
+        torch.save(rng, tmp / f"rng{sfx}.pt")
+        if rank == 0:
+            (tmp / TRAIN).write_text(json.dumps({**record, "integrity": 1}, indent=1))
     except OSError as exc:
         raise _write_failed(root, name, tmp, exc) from None
 
@@ -246,16 +251,39 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load(path: Path, rank: int = 0, sharded: bool = False, external: bool = False) -> tuple[dict, dict]:
-    """(backend state, meta). `external`: the backend reads its own files; state is {"path": path}."""
-    sfx = _rank_suffix(rank) if sharded else ""
-    if external:
-        state = {"path": Path(path)}
-    else:
-        state = {"model": load_file(path / f"model{sfx}.safetensors")}
-        state.update(torch.load(path / f"optim{sfx}.pt", weights_only=True))
-    rsfx = _rank_suffix(rank)
-    meta = json.loads((path / f"state{rsfx}.json").read_text())
+def record(path: Path) -> dict:
+    """train.json of a checkpoint (its `integrity` mark left out)."""
+    rec = json.loads((Path(path) / TRAIN).read_text())
+    rec.pop("integrity", None)
+    return rec
+
+
+def rng(path: Path, rank: int) -> dict | None:
+    """The RNG state rank `rank` saved, or None when that rank did not exist then."""
+    f = Path(path) / f"rng{_rank_suffix(rank)}.pt"
+    return torch.load(f, weights_only=True) if f.is_file() else None
+
+
+def is_legacy(path: Path) -> bool:
+    """A step directory from before the canonical format."""
+    return not (Path(path) / TRAIN).is_file() and (Path(path) / LEGACY).is_file()
+
+
+def legacy_layout(path: Path) -> dict:
+    """What wrote a step directory from before the canonical format, read from its files: the
+    backend (zero/ DeepSpeed, dcp/ FSDP2, model.rank1.safetensors Megatron, else single) and the
+    world size (one state.json per rank)."""
+    path = Path(path)
+    world = 1 + len(list(path.glob("state.rank*.json")))
+    backend = ("deepspeed" if (path / "zero").is_dir() else "fsdp2" if (path / "dcp").is_dir()
+               else "megatron" if (path / "model.rank1.safetensors").is_file() else "single")
+    return {"backend": backend, "world": world}
+
+
+def legacy_meta(path: Path, rank: int) -> dict:
+    """train_state, method and rng of rank `rank` in a step directory from before the canonical format."""
+    sfx = _rank_suffix(rank)
+    meta = json.loads((Path(path) / f"state{sfx}.json").read_text())
     meta.pop("integrity", None)
-    meta["rng"] = torch.load(path / f"rng{rsfx}.pt", weights_only=True)
-    return state, meta
+    meta["rng"] = torch.load(Path(path) / f"rng{sfx}.pt", weights_only=True)
+    return meta

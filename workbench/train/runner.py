@@ -28,6 +28,7 @@ from workbench.backends import registry as backends
 from workbench.config.resolved import resolve as resolve_run
 from workbench.config.run import Run
 from workbench.core import heartbeat, startup
+from workbench.core.errors import UserError
 from workbench.core.secrets import redact, secret_values
 from workbench.evals import hooks
 from workbench.methods import registry as methods
@@ -38,7 +39,7 @@ from workbench.telemetry import manifest, plan_check, report
 from workbench.telemetry.flops import FlopCount
 from workbench.telemetry.metrics import Tracker, throughput
 from workbench.telemetry.peak import peak_flops
-from workbench.train import checkpoint, faults, precision
+from workbench.train import canonical, checkpoint, faults, noise, precision, replay, resume
 from workbench.train.distributed import init_distributed
 from workbench.train.state import TrainState, rng_state, seed_everything, set_rng_state
 from workbench.train.watchdog import Watchdog, gpu_env
@@ -82,9 +83,11 @@ class Runner:
         if run is None or (run.layout.rank, run.layout.world) != (self.rank, self.world):
             run = resolve_run(cfg, self.rank, self.world)  # the rule table runs here too
         self.run_facts = run
+        self.cfg = cfg = run.cfg  # a resume at another world size changes train.grad_accum (config/resolved.py)
         self.pol = self.run_facts.precision
         self.backend = None  # build() sets model, method, backend
         self._best = None  # train.keep_best's keeper, made at the first evaluation
+        self._resumed: dict | None = None  # where the run resumed from, its certificate (workbench/train/replay.py)
         self._eval_cache: dict = {}  # eval data tokenised once per run
         self._tokenizer = tokenizer
         self._rss0 = plan_check.rss_gib()
@@ -99,6 +102,9 @@ class Runner:
 
             self._tokenizer = tokenizer(cfg)
         self.tokenizer, self.contract = self._tokenizer
+        # a checkpoint of another model, adapter or tokenizer is refused before any weights load
+        self._identity = resume.identity(cfg, self.run_facts, self.tokenizer, self.contract)
+        resume.check_identity(resume.record_of(self.run_dir, cfg.train.resume), self._identity)
         self.ctx = Context(self.run_facts, self.tokenizer, self.contract, self.run_dir)
         self.method = methods.spec(cfg.method.name).build(cfg.method, self.ctx)
         self.method.prepare(self.ctx)  # data errors surface here, before any weights load
@@ -121,32 +127,78 @@ class Runner:
         self.backend.wrap(self.train_module, self.ctx)
         self.method.attach(self.backend)  # e.g. DPO's reference log-probs, once the backend holds the model
         self.state = TrainState()
+        # dropout draws its masks keyed by the micro-batch's global samples (workbench/train/noise.py)
+        self._dropout = (any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules())
+                         or float(getattr(self.model.config, "attention_dropout", 0.0) or 0.0) > 0)
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def _resume(self) -> str | None:
         # resume_point verifies each checkpoint's files and falls back past a damaged one
         path = checkpoint.resume_point(self.run_dir, self.cfg.train.resume)
+        self._resumed = None
         if path is None:
             return None
-        state, meta = checkpoint.load(path, self.rank, sharded=self.backend.sharded,
-                                      external=self.backend.external_checkpoint)
-        self.backend.load_state_dict(state)
-        self.method.load_state_dict(meta["method"])
-        self.state = TrainState(**meta["train_state"])
-        set_rng_state(meta["rng"])
+        if checkpoint.is_legacy(path):  # from before the canonical format: only at its own layout
+            resume.check_legacy({"format": "legacy", "name": path.name, "layout": checkpoint.legacy_layout(path)},
+                                self.cfg, self.world)
+            self.backend.load_legacy(path, self.rank)
+            meta = checkpoint.legacy_meta(path, self.rank)
+            self.method.load_state_dict(meta["method"])
+            self.state = TrainState(**meta["train_state"])
+            set_rng_state(meta["rng"])
+            return str(path)
+        rec, here = checkpoint.record(path), resume.layout_of(self.cfg, self.run_facts)
+        if self.cfg.train.keep_global_batch and rec["global_batch"] != self.run_facts.batch.size:
+            raise UserError(f"{path.name} has global batch {rec['global_batch']}, this run {self.run_facts.batch.size}; "
+                            "resume it with its own train.micro_batch_size, or train.keep_global_batch=false")
+        self.backend.load_canonical(canonical.reader(path / checkpoint.CANONICAL, where=path.name))
+        self.backend.load_schedule(rec["schedule"])
+        self.method.load_state_dict(rec["method"])
+        self.state = TrainState(**rec["train_state"])
+        written = rec["layout"]
+        same = all(written.get(k) == here[k] for k in ("backend", "world", "tp", "pp", "stage"))
+        saved_rng = checkpoint.rng(path, self.rank) if same else None
+        if saved_rng is not None:
+            set_rng_state(saved_rng)
+        else:  # another layout: each rank's generator starts from (seed, step, rank)
+            seed_everything(noise.key(self.cfg.train.seed, self.state.step, self.rank) % (1 << 32))
+        cert = replay.certificate(rec["probe"], replay.probe_loss_of(self.backend, rec["probe"], self.device),
+                                  resume.describe(written), resume.describe(here),
+                                  (written["precision"], here["precision"]))
+        b = self.run_facts.batch
+        self._resumed = {"from": str(path), "certificate": cert, "batch": (
+            f"global batch {b.size} = {b.micro} x {b.accum} x {b.dp} data-parallel (written as {written['micro']} x "
+            f"{written['accum']} x {written['dp']}), {self.state.samples_seen} samples seen, RNG "
+            + ("restored" if saved_rng is not None else "re-seeded for the new layout"))}
+        if not same or (written["micro"], written["accum"], written["dp"]) != (b.micro, b.accum, b.dp):
+            self._say(f"resuming {path.name} written by {cert['from']} under {cert['to']}: {self._resumed['batch']}; "
+                      f"certificate {'ok' if cert['ok'] else 'FAILED'} (rel diff {cert['rel_diff']:.1e}, "
+                      f"tolerance {cert['tolerance']:.0e})")
         return str(path)
+
+    def _say(self, line: str) -> None:
+        if self.is_main:
+            import sys
+
+            print(line, file=sys.stderr, flush=True)
 
     def _save(self) -> Path:
         with heartbeat.phase("checkpoint"):
             return self._write_checkpoint()
 
     def _write_checkpoint(self) -> Path:
-        meta = {"train_state": self.state.to_dict(), "method": self.method.state_dict(), "rng": rng_state()}
+        spec = replay.probe_spec(self.cfg)
+        probe = replay.probe_loss_of(self.backend, spec, self.device)  # the weights being saved (collective)
+        record = {"format": canonical.FORMAT, "step": self.state.step, "samples_seen": self.state.samples_seen,
+                  "global_batch": self.run_facts.batch.size, "train_state": self.state.to_dict(),
+                  "layout": resume.layout_of(self.cfg, self.run_facts), "method": self.method.state_dict(),
+                  "schedule": self.backend.schedule_state(), "identity": self._identity,
+                  "probe": {**spec, "loss": probe}}
         barrier = dist.barrier if dist.is_initialized() else (lambda: None)
         with self.tracker.progress.status(f"checkpoint step {self.state.step}"):
-            return checkpoint.save(self.run_dir, self.state.step, self.backend.state_dict(), meta, self.rank,
-                                   self.world, keep=self.cfg.train.keep_checkpoints, barrier=barrier)
+            return checkpoint.save(self.run_dir, self.state.step, self.backend.save_canonical, record, rng_state(),
+                                   self.rank, keep=self.cfg.train.keep_checkpoints, barrier=barrier)
 
     def _plain_model(self):
         """The trained model as a plain module; under sharding backends a collective that
@@ -201,9 +253,11 @@ class Runner:
 
     def _load_weights(self, path) -> None:
         """Put a saved checkpoint's weights (and optimizer) back into the backend."""
-        state, _meta = checkpoint.load(Path(path), self.rank, sharded=self.backend.sharded,
-                                       external=self.backend.external_checkpoint)
-        self.backend.load_state_dict(state)
+        path = Path(path)
+        if checkpoint.is_legacy(path):
+            self.backend.load_legacy(path, self.rank)
+        else:
+            self.backend.load_canonical(canonical.reader(path / checkpoint.CANONICAL, where=path.name))
 
     def _keep_checkpoint(self, tag: str) -> str:
         """After an eval hook failed: make sure the trained weights so far are on disk, and say where."""
@@ -249,7 +303,11 @@ class Runner:
         resumed = self._resume()
         if self.is_main:
             self._write_manifest(resumed)
-        results: dict = {"resumed_from": resumed, "n_params": self.n_params, "n_trainable": self.n_trainable}
+        cert = (self._resumed or {}).get("certificate")
+        if cert and not cert["ok"] and cfg.train.resume_check == "error":
+            raise replay.failure(cert, resumed)  # after the manifest, which records it
+        results: dict = {"resumed_from": resumed, "resume": self._resumed, "n_params": self.n_params,
+                         "n_trainable": self.n_trainable}
         if cfg.eval.at_start and self.state.step == 0:
             results["eval_start"] = self._evaluate("start")
         peak, results["peak_source"] = peak_flops(cfg.hardware, self.pol, self.device)
@@ -271,6 +329,8 @@ class Runner:
             heartbeat.step(self.state.step)
             with heartbeat.phase("data"):  # GRPO marks its rollout and reward functions inside
                 batch = self.method.next_batch(self.state, self.backend)
+            if self._dropout:
+                batch.micro_seeds = self._micro_seeds(len(batch.micro))
             if watch is not None and watch.begins(batch.signal, self.state.step):
                 watch.checkpoint = str(self._save())  # the last weights trained with signal
             self._seen.update(batch)  # the batch shapes the plan check plans for
@@ -282,6 +342,7 @@ class Runner:
             # data-parallel ranks each see different tokens; tensor/pipeline peers share theirs
             dp = self.run_facts.layout.dp
             self.state.tokens_seen += batch.tokens * dp
+            self.state.samples_seen += self.run_facts.batch.size
             loss = m.pop("loss")
             losses.append(loss)
             tps = batch.tokens * dp / dt
@@ -343,11 +404,16 @@ class Runner:
             dist.barrier()
         failed = (results.get("export") or {}).get("failed")
         if failed and not cfg.export.allow_mismatch:  # after the report, which shows the numbers
-            from workbench.core.errors import UserError
-
             raise UserError(f"export: the parity gate failed for {', '.join(failed)} (see {self.run_dir}/report.md "
                             "and results.json); the files are kept; export.allow_mismatch=true accepts them")
         return results
+
+    def _micro_seeds(self, n: int) -> list[int]:
+        """A seed per micro-batch from its first row's global sample index: the same rows get the
+        same dropout masks at any world size (workbench/train/noise.py)."""
+        b, lay = self.run_facts.batch, self.run_facts.layout
+        first = self.state.step * b.size + lay.dp_rank * b.per_rank
+        return [noise.key(self.cfg.train.seed, self.state.step, first + i * b.micro) for i in range(n)]
 
     def _plan_check(self) -> dict | None:
         """Measured peak memory, step time and tokens/s against the planner's prediction for this
@@ -381,6 +447,8 @@ class Runner:
                              {"kind": resolve(cfg.model).kind, "name": cfg.model.name}, data, self.contract)
         man["resolved"] = self.run_facts.summary()  # what the config's choices became here (precision=auto, peft, layout)
         man["resumed_from"] = resumed
+        if self._resumed:
+            man["resume"] = self._resumed  # from, the certificate (workbench/train/replay.py), the batch kept
         man["world_size"] = self.world
         man = redact(man, self._secrets)  # config.yaml below is man["config"]: one redaction for both files
         self.run_dir.mkdir(parents=True, exist_ok=True)
