@@ -12,6 +12,8 @@ records "error: <why>" and makes the exit status 1):
   fp8            fp8 vs bf16-mixed on the ~1.2B config: median step time and loss after N steps
   rollout        GRPO-style rollout tokens/s: HF generate vs the colocated vLLM engine, with the
                  engine's weight-sync check before and after a weight update
+  episodes       multi-turn calculator episodes (env=calc) turn by turn: HF generate vs vLLM serving
+                 the turns (workbench/rollout/episodes.py), episodes/s
   planner        workbench.plan's predicted peak memory vs torch.cuda.max_memory_allocated, 3 configs
   megatron       backend=megatron vs backend=single: first-step loss on the same batch
 
@@ -321,7 +323,64 @@ def megatron(c: Check) -> dict:
             "abs_diff": abs(single["loss_first"] - mega["loss_first"])}
 
 
-SECTIONS = {"bf16_full_ft": bf16_full_ft, "lora": lora, "fp8": fp8, "rollout": rollout,
+def episodes(c: Check) -> dict:
+    """Multi-turn calculator episodes (env=calc): HF generate turn by turn against the colocated
+    vLLM engine serving the same turns (VLLMEngine.generate_ids), episodes/s and turns."""
+    import torch
+
+    from workbench.data.chat import setup_tokenizer
+    from workbench.envs.registry import load
+    from workbench.evals.hooks import eval_rows
+    from workbench.models.load import load_model, load_tokenizer
+    from workbench.rollout import episodes as loop
+    from workbench.rollout.generate import generate_ids
+    from workbench.rollout.turns import Turns
+    from workbench.train.precision import autocast, policy
+
+    rows_n, gens, new = (2, 2, 4) if c.dry else (32, 8, 48)
+    cfg = c.compose(c.model_135m() + ["peft=none", "precision=bf16-mixed", "method=grpo", "env=calc"])
+    tok = load_tokenizer(cfg.model)
+    contract = setup_tokenizer(tok, cfg.data.chat_template)
+    dev = cfg.hardware.device
+    model = load_model(cfg.model, dtype=torch.bfloat16 if dev == "cuda" else torch.float32, device=dev)
+    env = load(cfg.env)
+    turns = Turns(tok, contract, env.tools)
+    rows = [{**r, "_where": "calc_eval"} for r in eval_rows("calc", rows_n)]
+    out = {"rows": rows_n, "generations": gens, "max_new_tokens_per_turn": new, "weights": c.weights}
+
+    def timed(sample):
+        t = time.perf_counter()
+        eps = loop.run(env, turns, rows, sample, repeat=gens, max_new_tokens=new, max_turns=env.max_turns)
+        dt = time.perf_counter() - t
+        return {"seconds": dt, "episodes_per_s": len(eps) / dt, "sampled_tokens": sum(e.sampled for e in eps),
+                "turns_mean": sum(e.turns for e in eps) / len(eps), "tool_calls": sum(e.tool_calls for e in eps)}
+
+    ac = autocast(policy("bf16-mixed"), dev)
+    out["hf_generate"] = timed(lambda p, first: generate_ids(model, p, new, contract.end_of_turn_id, tok.pad_token_id,
+                                                             do_sample=True, autocast=ac))
+    try:
+        from workbench.config import rules
+        from workbench.core.errors import UserError
+        from workbench.rollout.vllm_engine import VLLMEngine
+
+        vcfg = c.compose(c.model_135m() + ["peft=none", "precision=bf16-mixed", "method=grpo", "method.engine=vllm",
+                                           "env=calc"])
+        try:
+            rules.check(vcfg)  # vllm-needs-cuda, vllm-needs-package, ...
+        except UserError as exc:
+            raise Skip(str(exc)) from None
+        engine = VLLMEngine(vcfg, tok, contract)
+        engine.sync_weights(model)
+        engine.wake()
+        out["vllm"] = timed(lambda p, first: engine.generate_ids(p, new, 1.0, 1.0))
+        engine.sleep()
+        out["vllm_speedup"] = out["vllm"]["episodes_per_s"] / out["hf_generate"]["episodes_per_s"]
+    except Skip as exc:
+        out["vllm"] = f"skipped: {exc}"
+    return out
+
+
+SECTIONS = {"bf16_full_ft": bf16_full_ft, "lora": lora, "fp8": fp8, "rollout": rollout, "episodes": episodes,
             "planner": planner, "megatron": megatron}
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workbench.data import arith  # noqa: E402
+from workbench.data import arith, calc  # noqa: E402
 
 OUT = ROOT / "data_recipes" / "data"
 N_TRAIN = 4000
@@ -30,6 +30,7 @@ def files() -> dict[str, list[dict]]:
         if task == "add2":
             out[f"arith_{task}_train.jsonl"] = [arith.chat_example(a, b, op) for a, b in train[:N_TRAIN]]
     out.update(alignment_files())
+    out.update(calc.files())  # env=calc: held-out questions, GRPO prompts, tool-use demonstrations
     return out
 
 

@@ -201,6 +201,30 @@ def test_engine_sync_generate_and_stale_check(tmp_path):
         stale.sync_weights(model)
 
 
+def test_engine_serves_episode_turns(tmp_path):
+    """Multi-turn episodes through the engine: one completion per running episode per turn, from
+    token ids, end-of-turn and what follows it cut; the engine stays awake across the turns."""
+    from workbench.data.chat import setup_tokenizer
+    from workbench.envs.registry import load
+    from workbench.rollout import episodes
+    from workbench.rollout.turns import Turns
+
+    cfg, model = _lora_model(tmp_path)
+    tok = load_tokenizer(cfg.model)
+    contract = setup_tokenizer(tok)
+    stand_in = HFStandIn(load_model(cfg.model))
+    engine = vllm_engine.VLLMEngine(cfg, tok, contract, adapter=stand_in)
+    engine.sync_weights(model)
+    ids = engine.generate_ids([[1, 2, 3], [4, 5]], max_new_tokens=3)
+    assert len(ids) == 2 and all(len(x) == 3 and contract.end_of_turn_id not in x for x in ids)
+    env = load({"name": "calc", "max_turns": 2, "max_new_tokens": 4})
+    turns = Turns(tok, contract, env.tools)
+    rows = [{"prompt": [{"role": "user", "content": "What is 347 + 589?"}], "answer": "936"}]
+    eps = episodes.run(env, turns, rows, lambda p, first: engine.generate_ids(p, 4), repeat=2, max_new_tokens=4)
+    assert len(eps) == 2 and all(e.sampled == 4 and e.cut == "max_new_tokens" for e in eps)
+    assert "sleep1" not in stand_in.calls[stand_in.calls.index("generate"):]  # awake for the whole loop
+
+
 # -- the prepared GPU check's CPU wiring ------------------------------------------------------------
 def test_gpu_check_dry_runs_every_section(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHON=sys.executable)
@@ -216,6 +240,7 @@ def test_gpu_check_dry_runs_every_section(tmp_path):
     for name in ("bf16_full_ft", "lora", "fp8", "rollout", "planner"):
         assert isinstance(out[name], dict), (name, out[name])
     assert out["megatron"].startswith("skipped: --dry"), out["megatron"]
+    assert isinstance(out["episodes"], dict) or out["episodes"].startswith("skipped: "), out["episodes"]
     # the planner's predictions for its three configs (--dry: model=tiny, and a smaller stand-in
     # for the 1B model): LoRA needs less than full fine-tuning of the same model, another shape
     # another amount; the measurement needs CUDA's memory counters

@@ -29,8 +29,8 @@ LAYERS = [
      "workbench.train.state", "workbench.train.distributed", "workbench.train.signal", "workbench.train.noise"],
     # parts: tensors, data, models, the arithmetic of precision and FLOPs
     ["workbench.train.precision", "workbench.train.optim", "workbench.train.kernels", "workbench.data",
-     "workbench.models", "workbench.peft", "workbench.megatron", "workbench.rollout", "workbench.telemetry.flops",
-     "workbench.export.gguf"],
+     "workbench.models", "workbench.peft", "workbench.megatron", "workbench.rollout", "workbench.envs",
+     "workbench.telemetry.flops", "workbench.export.gguf"],
     # engines: methods, backends, evaluations, checkpoints, what observes a run, the planner
     ["workbench.methods", "workbench.backends", "workbench.evals", "workbench.train.checkpoint",
      "workbench.train.canonical", "workbench.train.resume", "workbench.train.replay", "workbench.train.faults",

@@ -103,6 +103,10 @@ def check(cfg, env: rules.Env | None = None) -> dict:
 
         check_versions()
     check_tasks(cfg.eval.tasks, cfg)  # names, user hooks importable, held-out data for loss/preference/reward
+    if cfg.get("env") is not None:  # env=<name>: a known environment with valid tool schemas (workbench/envs/)
+        from workbench.envs.registry import load as load_env
+
+        load_env(cfg.env)
     from workbench.train import keep_best as best
 
     best.check(cfg)  # train.keep_best names an evaluated metric; evaluations fall on checkpoints

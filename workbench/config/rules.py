@@ -163,6 +163,25 @@ def _grpo_accum(c):
     return make_shape(*_grpo_args(c)).grad_accum
 
 
+def _env(c):
+    return pick(c, "env", None)
+
+
+def _env_name(c):
+    return pick(c, "env.name", "?")
+
+
+def _episode_rewards(c):
+    from workbench.envs.rewards import NEEDS_ENV
+
+    names = [f if isinstance(f, str) else f.get("name") for f in _rewards(c)]
+    return [n for n in names if n in NEEDS_ENV] if _method(c) == "grpo" else []
+
+
+def _async(c):
+    return _method(c) == "grpo" and bool(pick(c, "method.async_rollouts", False))
+
+
 def _ref(c):
     from workbench.config.run import reference
 
@@ -367,6 +386,27 @@ RULES: list[Rule] = [
          # DeepSpeed counts accumulation boundaries from its own config, which train.grad_accum sets
          lambda c, e: f"method.prompts_per_step={pick(c, 'method.prompts_per_step', None)} makes {_grpo_accum(c)} "
                       f"micro-batches per step; with backend=deepspeed set train.grad_accum={_grpo_accum(c)} to match"),
+    Rule("env-needs-grpo", {"method": "not grpo", "env": "any"},
+         lambda c, e: _env(c) is not None and _method(c) != "grpo",
+         lambda c, e: f"env={_env_name(c)} runs multi-turn episodes for method=grpo; with method={_method(c)} drop env "
+                      "(env=null), or use method=grpo"),
+    Rule("env-rewards-need-env", {"method": "grpo", "reward": "final_answer, env", "env": "none"},
+         lambda c, e: _env(c) is None and bool(_episode_rewards(c)),
+         lambda c, e: f"reward function(s) {_episode_rewards(c)} score whole episodes: choose an environment "
+                      "(env=calc, or env.name=package.module:Class), or another reward"),
+    Rule("async-rollouts-one-process", {"method": "grpo (async_rollouts)", "hardware": "more than 1 process"},
+         lambda c, e: _async(c) and _world(c) > 1,
+         "method.async_rollouts=true generates in a second thread with a copy of the weights in one process; with "
+         "several ranks (DDP, FSDP2, ZeRO) generation is a collective the training thread's collectives would "
+         "interleave with: use method.async_rollouts=false there"),
+    Rule("async-rollouts-vllm", {"method": "grpo (async_rollouts, vLLM rollouts)"},
+         lambda c, e: _async(c) and _use_vllm(c),
+         "method.async_rollouts=true overlaps HF generation with training; with method.engine=vllm use "
+         "method.async_rollouts=false"),
+    Rule("async-rollouts-kl-in-reward", {"method": "grpo (async_rollouts, kl_in_reward)"},
+         lambda c, e: _async(c) and bool(pick(c, "method.kl_in_reward", False)) and float(pick(c, "method.beta", 0)) > 0,
+         "method.kl_in_reward=true reads the reference off the live model while the rollout runs ahead in its own "
+         "thread; use method.async_rollouts=false, or the KL in the loss (method.kl_in_reward=false)"),
     Rule("kto-kl-needs-pairs", {"method": "kto (loss_type=kto)", "other": "train.micro_batch_size=1"},
          lambda c, e: _method(c) == "kto" and pick(c, "method.loss_type", "kto") == "kto"
          and c.train.micro_batch_size < 2,

@@ -345,6 +345,7 @@ class Schema:
     dry_run: bool = False
     launcher: Any = None
     reward: Any = None  # GRPO reward functions (conf/reward/)
+    env: Any = None  # GRPO environment for multi-turn episodes (conf/env/, workbench/envs/)
     kernels: str = "none"  # none | liger
     tracker: TrackerConfig = field(default_factory=TrackerConfig)  # conf/tracker/, workbench/telemetry/trackers.py
 

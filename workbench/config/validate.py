@@ -34,7 +34,7 @@ def _merge(schema_cls, node: DictConfig | None, where: str):
     return merged
 
 
-def _own_model_and_data(merged: DictConfig, method_node: dict) -> None:
+def _own_model_and_data(merged: DictConfig, method_node: dict, env_node: dict | None = None) -> None:
     """Fill in what a model by path / hub id and data by path imply, before the config freezes:
     the architecture from the model's config.json (workbench/models/auto.py), the default
     evaluation on the data's held-out rows, and the inline recipe for data.path / data.eval_split
@@ -45,13 +45,17 @@ def _own_model_and_data(merged: DictConfig, method_node: dict) -> None:
     adopt(merged.model)
     spec = methods.spec(method_node.get("name"))
     own = method_node.get("recipe")
-    if merged.data.path is not None and list(merged.eval.tasks) == EvalConfig().tasks:
+    if env_node and list(merged.eval.tasks) == EvalConfig().tasks:
+        merged.eval.tasks = ["env"]  # an environment's episodes on its held-out rows (workbench/evals/episodes.py)
+    elif merged.data.path is not None and list(merged.eval.tasks) == EvalConfig().tasks:
         # Your own data: the default evaluation is on its held-out rows, not the arithmetic task.
         merged.eval.tasks = [spec.facts.eval]
     elif list(merged.eval.tasks) == EvalConfig().tasks and spec.facts.embedded_eval:
         merged.eval.tasks = [spec.facts.embedded_eval]
     # data.recipe null: the method's own recipe (arith_sft, arith_dpo, arith_grpo); a data.eval_split
     # then splits that one.
+    if env_node and env_node.get("recipe"):  # an environment's own prompt rows (conf/env/*.yaml recipe)
+        own = env_node["recipe"]
     if own is None:
         own = spec.config().recipe
     if merged.data.recipe is None:
@@ -72,7 +76,7 @@ def validate(cfg: DictConfig) -> DictConfig:
         if not node or "name" not in node:
             raise UserError(f"config group '{group}' has no 'name'; choose one, e.g. {group}=...")
     merged = _merge(Schema, OmegaConf.create(raw), "")
-    _own_model_and_data(merged, plugin_nodes["method"])
+    _own_model_and_data(merged, plugin_nodes["method"], raw.get("env"))
     for group, node in plugin_nodes.items():
         sub = _merge(PLUGGABLE[group].spec(node["name"]).config, OmegaConf.create(node), group)
         OmegaConf.set_struct(merged, False)

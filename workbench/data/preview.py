@@ -7,6 +7,12 @@ Only the tokenizer is loaded (never model weights). The samples are the first on
 training stream itself (same recipe, mixture and seed), so what is shown is what step 1 trains.
 Trained tokens are shown in green on a terminal, and between ⟦ ⟧ otherwise; everything else is
 context the model reads but is not trained to produce.
+
+With an environment (`method=grpo env=calc data.preview=true`) each sample is a multi-turn
+episode: the environment's demonstration of the first prompt rows (`demonstrate`) stands in for
+the policy in the very episode loop training runs (workbench/rollout/episodes.py), so the marks
+are the masks GRPO trains with: the sampled turns and their end-of-turn, never the prompt, the
+tool results or the template's text between turns.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ def preview(cfg, out=None) -> dict:
     color = hasattr(out, "isatty") and out.isatty()
     tokenizer = load_tokenizer(cfg.model)
     contract = setup_tokenizer(tokenizer, cfg.data.chat_template)
+    if cfg.get("env") is not None:
+        return preview_episodes(cfg, tokenizer, contract, out, color)
     loss_on = getattr(cfg.method, "loss_on", "assistant") if cfg.method is not None else "assistant"
     sources = tokenise_recipe(load_recipe(cfg.data.recipe), tokenizer, contract, cfg.data, loss_on)
     mixture = Mixture([len(s.examples) for s in sources], [s.source.weight for s in sources],
@@ -74,3 +82,38 @@ def preview(cfg, out=None) -> dict:
         samples.append({"source": sources[src].source.name, "row": row, "tokens": len(ids), "trained": trained,
                         "text": render(tokenizer, ids, labels, False)})
     return {"preview": samples, "sources": {s.source.name: s.report() for s in sources}}
+
+
+def preview_episodes(cfg, tokenizer, contract, out, color: bool) -> dict:
+    """Episodes of the environment's demonstrations through the episode loop, masks marked."""
+    from workbench.data.preference import read_prompts
+    from workbench.envs.base import check_node
+    from workbench.envs.registry import load
+    from workbench.rollout import episodes
+    from workbench.rollout.turns import Turns
+
+    node = check_node(cfg.env)
+    env = load(cfg.env)
+    turns = Turns(tokenizer, contract, env.tools, node["tool_format"])
+    note = turns.check()
+    source = read_prompts(load_recipe(cfg.data.recipe).sources[0], tokenizer, contract, cfg.data)
+    print(f"data preview: env={node['name']} (episodes of its demonstrations), recipe={cfg.data.recipe}, "
+          f"end-of-turn={contract.end_of_turn!r}, template={contract.template_hash}, tool calls: {turns.format.family}, "
+          f"tools {'by the template' if turns.native_tools else 'in a system message'}, results as "
+          f"{turns.tool_role} messages; trained tokens shown {'in green' if color else f'between {OPEN} {CLOSE}'}"
+          + (f"\nnote: {note}" if note else ""), file=out)
+    samples = []
+    for n, row in enumerate(source.rows[: cfg.data.preview_samples]):
+        script = list(env.demonstrate(row, turns.format) or ["..."])
+
+        def sample(prompts, first, script=script):  # the demonstration's next turn for the one episode
+            text = script.pop(0) if script else "..."
+            return [tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+        ep = episodes.run(env, turns, [row], sample, max_new_tokens=10**6, max_turns=node["max_turns"])[0]
+        text = render(tokenizer, ep.ids, ep.labels, color)
+        print(f"\n--- episode {n + 1}: {row['_where']}, {ep.turns} turns, {len(ep.ids)} tokens, {ep.sampled} trained"
+              f"{f', cut at {ep.cut}' if ep.cut else ''} ---\n{text}", file=out)
+        samples.append({"row": row["_where"], "tokens": len(ep.ids), "trained": ep.sampled, "turns": ep.turns,
+                        "text": render(tokenizer, ep.ids, ep.labels, False)})
+    return {"preview": samples}

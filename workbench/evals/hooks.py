@@ -13,6 +13,8 @@ A registry, like the reward functions (workbench/rollout/rewards.py). A task is 
   accuracy, greedy, answer-only prompt; data_recipes/data/arith_<task>_eval.jsonl) and
   `arith_pref` (share of held-out pairs whose chosen completion has the higher log-prob),
   `arith_rm` (a reward model's accuracy on the same pairs: chosen scored above rejected);
+- `env`: greedy episodes with the run's environment on its held-out rows (`env.eval_path`):
+  accuracy, the share of final answers that follow a tool result, turns (workbench/evals/episodes.py);
 - `lm_eval:<task>` or `lm_eval:<task.yaml>`: an lm-evaluation-harness task, in-process on the
   model in memory (workbench/evals/lm_eval_task.py; the optional extra `.[eval]`);
 - `package.module:function`, your own: called as `function(ctx)` with an `EvalContext`
@@ -41,7 +43,7 @@ from workbench.data.recipes import RECIPES_DIR
 from workbench.rollout.generate import generate
 
 ARITH = ("arith_add2", "arith_add3", "arith_mul1", "arith_pref", "arith_rm")
-TASKS = ARITH + ("loss", "preference", "reward", "reward_accuracy", "generate")
+TASKS = ARITH + ("loss", "preference", "reward", "reward_accuracy", "generate", "env")
 
 
 class EvalHookError(UserError):
@@ -92,6 +94,10 @@ def lookup(task: str) -> Callable:
         return lambda ctx: lm_eval_task.run(ctx, task)
     if task in ARITH:
         return lambda ctx: _arith(ctx, task)
+    if task == "env":  # greedy episodes with the run's environment (workbench/evals/episodes.py)
+        from workbench.evals import episodes
+
+        return episodes.run
     if ":" not in task:
         raise UserError(f"eval.tasks: unknown task {task!r}; built-ins are {list(TASKS)}, or name your own "
                         "hook as 'package.module:function'")
@@ -117,6 +123,10 @@ def check_tasks(tasks, cfg=None) -> None:
         lookup(t)
         if cfg is not None and t in builtin.TASKS:
             builtin.check(t, cfg)
+        if cfg is not None and t == "env":
+            from workbench.evals import episodes
+
+            episodes.check(cfg)
 
 
 def exact_match(model, tokenizer, contract, task: str, cfg_eval, autocast=None) -> dict:

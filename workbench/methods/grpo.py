@@ -88,6 +88,10 @@ class Config:
     # completion scores (the overlong penalty of DAPO, OpenRLHF and verl in its simplest form).
     truncated_reward: float | None = None
     log_completions: int = 3
+    # generate the next step's rollout in a background thread while this step trains, with a
+    # snapshot of the weights (one step off-policy, corrected by the ratio to the behaviour
+    # policy's log-probs; workbench/rollout/async_rollouts.py)
+    async_rollouts: bool = False
     share_prompt: bool = True  # one row per prompt in a micro-batch, completions as branches
     # prompts per optimizer step over all ranks; None: micro_batch_size x grad_accum x ranks /
     # num_generations. When set, the step's micro-batch count follows from it (batch_shape()).
@@ -267,6 +271,14 @@ class GRPO(Method):
         self.shape = batch_shape(cfg, ctx.run.batch)
         self._rollout_state: dict | None = None  # where the cached rollout's prompts began (checkpoints)
         self._regenerate: dict | None = None  # a rollout to make again after resuming mid-iteration
+        # env=<name>: rollouts are multi-turn episodes (workbench/methods/grpo_env.py)
+        self.episodes = None
+        if ctx.cfg.get("env") is not None:
+            from workbench.methods.grpo_env import EpisodeRollouts
+
+            self.episodes = EpisodeRollouts(self)
+        self._turn_tokens = self.episodes.turn_tokens if self.episodes else cfg.max_new_tokens
+        self._async = None  # method.async_rollouts (set in attach, once the backend holds the model)
 
     # -- data ----------------------------------------------------------------------------
     def prepare(self, ctx) -> None:
@@ -294,6 +306,10 @@ class GRPO(Method):
             from workbench.rollout.vllm_engine import VLLMEngine
 
             self.engine = VLLMEngine(self.ctx.cfg, self.ctx.tokenizer, self.ctx.contract)
+        if self.cfg.async_rollouts:
+            from workbench.rollout.async_rollouts import AsyncRollouts
+
+            self._async = AsyncRollouts(module, self._rollout, self.mixture.state_dict)
 
     # -- rollouts ------------------------------------------------------------------------
     def _generate(self, backend, convs: list, keys: list[int]) -> list[list[int]]:
@@ -328,8 +344,10 @@ class GRPO(Method):
     def _groups(self, backend, drawn: list[tuple[int, dict]]) -> list[dict]:
         """Generate num_generations completions for each prompt row and score them: one record
         per group."""
-        c, G = self.cfg, self.cfg.num_generations
         rows = [r for _, r in drawn]
+        if self.episodes is not None:
+            return self.episodes.groups(self, backend, rows)
+        c, G = self.cfg, self.cfg.num_generations
         convs = [r["prompt"] for r in rows]
         comp = self._generate(backend, convs, [k for k, _ in drawn])
         if len(comp) != len(rows) * G:
@@ -383,8 +401,8 @@ class GRPO(Method):
 
         # sequences: prompt + completion (+ end-of-turn when the completion stopped by itself)
         eot = self.ctx.contract.end_of_turn_id
-        seqs = []
-        for i, ids in enumerate(comp):
+        seqs = [s for g in groups for s in g["seqs"]] if self.episodes else []  # labels mark the sampled tokens
+        for i, ids in enumerate([] if self.episodes else comp):
             p = prompt_ids(tok, convs[i // G])
             target = ids + ([eot] if stopped(ids, c.max_new_tokens) else [])
             seqs.append((p + target, [IGNORE] * len(p) + target))
@@ -394,7 +412,8 @@ class GRPO(Method):
             m = collate(seqs[i:i + t.micro_batch_size], G, i, tok.pad_token_id, self.tree)
             micro.append({k: v.to(self.ctx.device) if torch.is_tensor(v) else v for k, v in m.items()})
         kl_in_reward = c.beta and c.kl_in_reward
-        if c.num_iterations > 1 or kl_in_reward:  # ratios (and the reward's KL) use the generating policy
+        # ratios (and the reward's KL) use the generating policy; with async rollouts that is the snapshot
+        if c.num_iterations > 1 or kl_in_reward or self._async is not None:
             module = backend.unwrapped()
             with torch.no_grad():
                 for m in micro:
@@ -411,16 +430,18 @@ class GRPO(Method):
             adv = advantages.group_advantages(shaped, G, c.scale_rewards)
         for j, m in enumerate(micro):
             m["advantages"] = adv[j * t.micro_batch_size:(j + 1) * t.micro_batch_size].to(self.ctx.device)
-            if kl_in_reward and c.num_iterations == 1:  # on-policy: the loss's ratio is 1 by logp.detach()
+            if kl_in_reward and c.num_iterations == 1 and self._async is None:  # on-policy: ratio 1 by logp.detach()
                 del m["old_logps"]
         info = self._signal_info(acct, total, per_fn, comp)
+        if self.episodes:
+            info.update(self.episodes.info(groups))
         if kl_in_reward:  # per completion token, as TRL logs it
             info["kl"] = float(kl.sum()) / float(sum(int(m["n_tokens"].sum()) for m in micro))
         self._write_samples([x for g in groups for x in g["texts"]], [g["conv"] for g in groups for _ in range(G)],
                             total)
         n_tok = float(sum(int(m["n_tokens"].sum()) for m in micro))
         denom = {"grpo": float(per_rank), "sapo": float(per_rank), "dapo": n_tok, "cispo": n_tok,
-                 "dr_grpo": float(per_rank * c.max_new_tokens)}[c.loss_type]
+                 "dr_grpo": float(per_rank * (self.episodes.budget if self.episodes else c.max_new_tokens))}[c.loss_type]
         tokens = int(sum(m["real_tokens"] for m in micro))
         self._step_tokens = n_tok
         return StepBatch(micro=micro, denom=denom, tokens=tokens, info=info, forward_passes=self._passes,
@@ -436,7 +457,7 @@ class GRPO(Method):
         zero = sum(1 for g in gen if not g["signal"]) / len(gen)
         info = {"reward": float(all_total.mean()), "reward_std": float(all_total.std()),
                 "completion_length": float(lengths.mean()), "completion_length_max": float(lengths.max()),
-                "stopped_fraction": sum(stopped(ids, c.max_new_tokens) for ids in comp) / len(comp),
+                "stopped_fraction": sum(stopped(ids, self._turn_tokens) for ids in comp) / len(comp),
                 "zero_std_groups": zero,
                 "signal_groups_trained": float(sum(map(advantages.has_signal, total.view(-1, c.num_generations))))}
         if c.dynamic_sampling:
@@ -481,7 +502,12 @@ class GRPO(Method):
             self._step = state.step
             index = state.step // self.cfg.num_iterations
             self._rollout_state = {"index": index, "step": state.step, "mixture_before": self.mixture.state_dict()}
-            self._cached, self._uses = self._rollout(backend, index), 0
+            if self._async is None:
+                self._cached, self._uses = self._rollout(backend, index), 0
+            else:  # sampled by the previous step's weights while it trained (workbench/rollout/async_rollouts.py)
+                more = (index + 1) * self.cfg.num_iterations < self.ctx.cfg.train.max_steps
+                self._cached, self._uses = self._async.next(backend, index, more), 0
+                self._step_tokens = float(sum(int(m["n_tokens"].sum()) for m in self._cached.micro))
         self._uses += 1
         # the rollout's forward passes ran once: the FLOP count takes them on its first step only
         return self._cached if self._uses == 1 else replace(self._cached, forward_passes=[])
@@ -514,9 +540,10 @@ class GRPO(Method):
         return per_tok.sum(), metrics
 
     def state_dict(self) -> dict:
-        """The data position; mid-iteration (num_iterations > 1) also where the cached rollout's
-        prompts began, so a resume samples that rollout's prompts again before moving on."""
-        state = {"mixture": self.mixture.state_dict()}
+        """The data position (with rollouts one step ahead: before the rollout in flight); mid-iteration
+        (num_iterations > 1) also where the cached rollout's prompts began, so a resume samples that
+        rollout's prompts again before moving on."""
+        state = {"mixture": self._async.saved_state if self._async else self.mixture.state_dict()}
         if self._rollout_state is not None and 0 < self._uses < self.cfg.num_iterations:
             state["rollout"] = {**self._rollout_state, "uses": self._uses}
         return state

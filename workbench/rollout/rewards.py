@@ -31,6 +31,7 @@ from workbench.core import heartbeat
 from workbench.core.errors import UserError
 from workbench.core.limits import UserCodeTimeout, call_with_limit
 from workbench.data import arith
+from workbench.envs import rewards as episode_rewards
 
 _NUMBER = re.compile(r"-?\d+")
 
@@ -75,6 +76,7 @@ def digits(completions, **_) -> list[float]:
 
 REGISTRY: dict[str, Callable] = {"arith_exact": arith_exact, "arith_close": arith_close, "format": number_format,
                                  "length": length, "digits": digits}
+REGISTRY.update({"final_answer": episode_rewards.final_answer, "env": episode_rewards.env})  # whole episodes (env=)
 
 
 @dataclass
@@ -123,7 +125,7 @@ def resolve(spec) -> list[RewardFn]:
 
 
 # what score() hands every function besides the prompt rows' columns
-GIVEN = frozenset({"prompts", "completions", "completion_ids", "max_new_tokens"})
+GIVEN = frozenset({"prompts", "completions", "completion_ids", "max_new_tokens", "conversations", "env_reward"})
 
 
 def required_columns(fn) -> set[str]:

@@ -205,6 +205,19 @@ class VLLMEngine:
         return out
 
 
+    def generate_ids(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+                     top_p: float = 1.0) -> list[list[int]]:
+        """One completion per prompt given as token ids (a turn of multi-turn episodes,
+        workbench/methods/grpo_env.py), end-of-turn stripped; the caller wakes the engine for
+        the whole episode loop and puts it to sleep after, not per turn."""
+        eot, pad = self.contract.end_of_turn_id, self.tokenizer.pad_token_id
+        out = []
+        for group in self.llm.generate(prompts, 1, max_new_tokens, temperature, top_p, [eot]):
+            row = list(group[0])
+            out.append([t for t in (row[: row.index(eot)] if eot in row else row) if t != pad])
+        return out
+
+
 def _probe_ids(tokenizer) -> list[int]:
     text = tokenizer.apply_chat_template(PROBE, tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

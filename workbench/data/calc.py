@@ -1,0 +1,86 @@
+"""The calculator task (env=calc): questions, held-out split and tool-use demonstrations.
+
+    python scripts/make_data.py       # writes data_recipes/data/calc_*.jsonl from these functions
+
+Two kinds of question a 135M model cannot answer in its head: 3-digit addition (100-999 +
+100-999) and 2-digit multiplication (10-99 x 10-99), alternating. The split is deterministic
+and by unordered operand pair, so a held-out `a * b` never appears as `b * a` in training:
+
+- calc_eval.jsonl: 200 held-out prompt rows (`eval.tasks=[env]` reads the first eval.num_samples);
+- calc_grpo_train.jsonl: 2000 prompt rows {"prompt", "answer"} for GRPO episodes;
+- calc_sft_train.jsonl: 1000 demonstrations for the SFT warm start, disjoint from both: the
+  tools declared in a system message, the question, a `calc` call in the Hermes/Qwen format,
+  the tool's result as a `tool` message, and the bare answer. The system message is the one
+  the calculator environment shows a template without native tool rendering (SmolLM2's;
+  workbench/rollout/turns.py), so the warm start is trained on what the episodes show it.
+"""
+
+from __future__ import annotations
+
+import random
+
+from workbench.data.arith import INSTRUCTION, answer
+from workbench.envs.calculator import TOOL, evaluate
+from workbench.rollout.tools import Hermes, ToolCall, describe
+
+KINDS = {"add3": ((100, 999), "+"), "mul2": ((10, 99), "*")}
+N_EVAL, N_GRPO, N_SFT = 100, 1000, 500  # per kind
+
+
+def question(a: int, b: int, op: str) -> str:
+    return f"What is {a} {op} {b}? {INSTRUCTION}"
+
+
+def _pairs(kind: str) -> list[tuple[int, int]]:
+    """Every unordered operand pair of the kind, in a fixed random order and orientation."""
+    (lo, hi), _ = KINDS[kind]
+    rng = random.Random(f"calc-{kind}")
+    if kind == "add3":  # 405k unordered pairs: sample enough, deterministically
+        seen: set = set()
+        while len(seen) < 4 * (N_EVAL + N_GRPO + N_SFT):
+            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+            seen.add((min(a, b), max(a, b)))
+        pairs = sorted(seen)
+    else:
+        pairs = [(a, b) for a in range(lo, hi + 1) for b in range(a, hi + 1)]
+    rng.shuffle(pairs)
+    return [(a, b) if rng.random() < 0.5 else (b, a) for a, b in pairs]
+
+
+def splits() -> dict[str, list[tuple[int, int, str]]]:
+    """{"eval", "grpo", "sft"}: (a, b, op) triples, the two kinds alternating, never shared."""
+    out: dict[str, list] = {"eval": [], "grpo": [], "sft": []}
+    per_kind = {}
+    for kind in KINDS:
+        p = _pairs(kind)
+        per_kind[kind] = {"eval": p[:N_EVAL], "grpo": p[N_EVAL:N_EVAL + N_GRPO],
+                          "sft": p[N_EVAL + N_GRPO:N_EVAL + N_GRPO + N_SFT]}
+    for name in out:
+        for add, mul in zip(per_kind["add3"][name], per_kind["mul2"][name]):
+            out[name] += [(*add, "+"), (*mul, "*")]
+    return out
+
+
+def prompt_row(a: int, b: int, op: str) -> dict:
+    return {"prompt": [{"role": "user", "content": question(a, b, op)}], "answer": answer(a, b, op)}
+
+
+def demonstration(a: int, b: int, op: str) -> dict:
+    """One tool-use episode as SFT messages: call calc, read its result, answer."""
+    fmt = Hermes()
+    expression = f"{a} {op} {b}"
+    result = evaluate(expression)
+    return {"messages": [
+        {"role": "system", "content": describe([TOOL], fmt)},
+        {"role": "user", "content": question(a, b, op)},
+        {"role": "assistant", "content": fmt.render(ToolCall("calc", {"expression": expression}))},
+        {"role": "tool", "name": "calc", "content": result},
+        {"role": "assistant", "content": result},
+    ]}
+
+
+def files() -> dict[str, list[dict]]:
+    s = splits()
+    return {"calc_eval.jsonl": [prompt_row(*t) for t in s["eval"]],
+            "calc_grpo_train.jsonl": [prompt_row(*t) for t in s["grpo"]],
+            "calc_sft_train.jsonl": [demonstration(*t) for t in s["sft"]]}
