@@ -1,0 +1,130 @@
+"""Every method on backend=megatron at tp=2, and Megatron-Core's distributed optimizer at dp=2, against
+backend=single at the same global batch (CPU, gloo).
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/distributed/test_megatron_methods.py
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m slow tests/distributed/test_megatron_methods.py
+
+What each case exercises on the Megatron side: distill the vocabulary-parallel softmaxes and
+divergence (workbench/megatron/vocab.py; the teacher is a full HF model, each rank reads its
+columns); rm the scalar head on the last stage; kto the reference as the adapter-free Megatron
+model (LoRA) and its KL rows; cpo, simpo and orpo one row per pair with the prompt shared
+(per-row RoPE positions and 4-D masks, workbench/megatron/lm.py); dpo reference log-probs
+precomputed with the HF copy. Plain SGD, 3 steps: losses to LOSS_RTOL, trained tensors within
+tests/helpers.py sgd_weight_bound. The distributed optimizer also runs AdamW (2 steps, losses
+only: across summation orders AdamW moves near-zero-gradient weights by up to lr per step, a
+negligible change of the loss but not of those weights) and holds half the Adam moments on
+each of its 2 ranks.
+
+Each group of Megatron runs shares one torchrun job (tests/helpers.py worker_job).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import compose
+from tests.helpers import sgd_weight_bound, worker_job
+from tests.tolerances import LOSS_RTOL
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.distributed
+
+STEPS = ["train.max_steps=3", "train.micro_batch_size=2", "++hardware.timeout_minutes=8"]
+SGD = ["optim.name=sgd", "optim.lr=0.2", *STEPS]
+TP2 = ["backend=megatron", "backend.tp=2", "train.grad_accum=2"]
+DP2 = ["backend=megatron", "backend.distributed_optimizer=true", "train.grad_accum=1"]  # 2 ranks: dp=2
+METHODS = {
+    "distill": ["method=distill", "method.lmbda=0.0", "peft=none"],
+    "rm": ["method=rm", "peft=lora"],
+    "kto": ["method=kto", "peft=lora"],
+    "cpo": ["method=cpo", "peft=none"],
+    "simpo": ["method=simpo", "peft=lora"],
+    "orpo": ["method=orpo", "peft=lora"],
+    "dpo": ["method=dpo", "peft=lora", "method.reference=precomputed"],
+}
+FAST = ("distill",)
+ADAMW = ["peft=none", "optim.name=adamw", "optim.lr=1e-3", "train.max_steps=2", "train.micro_batch_size=2",
+         "++hardware.timeout_minutes=8"]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    """A teacher for method=distill: the tiny model with another init seed, saved to a directory."""
+    from workbench.models.load import load_model, load_tokenizer
+
+    cfg = compose(["model.init_seed=7"])
+    path = tmp_path_factory.mktemp("teacher")
+    load_model(cfg.model).save_pretrained(path)
+    load_tokenizer(cfg.model).save_pretrained(path)
+    return path
+
+
+def overrides(name: str, teacher) -> list[str]:
+    return [*METHODS[name], *SGD] + ([f"method.teacher={teacher}"] if name == "distill" else [])
+
+
+def single(out, overrides_: list[str]):
+    from workbench.train.runner import Runner
+
+    runner = Runner(compose([*overrides_, "backend=single", "train.grad_accum=2"], out))
+    res = runner.run()
+    return res, {k: v.detach().clone() for k, v in runner.model.named_parameters() if v.requires_grad}, out
+
+
+def job(names, teacher, out, extra: list[dict] = ()):
+    runs = [{"name": n, "overrides": [*overrides(n, teacher), *TP2], "save_trainable": True} for n in names]
+    return worker_job([*runs, *extra], out, timeout=2400)
+
+
+def check(label, got, ref, trainable) -> None:
+    from safetensors.torch import load_file
+
+    res, ref_weights, ref_dir = ref
+    assert len(got["losses"]) == len(res["losses"]), label
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], res["losses"]))
+    weights = load_file(trainable)
+    assert set(weights) == set(ref_weights), (label, sorted(set(weights) ^ set(ref_weights))[:4])
+    worst = max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights)
+    bound = sgd_weight_bound(ref_dir, ref_weights)
+    print(f"{label}: losses rel diff {loss_diff:.2e} (rtol {LOSS_RTOL:.0e}), trained tensors max abs diff "
+          f"{worst:.2e} (bound {bound:.2e})")
+    assert got["losses"] == pytest.approx(res["losses"], rel=LOSS_RTOL), (label, got["losses"], res["losses"])
+    assert worst < bound, (label, worst, bound)
+
+
+@pytest.fixture(scope="module")
+def fast(tmp_path_factory, teacher):
+    out = tmp_path_factory.mktemp("megatron_fast")
+    dp2 = [{"name": "dp2-sgd", "overrides": ["peft=none", *SGD, *DP2], "save_trainable": True},
+           {"name": "dp2-adamw", "overrides": [*ADAMW, *DP2]}]
+    return job(FAST, teacher, out / "meg", dp2), out
+
+
+@pytest.fixture(scope="module")
+def slow_job(tmp_path_factory, teacher):
+    out = tmp_path_factory.mktemp("megatron_slow")
+    return job([n for n in METHODS if n not in FAST], teacher, out / "meg"), out
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in METHODS])
+def test_method_at_tp2_equals_single(request, teacher, tmp_path, name):
+    got, out = request.getfixturevalue("fast" if name in FAST else "slow_job")
+    ref = single(tmp_path / "single", overrides(name, teacher))
+    check(f"{name} tp2", got[name], ref, out / "meg" / name / "trainable.safetensors")
+
+
+def test_distributed_optimizer_at_dp2_equals_single(fast, tmp_path):
+    got, out = fast
+    check("distributed optimizer dp2 (sgd)", got["dp2-sgd"], single(tmp_path / "sgd", ["peft=none", *SGD]),
+          out / "meg" / "dp2-sgd" / "trainable.safetensors")
+    res, _, _ = single(tmp_path / "adamw", ADAMW)
+    adamw = got["dp2-adamw"]
+    print(f"distributed optimizer dp2 (adamw): losses {adamw['losses']} vs {res['losses']}")
+    assert adamw["losses"] == pytest.approx(res["losses"], rel=LOSS_RTOL)
+    # Each of the 2 data-parallel ranks holds the Adam moments (2 x fp32) of its half of the
+    # parameters (Megatron pads each bucket to a multiple of the data-parallel size: < 1%).
+    from workbench.models.load import load_model
+
+    half = 4 * sum(p.numel() for p in load_model(compose([]).model).parameters())  # 8 bytes / 2 ranks
+    mine, theirs = adamw["bytes"]["optimizer"], adamw["rank1"]["bytes"]["optimizer"]
+    assert abs(mine - half) <= 0.01 * half and abs(theirs - half) <= 0.01 * half, (mine, theirs, half)
