@@ -239,9 +239,15 @@ class MegatronBackend(Backend):
         scale = 1.0 / max(denom, 1e-12)
         micro = list(batch.micro)
         length = max(m["input_ids"].shape[1] for m in micro)
+        if self.par.ep > 1:
+            # the MoE token dispatcher all-gathers tokens over the expert-parallel ranks, which hold
+            # other examples: every rank's micro-batches get the longest length of all of them
+            t = torch.tensor([length])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            length = int(t)
         if self.par.sequence_parallel:
             length = -(-length // self.par.tp) * self.par.tp
-        if self.par.pp > 1 or self.par.sequence_parallel:
+        if self.par.pp > 1 or self.par.sequence_parallel or self.par.ep > 1:
             micro = [pad_micro(m, length) for m in micro]
         sums: dict[str, float] = {}
         vocab, head = self.hf_config.vocab_size, self.module.head

@@ -341,6 +341,12 @@ RULES: list[Rule] = [
          and c.precision.name == "fp16",
          "backend.distributed_optimizer=true keeps fp16 weights only with Megatron's loss scaler, which the "
          "backend's schedule does not apply: use precision=bf16-mixed (or fp32)"),
+    Rule("megatron-distopt-adam", {"backend": "megatron (distributed optimizer)", "other": "optim.name=sgd"},
+         lambda c, e: _backend(c) == "megatron" and bool(pick(c, "backend.distributed_optimizer", False))
+         and c.optim.name != "adamw",
+         lambda c, e: f"backend.distributed_optimizer=true shards Adam's state; Megatron-Core 0.16's distributed "
+                      f"optimizer steps Adam only (distrib_optimizer.py:516): use optim.name=adamw, or "
+                      f"backend.distributed_optimizer=false for optim.name={c.optim.name}"),
     Rule("megatron-moe-tp-needs-sp", {"backend": "megatron (tp > 1)", "model": "mixture of experts"},
          lambda c, e: _backend(c) == "megatron" and bool(c.model.arch.experts) and _par(c, "tp") > 1
          and not bool(pick(c, "backend.sequence_parallel", False)),

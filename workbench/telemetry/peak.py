@@ -33,8 +33,8 @@ def peak_flops(hw, pol, device: str) -> tuple[float, str]:
 
 
 def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
+    if device == "cuda":  # a CUDA profile planned on a machine without one names no device
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "cuda (not visible)"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
