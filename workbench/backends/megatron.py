@@ -85,6 +85,9 @@ def _init_model_parallel(par) -> None:
         if now == (par.tp, par.pp, par.cp, par.ep):
             return
         ps.destroy_model_parallel()
+        # 0.16.1's destroy leaves this rank list behind, and initialize sets it only on the
+        # embedding group's members: a middle stage would take itself for a member
+        ps._EMBEDDING_GLOBAL_RANKS = None
     ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
                                  context_parallel_size=par.cp, expert_model_parallel_size=par.ep)
 

@@ -41,7 +41,7 @@ def reduce(gpt, tie_embeddings: bool, sequence_parallel: bool) -> None:
                 _sum(p.grad, ps.get_tensor_model_parallel_group())
     if ps.get_pipeline_model_parallel_world_size() > 1 and tie_embeddings and ps.is_rank_in_embedding_group():
         w = _gpt(gpt).shared_embedding_or_output_weight()
-        if w.requires_grad:
+        if w is not None and w.requires_grad:
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
             dist.all_reduce(w.grad, group=ps.get_embedding_group())
