@@ -5,11 +5,13 @@ pass the parity gate (CPU, gloo).
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/distributed/test_megatron_lora.py
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m slow tests/distributed/test_megatron_lora.py
 
-Each Megatron case is a run of the real runner under torchrun (tests/helpers.py worker_job); its
-reference is the same run with backend=single in this process, at the same global batch. Plain
-SGD, so a weight's error stays proportional to its gradients' (tests/helpers.py
-sgd_weight_bound); the adapters' B start at zero, so from the first step on a wrong shard,
-scale or reduction moves them by their own size.
+Each Megatron case is a run of the real runner under torchrun (tests/helpers.py worker_job; the
+default tier's tp=2 run shares its job with tests/distributed/test_megatron_methods.py's,
+tests/distributed/conftest.py); its reference is the same run with backend=single in this
+process, at the same global batch. Plain SGD (tests/distributed/megatron_cases.py LORA), so a
+weight's error stays proportional to its gradients' (tests/helpers.py sgd_weight_bound); the
+adapters' B start at zero, so from the first step on a wrong shard, scale or reduction moves
+them by their own size.
 """
 
 from __future__ import annotations
@@ -19,14 +21,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import compose
+from tests.distributed.megatron_cases import LORA
 from tests.helpers import sgd_weight_bound, worker_job
 from tests.tolerances import LOSS_RTOL
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.distributed
 
-SGD = ["peft=lora", "peft.r=4", "peft.alpha=8", "optim.name=sgd", "optim.lr=0.5", "train.max_steps=3",
-       "train.micro_batch_size=2", "train.grad_accum=2", "++hardware.timeout_minutes=8"]
 # A 4-layer tiny Llama with 4 KV heads: tp=2 x pp=2 splits heads and layers.
 WIDE = ["model.arch.layers=4", "model.arch.kv_heads=4"]
 MIXTRAL = ["model.arch.family=mixtral", "model.arch.experts=4", "model.arch.experts_per_token=2",
@@ -64,32 +65,31 @@ def assert_trains_like(got: dict, ref, trainable: Path, label: str) -> None:
     assert worst < bound, (label, worst, bound)
 
 
-def test_tp2_trains_like_single_and_exports(tmp_path):
-    ref = single(tmp_path, SGD)
-    run = {"name": "tp2", "overrides": [*SGD, "backend=megatron", "backend.tp=2", "train.export=true"],
-           "save_trainable": True}
-    got = worker_job([run], tmp_path / "meg", timeout=900)["tp2"]
-    assert_trains_like(got, ref, tmp_path / "meg" / "tp2" / "trainable.safetensors", "tp2")
-    # Adapter params per rank: the column layers' A and the row layers' B are replicated over TP.
+def test_tp2_trains_like_single_and_exports(megatron_default, tmp_path):
+    got, out = megatron_default
+    got = got["lora-tp2"]
+    assert_trains_like(got, single(tmp_path, LORA), out / "lora-tp2" / "trainable.safetensors", "tp2")
     assert got["bytes"]["optimizer"] == 0  # plain SGD keeps no state
+    # The export: the adapter and the merged model, with the base rebuilt from its source on rank 0
+    # (the HF copy kept only the adapters), pass the parity gate against the trained model.
     exported = got["export"]
     assert exported["failed"] == [] and exported["parity"]["merged"]["passed"], exported
-    assert (tmp_path / "meg" / "tp2" / "export" / "adapter" / "adapter_model.safetensors").exists()
+    assert (out / "lora-tp2" / "export" / "adapter" / "adapter_model.safetensors").exists()
 
 
-@pytest.mark.slow  # three layouts, ~6 min on 2 cores
+@pytest.mark.slow  # four layouts in two jobs, ~3.5 min on 2 cores
 def test_pp2_tp2pp2_and_mixtral_ep2(tmp_path):
-    refs = {"pp2": single(tmp_path / "dense", SGD), "tp2pp2": single(tmp_path / "wide", SGD + WIDE),
-            "ep2": single(tmp_path / "moe", SGD + MIXTRAL),
-            "ep2-full": single(tmp_path / "moe-full", SGD + MIXTRAL + ["peft=none", "optim.lr=0.1"])}
-    two = [{"name": "pp2", "overrides": [*SGD, "backend=megatron", "backend.pp=2"], "save_trainable": True},
-           {"name": "ep2", "overrides": [*SGD, *MIXTRAL, "backend=megatron", "backend.ep=2",
+    refs = {"pp2": single(tmp_path / "dense", LORA), "tp2pp2": single(tmp_path / "wide", LORA + WIDE),
+            "ep2": single(tmp_path / "moe", LORA + MIXTRAL),
+            "ep2-full": single(tmp_path / "moe-full", LORA + MIXTRAL + ["peft=none", "optim.lr=0.1"])}
+    two = [{"name": "pp2", "overrides": [*LORA, "backend=megatron", "backend.pp=2"], "save_trainable": True},
+           {"name": "ep2", "overrides": [*LORA, *MIXTRAL, "backend=megatron", "backend.ep=2",
                                          "train.grad_accum=1"], "save_trainable": True},
            # experts' own gradients (full fine-tuning) are summed over expert-data-parallel ranks only
-           {"name": "ep2-full", "overrides": [*SGD, *MIXTRAL, "peft=none", "optim.lr=0.1", "backend=megatron",
+           {"name": "ep2-full", "overrides": [*LORA, *MIXTRAL, "peft=none", "optim.lr=0.1", "backend=megatron",
                                               "backend.ep=2", "train.grad_accum=1"], "save_trainable": True}]
     got = worker_job(two, tmp_path / "meg2", timeout=1500)
-    four = worker_job([{"name": "tp2pp2", "overrides": [*SGD, *WIDE, "backend=megatron", "backend.tp=2",
+    four = worker_job([{"name": "tp2pp2", "overrides": [*LORA, *WIDE, "backend=megatron", "backend.tp=2",
                                                         "backend.pp=2"], "save_trainable": True}],
                       tmp_path / "meg4", timeout=1500, procs=4)
     for name, res in {**got, **four}.items():
