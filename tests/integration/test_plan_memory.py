@@ -11,9 +11,10 @@ positions and padded length, which picks the attention kernel on CPU), since ari
 are far shorter than data.seq_len.
 
     OMP_NUM_THREADS=1 pytest -q tests/integration/test_plan_memory.py            # tiny
-    OMP_NUM_THREADS=1 pytest -q -m slow tests/integration/test_plan_memory.py    # SmolLM2-135M
+    OMP_NUM_THREADS=1 pytest -q -m slow tests/integration/test_plan_memory.py    # SmolLM2-135M, megatron
 
-Each runs single and 2-rank fsdp2, peft none and lora, fp32 and bf16-mixed.
+Each runs single and 2-rank fsdp2, peft none and lora, fp32 and bf16-mixed; and 2-rank megatron
+(tp=2 with a torch AdamW, peft none and lora; the distributed optimizer at dp=2, fp32 and bf16).
 
 The 2-rank fsdp2 cases run this file as their torchrun worker (`--worker OUT`), the four tiny
 cases in one job; each rank reports its peak and the test holds the prediction against the larger one.
@@ -214,6 +215,7 @@ def tiny_megatron(tmp_path_factory):
     return run_fsdp2(cases, tmp_path_factory.mktemp("megatron"))
 
 
+@pytest.mark.slow  # one 2-rank job, ~1 min on 2 cores
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", sorted(MEGATRON))
 def test_megatron_two_ranks(tiny_megatron, case):

@@ -188,7 +188,15 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     acts = activation_bytes(arch, s, tokens, seq)
     casts = cast_bytes(counts, arch, s)  # freed, like the activations, by the backward that uses them
     logit = logits_bytes(arch, s, selected)
+    if megatron:
+        # GPTModel's output layer computes the logits of every position (this rank's vocabulary
+        # columns) in the compute dtype and copies them once as it transposes them to [b, s];
+        # the loss's selected logits come after the two are gone
+        every = (tokens if tokens is not None else tokens_per_micro(s)) * arch.vocab / s.tp
+        logit = max(logit, 2 * every * COMPUTE[s.precision])
     embed_grad = arch.vocab * arch.hidden * g_per / s.tp if s.peft == "none" else 0.0
+    if distopt and s.peft == "none":  # autograd's gradient, in the parameters' dtype, before DDP adds it to its buffer
+        embed_grad = arch.vocab * arch.hidden * (2 if half_params else 4) / s.tp
     # torch's AdamW makes two parameter-sized temporaries: for the whole list at once with the
     # foreach kernels (GPU default), for one tensor at a time on CPU; DeepSpeed/Megatron fuse.
     if s.device == "cpu":
@@ -252,6 +260,8 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         moment = max(acts + logit_grad + root, (3 if arch.tie_embeddings else 2) * dense, reduce)
     else:
         moment = max(acts + casts + logit + head_grad, grads + embed_grad)
+    if distopt:  # Megatron-Core's DDP keeps its gradient buffer allocated for the whole run
+        moment = max(acts + casts + logit + head_grad, embed_grad) + grads
     backward = weights + gather + master + optim + moment
     step = weights + master + optim + grads + opt_tmp
     peak = max(backward, step) + reference + generation
