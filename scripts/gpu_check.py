@@ -15,7 +15,10 @@ records "error: <why>" and makes the exit status 1):
   episodes       multi-turn calculator episodes (env=calc) turn by turn: HF generate vs vLLM serving
                  the turns (workbench/rollout/episodes.py), episodes/s
   planner        workbench.plan's predicted peak memory vs torch.cuda.max_memory_allocated, 3 configs
-  megatron       backend=megatron vs backend=single: first-step loss on the same batch
+  megatron       backend=megatron vs backend=single: first-step loss on the same batch; LoRA on
+                 Megatron layers; Megatron-Core's distributed optimizer with NCCL, bf16 parameters
+                 and fp32 main weights (Transformer Engine's or Apex's fused Adam, none of the CPU
+                 shims); with 2 GPUs a tiny Mixtral at tp=2 with sequence parallelism
 
 MFU is reported twice: against the matmul peak the runner measures in-process, and against
 the hardware profile's datasheet bf16 TFLOP/s. Without SmolLM2's weights on the machine the
@@ -319,8 +322,50 @@ def megatron(c: Check) -> dict:
     common = ["model=tiny", "peft=none", "precision=bf16-mixed", "optim.lr=1e-6"]
     single = c.train(common + ["backend=single"], 2, 4)
     mega = c.train(common + ["backend=megatron"], 2, 4)
-    return {"single_loss_step1": single["loss_first"], "megatron_loss_step1": mega["loss_first"],
-            "abs_diff": abs(single["loss_first"] - mega["loss_first"])}
+    out = {"single_loss_step1": single["loss_first"], "megatron_loss_step1": mega["loss_first"],
+           "abs_diff": abs(single["loss_first"] - mega["loss_first"])}
+    # Megatron-Core's own optimizer on its GPU path: bf16 parameters, fp32 main weights and
+    # moments, grads reduced in fp32 over NCCL, TE/Apex fused Adam (on CPU: torch AdamW, shims)
+    lr = ["optim.lr=1e-4", "optim.max_grad_norm=1.0"]
+    torch_opt = c.train(common[:3] + lr + ["backend=megatron"], 4, 4)
+    dist_opt = c.train(common[:3] + lr + ["backend=megatron", "backend.distributed_optimizer=true"], 4, 4)
+    out["distributed_optimizer"] = {"torch_adamw_losses": [torch_opt["loss_first"], torch_opt["loss_last"]],
+                                    "megatron_losses": [dist_opt["loss_first"], dist_opt["loss_last"]],
+                                    "peak_memory_gb": dist_opt.get("peak_memory_gb"),
+                                    "tokens_per_s": dist_opt["tokens_per_s"]}
+    lora_single = c.train(["model=tiny", "peft=lora", "precision=bf16-mixed", "backend=single"], 3, 4)
+    lora_mega = c.train(["model=tiny", "peft=lora", "precision=bf16-mixed", "backend=megatron"], 3, 4)
+    out["lora"] = {"single_losses": [lora_single["loss_first"], lora_single["loss_last"]],
+                   "megatron_losses": [lora_mega["loss_first"], lora_mega["loss_last"]],
+                   "megatron_tokens_per_s": lora_mega["tokens_per_s"], "single_tokens_per_s": lora_single["tokens_per_s"]}
+    out["moe_tp2_sequence_parallel"] = _moe_sequence_parallel(c)
+    return out
+
+
+def _moe_sequence_parallel(c: Check):
+    """A tiny Mixtral at tp=2 with sequence parallelism (2 GPUs, Transformer Engine or Apex norms)
+    against the same model at tp=1: first-step losses on the same batch (bf16)."""
+    import subprocess
+
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return "skipped: tp=2 needs 2 GPUs (this machine has 1)"
+    moe = ["model=tiny", "model.arch.family=mixtral", "model.arch.experts=4", "model.arch.experts_per_token=2",
+           "peft=none", "precision=bf16-mixed", "optim.lr=1e-6", "train.max_steps=2", "train.micro_batch_size=4",
+           "eval=none", "train.export=false", "backend=megatron", "hardware.procs=2", *c.hw]
+    losses = {}
+    layouts = {"tp2_sp": ["backend.tp=2", "backend.sequence_parallel=true"],
+               "ep2": ["backend.ep=2", "train.micro_batch_size=2"]}  # 2 data-parallel ranks: the same 4 rows
+    for name, extra in layouts.items():
+        out = c.tmp / f"moe_{name}"
+        proc = subprocess.run([sys.executable, "-m", "workbench", *moe, *extra, f"output_dir={out}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=max(60, int(c.left()) - 10))
+        if proc.returncode:
+            return f"error: {name}: {proc.stderr[-1500:]}"
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in rows if "loss" in r and "eval" not in r]
+    return {"losses": losses, "step1_abs_diff": abs(losses["tp2_sp"][0] - losses["ep2"][0])}
 
 
 def episodes(c: Check) -> dict:

@@ -145,9 +145,9 @@ def dist_env() -> dict:
             "PYTHONPATH": str(ROOT)}
 
 
-def torchrun(script: Path, args: list[str], timeout: int, python_flags: tuple[str, ...] = ()) -> str:
-    """`python -m torch.distributed.run` with 2 processes on loopback; the job must succeed. Its output."""
-    cmd = [sys.executable, *python_flags, "-m", "torch.distributed.run", "--nproc_per_node=2",
+def torchrun(script: Path, args: list[str], timeout: int, python_flags: tuple[str, ...] = (), procs: int = 2) -> str:
+    """`python -m torch.distributed.run` with `procs` processes on loopback; the job must succeed. Its output."""
+    cmd = [sys.executable, *python_flags, "-m", "torch.distributed.run", f"--nproc_per_node={procs}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *map(str, args)]
     proc = subprocess.run(cmd, env=dist_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -159,19 +159,19 @@ def ov(*items: str, steps: int = 3) -> list[str]:
     return [*items, f"train.max_steps={steps}", "++hardware.timeout_minutes=4"]
 
 
-def worker_job(runs: list[dict], out: Path, timeout: int = 900) -> dict[str, dict]:
-    """Run `runs` in one 2-rank torchrun job (tests/distributed/_worker.py); name -> rank 0's
-    results, with rank 1's under "rank1"."""
+def worker_job(runs: list[dict], out: Path, timeout: int = 900, procs: int = 2) -> dict[str, dict]:
+    """Run `runs` in one torchrun job of `procs` ranks (tests/distributed/_worker.py); name ->
+    rank 0's results, with rank r's under "rank<r>"."""
     spec = out / "spec.json"
     out.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps({"out": str(out), "runs": runs}))
-    torchrun(ROOT / "tests" / "distributed" / "_worker.py", [spec], timeout)
+    torchrun(ROOT / "tests" / "distributed" / "_worker.py", [spec], timeout, procs=procs)
     results = {}
     for run in runs:
-        r0, r1 = (json.loads((out / "results" / f"{run['name']}.rank{r}.json").read_text()) for r in (0, 1))
-        assert "error" not in r0, f"{run['name']}: {r0.get('traceback', r0.get('error'))}"
-        assert "error" not in r1, f"{run['name']} rank 1: {r1.get('traceback', r1.get('error'))}"
-        results[run["name"]] = {**r0, "rank1": r1}
+        ranks = [json.loads((out / "results" / f"{run['name']}.rank{r}.json").read_text()) for r in range(procs)]
+        for r, res in enumerate(ranks):
+            assert "error" not in res, f"{run['name']} rank {r}: {res.get('traceback', res.get('error'))}"
+        results[run["name"]] = {**ranks[0], **{f"rank{r}": res for r, res in enumerate(ranks) if r}}
     return results
 
 
@@ -182,6 +182,19 @@ def close(a, b, rtol=None):
 
     assert len(a) == len(b), (a, b)
     assert a == pytest.approx(b, rel=LOSS_RTOL if rtol is None else rtol, abs=NEAR_ZERO_ATOL), (a, b)
+
+
+def sgd_weight_bound(run_dir: Path, weights: dict) -> float:
+    """How far plain SGD's weights may drift between two summation orders of the same run: each
+    step moves a weight by lr * g, where g's error is <= SUM_ULPS of the largest gradient element
+    (itself <= the step's gradient norm, read from metrics.jsonl), and rounds the new weight
+    once (1 ulp of the largest weight). A weight bridged to the wrong place, or not bridged
+    back, differs by its own size, far beyond this."""
+    from tests.tolerances import EPS32, SUM_ULPS
+
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    w_max = max(float(v.abs().max()) for v in weights.values())
+    return sum(r["lr"] * SUM_ULPS * EPS32 * r["grad_norm"] + EPS32 * w_max for r in rows if "grad_norm" in r)
 
 
 def workbench(args: list[str]) -> subprocess.Popen:

@@ -142,3 +142,17 @@ def binomial_band(p: float, n: int, z: float = 4.0) -> tuple[float, float]:
     0.5 at n = 400: 10 sd) fails."""
     sd = (p * (1 - p) / n) ** 0.5
     return p - z * sd, p + z * sd
+
+
+# Two implementations of AdamW stepping the same fp32 gradients (Megatron-Core's distributed
+# optimizer on its shards against torch's AdamW on whole tensors, both unclipped): each step's
+# update u = lr * m_hat / (sqrt(v_hat) + eps) comes from identical inputs through about a dozen
+# roundings (moments, bias corrections, sqrt, eps, divide, lr, decay) that the two may order
+# differently: ADAMW_UPDATE_ULPS = 16 ulps of |u|, and |m_hat / sqrt(v_hat)| <= sqrt(steps) (the
+# moments' bias-corrected ratio after `steps` steps), so <= 16 EPS32 lr sqrt(steps) per step;
+# then the new weight rounds once (1 ulp of the largest weight).
+ADAMW_UPDATE_ULPS = 16
+
+
+def adamw_same_grads_atol(steps: int, lr: float, w_max: float) -> float:
+    return steps * (ADAMW_UPDATE_ULPS * EPS32 * lr * steps**0.5 + EPS32 * w_max)

@@ -7,7 +7,8 @@ SPEC.json: {"runs": [{"name": ..., "overrides": [...], "dir": optional}, ...], "
 run's output_dir is DIR/<dir or name> (two runs sharing a dir: the second resumes the first);
 results go to DIR/results/<name>.rank<r>.json: losses, grad norms, what the backend wrapped the
 model in, the bytes of parameters and optimizer state this rank held after training, and the
-run's wall seconds (where a job's time goes). Two observations of options whose losses do not
+run's wall seconds (where a job's time goes); with "save_trainable": true, rank 0 also writes the
+HF model's trainable tensors after training to DIR/<name>/trainable.safetensors. Two observations of options whose losses do not
 show them:
 - block_calls (backend=fsdp2): how many times each decoder block's forward started (a forward
   pre-hook: the recomputation stops early, once it has what backward needs, so a hook at the end
@@ -91,6 +92,11 @@ def main(spec_path: str) -> None:
                       "wrapper": type(getattr(runner.backend, "ddp", None) or runner.backend.unwrapped()).__name__,
                       "block_calls": list(BLOCK_CALLS),
                       "saves": [{**s, "on_disk_after_run": Path(s["path"]).is_dir()} for s in SAVES]}
+            if run.get("save_trainable") and rank == 0:
+                from safetensors.torch import save_file
+
+                save_file({k: v.detach().contiguous() for k, v in runner.model.named_parameters() if v.requires_grad},
+                          out / "trainable.safetensors")
         except Exception as exc:  # recorded for the test to show; later runs still go ahead
             result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         result["seconds"] = round(time.perf_counter() - start, 2)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import torchrun
-from tests.tolerances import EPS32, LOSS_RTOL, SUM_ULPS
+from tests.helpers import sgd_weight_bound, torchrun
+from tests.tolerances import LOSS_RTOL
 
 pytest.importorskip("megatron.core")
 
@@ -31,17 +31,6 @@ SFT = ["peft=none", "optim.name=sgd", "optim.lr=0.1", "train.max_steps=3", "trai
 # Losses: TP splits the matmuls and the vocab-parallel log-sum-exp, another summation order:
 # LOSS_RTOL (tests/tolerances.py).
 RTOL = LOSS_RTOL
-
-
-def weight_bound(run_dir: Path, weights: dict) -> float:
-    """How far SGD's weights may drift between two summation orders: each step moves a weight
-    by lr * g, where g's error is <= SUM_ULPS of the largest gradient element (itself <= the
-    step's gradient norm, read from metrics.jsonl), and rounds the new weight once (1 ulp of
-    the largest weight). A weight bridged to the wrong place, or not bridged back, differs by
-    its own size (0.02 and up), far beyond this."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    w_max = max(float(v.abs().max()) for v in weights.values())
-    return sum(r["lr"] * SUM_ULPS * EPS32 * r["grad_norm"] + EPS32 * w_max for r in rows)
 
 
 def launch(out: Path, overrides: list[str], timeout: int = 300) -> dict:
@@ -87,7 +76,7 @@ def test_sft_curve_equals_single(tmp_path, layout):
     ref_weights.pop("lm_head.weight", None)  # tied to the embedding in the tiny model
     assert set(weights) == set(ref_weights)
     worst = max(float((weights[k] - ref_weights[k]).abs().max()) for k in weights)
-    bound = weight_bound(tmp_path / "single", ref_weights)
+    bound = sgd_weight_bound(tmp_path / "single", ref_weights)
     assert worst < bound, (worst, bound)
 
 

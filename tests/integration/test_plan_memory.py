@@ -11,9 +11,10 @@ positions and padded length, which picks the attention kernel on CPU), since ari
 are far shorter than data.seq_len.
 
     OMP_NUM_THREADS=1 pytest -q tests/integration/test_plan_memory.py            # tiny
-    OMP_NUM_THREADS=1 pytest -q -m slow tests/integration/test_plan_memory.py    # SmolLM2-135M
+    OMP_NUM_THREADS=1 pytest -q -m slow tests/integration/test_plan_memory.py    # SmolLM2-135M, megatron
 
-Each runs single and 2-rank fsdp2, peft none and lora, fp32 and bf16-mixed.
+Each runs single and 2-rank fsdp2, peft none and lora, fp32 and bf16-mixed; and 2-rank megatron
+(tp=2 with a torch AdamW, peft none and lora; the distributed optimizer at dp=2, fp32 and bf16).
 
 The 2-rank fsdp2 cases run this file as their torchrun worker (`--worker OUT`), the four tiny
 cases in one job; each rank reports its peak and the test holds the prediction against the larger one.
@@ -39,16 +40,19 @@ from tests.helpers import torchrun  # noqa: E402
 from tests.tolerances import PLAN_MEMORY_RTOL as TOLERANCE  # noqa: E402
 
 
-def _model_bytes(model) -> int:
-    """Bytes of the distinct storages behind the model's parameters and buffers (NF4 constants too)."""
+def _model_bytes(*models, extra=()) -> int:
+    """Bytes of the distinct storages behind the models' parameters and buffers (NF4 constants
+    too) and `extra` tensors; meta tensors (weights a backend released) hold none."""
     seen = {}
-    tensors = list(model.parameters()) + list(model.buffers())
+    tensors = [t for m in models for t in (*m.parameters(), *m.buffers())] + list(extra)
     for t in tensors:
         qs = getattr(t, "quant_state", None)
         if qs is not None:
             tensors += [qs.absmax] + ([qs.state2.absmax] if getattr(qs, "state2", None) is not None else [])
     for t in tensors:
         t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard: this rank's part
+        if t.is_meta:
+            continue
         st = t.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
@@ -100,7 +104,10 @@ def measure(overrides, tmp_path, steps: int = 2) -> dict:
     # The profiler's running total counts only allocations made on this thread while a profiler
     # runs (from_pretrained loads weights on worker threads), so what the build left alive is
     # counted directly and the total's growth during the steps is added to it.
-    alive = _model_bytes(runner.backend.unwrapped())
+    gpt = getattr(runner.backend, "gpt", None)  # backend=megatron: its GPTModel shard and DDP's gradient buffer
+    alive = _model_bytes(runner.backend.unwrapped(), *([gpt] if gpt is not None else []),
+                         extra=[p.main_grad for p in (gpt.parameters() if gpt is not None else ())
+                                if getattr(p, "main_grad", None) is not None])
     shapes = []
     with _count_every_thread(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.empty(8, dtype=torch.uint8)  # the first event gives the total's starting value
@@ -151,8 +158,9 @@ def test_smollm2_135m_single(peft, precision, tmp_path):
 
 
 def run_fsdp2(cases: dict[str, list[str]], out: Path) -> dict[str, dict]:
-    """Measure each case (name -> overrides) on 2 fsdp2 ranks in one torchrun job, so the job's
-    processes, imports and process group are paid for once; the larger rank's result per case."""
+    """Measure each case (name -> overrides, the backend's among them) on 2 ranks in one torchrun
+    job, so the job's processes, imports and process group are paid for once; the larger rank's
+    result per case."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "cases.json").write_text(json.dumps(cases))
     torchrun(Path(__file__).resolve(), ["--worker", out], timeout=900)
@@ -165,7 +173,8 @@ def run_fsdp2(cases: dict[str, list[str]], out: Path) -> dict[str, dict]:
 
 
 def fsdp2_case(model: str, micro: int, peft: str, precision: str) -> list[str]:
-    return [f"model={model}", f"peft={peft}", f"precision={precision}", f"train.micro_batch_size={micro}"]
+    return [f"model={model}", f"peft={peft}", f"precision={precision}", f"train.micro_batch_size={micro}",
+            "backend=fsdp2"]
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +199,29 @@ def test_smollm2_135m_fsdp2_two_ranks(peft, precision, tmp_path):
            f"smollm2-135m fsdp2x2 {peft} {precision}")
 
 
+# backend=megatron, 2 ranks: tensor parallel with a torch AdamW (full fine-tune and LoRA), and
+# Megatron-Core's distributed optimizer over 2 data-parallel ranks (fp32 and bf16 parameters
+# with fp32 main weights)
+MEGATRON = {"tp2-none-fp32": ["backend.tp=2", "peft=none", "precision=fp32"],
+            "tp2-lora-fp32": ["backend.tp=2", "peft=lora", "precision=fp32"],
+            "dp2-distopt-fp32": ["backend.distributed_optimizer=true", "peft=none", "precision=fp32"],
+            "dp2-distopt-bf16-mixed": ["backend.distributed_optimizer=true", "peft=none", "precision=bf16-mixed"]}
+
+
+@pytest.fixture(scope="module")
+def tiny_megatron(tmp_path_factory):
+    pytest.importorskip("megatron.core")
+    cases = {name: ["model=tiny", "train.micro_batch_size=4", "backend=megatron", *ov] for name, ov in MEGATRON.items()}
+    return run_fsdp2(cases, tmp_path_factory.mktemp("megatron"))
+
+
+@pytest.mark.slow  # one 2-rank job, ~1 min on 2 cores
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", sorted(MEGATRON))
+def test_megatron_two_ranks(tiny_megatron, case):
+    _check(tiny_megatron[case], f"tiny megatron x2 {case}")
+
+
 def _worker(out: str) -> None:
     """One rank of the fsdp2 comparisons: measure each case in turn, write <case>/rank<r>.json."""
     import gc
@@ -197,7 +229,7 @@ def _worker(out: str) -> None:
     rank = int(os.environ["RANK"])
     for name, overrides in json.loads(Path(out, "cases.json").read_text()).items():
         gc.collect()  # the last case's runner is freed before this one's baseline is taken
-        res = measure([*overrides, "backend=fsdp2", "hardware.procs=2"], Path(out) / name / f"r{rank}")
+        res = measure([*overrides, "hardware.procs=2"], Path(out) / name / f"r{rank}")
         Path(out, name, f"rank{rank}.json").write_text(json.dumps(res, default=float))
 
 

@@ -70,7 +70,8 @@ CPU_WITH_MEGATRON = rules.Env(packages=frozenset({"megatron"}))
 
 @pytest.mark.parametrize("overrides, message", [
     (["backend.fp8=hybrid"], r"\[megatron-fp8\] backend.fp8 needs Transformer Engine"),
-    (["peft=lora"], r"\[lora-megatron\] peft=lora is not built for backend=megatron"),
+    (["peft=lora", "peft.dropout=0.1"], r"\[lora-megatron-dropout\] peft.dropout=0.1"),
+    (["backend.distributed_optimizer=true", "optim.name=sgd"], r"\[megatron-distopt-adam\]"),
     (["backend.recompute=some"], r"\[megatron-recompute-choice\] backend.recompute='some'"),
     (["backend.sequence_parallel=true"], r"\[megatron-sequence-parallel\].*backend.tp > 1"),
     (["backend.sequence_parallel=true", "backend.tp=2", "hardware.procs=2"], r"Transformer Engine or Apex"),

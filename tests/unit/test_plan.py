@@ -101,6 +101,43 @@ def test_full_finetune_bytes_per_param():
     assert e.master / c.total == pytest.approx(4)
 
 
+def test_megatron_terms_follow_what_the_backend_holds():
+    kw = dict(peft="none", precision="bf16-mixed", backend="megatron", devices=8, tp=2, micro_batch=1, seq_len=16,
+              hf_copy=True)
+    c, _, torch_opt = _est(**kw)
+    per_dev = c.total / 2  # tp=2 (the 70B's embedding is split over TP like the blocks)
+    # a torch AdamW over this rank's shard: fp32 params, grads and 2 moments on every data-parallel rank
+    assert (torch_opt.grads + torch_opt.optimizer) / per_dev == pytest.approx(12)
+    assert torch_opt.master == 0
+    # plus the runner's HF model, whole, in the trainable dtype (export reads the weights bridged back)
+    assert torch_opt.weights == pytest.approx(per_dev * 4 + c.total * 4)
+    _, _, dist = _est(**kw, distributed_optimizer=True)
+    # Megatron's optimizer: bf16 params, fp32 gradient buffer, fp32 main weights and moments over dp=4
+    assert dist.grads / per_dev == pytest.approx(4) and dist.master / per_dev == pytest.approx(4 / 4)
+    assert dist.optimizer / per_dev == pytest.approx(8 / 4)
+    assert dist.weights == pytest.approx(per_dev * 2 + c.total * 4)
+
+
+def test_megatron_lora_layout_and_released_base():
+    peft = lora()
+    c, _, e = _est(peft="lora", peft_cfg=peft, precision="bf16-mixed", backend="megatron", devices=8, tp=8,
+                   micro_batch=1, seq_len=16)
+    # column projections' A and row projections' B are whole on every TP rank, the rest split
+    m = model_cfg("70b")
+    a = m.arch
+    d = a.head_dim or a.hidden // a.heads
+    q, kv = a.heads * d, a.kv_heads * d
+    whole = a.layers * 16 * 7 * a.hidden  # A of q, k, v, gate, up (r x hidden); B of o, down (hidden x r)
+    split = a.layers * 16 * (q + 2 * kv + 2 * a.intermediate + q + a.intermediate)
+    assert c.lora == whole + split and c.lora_split == split
+    assert e.grads / 4 == pytest.approx(whole + split / 8)
+    # the HF model kept only its adapters, on the host (run.keeps_hf_base): the device holds the shards
+    assert e.weights == pytest.approx(c.total / 8 * 2 + (whole + split / 8) * 4) and e.host == c.lora * 4
+    kept = estimate(c, a, Setup(peft="lora", precision="bf16-mixed", backend="megatron", devices=8, tp=8,
+                                micro_batch=1, seq_len=16, hf_copy=True))
+    assert kept.weights - e.weights == pytest.approx(c.total * 2 + c.lora * 4)
+
+
 def test_sharding_ladder_and_offload():
     kw = dict(peft="none", precision="bf16-mixed", backend="deepspeed", devices=8, micro_batch=1, seq_len=512)
     c = _est(**kw)[0]

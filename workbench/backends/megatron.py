@@ -1,28 +1,39 @@
 """backend=megatron: train on a Megatron-Core GPTModel (TP, PP, EP, SP, recompute) behind the runner.
 
-    python -m workbench backend=megatron backend.tp=2 hardware.procs=2 peft=none
-    torchrun --nproc_per_node=2 -m workbench backend=megatron backend.pp=2 peft=none
+    python -m workbench backend=megatron backend.tp=2 hardware.procs=2             # LoRA (peft=lora, the default)
+    python -m workbench backend=megatron backend.tp=2 hardware.procs=2 peft=none   # full fine-tuning
+    python -m workbench backend=megatron hardware.procs=2 peft=none backend.distributed_optimizer=true
+    torchrun --nproc_per_node=2 -m workbench backend=megatron backend.pp=2 method=dpo
 
 `wrap()` builds this rank's GPTModel shard from the HF model the runner loaded (bridge in
-workbench/megatron/bridge.py) and hands methods `MegatronLM`, a module with SelectiveLM's
-forward(input_ids, attention_mask, position_ids, select) returning logits at `select`
-gathered over TP, so SFT and DPO run unchanged. `forward_backward` runs Megatron-Core's own
-schedule (`get_forward_backward_func`): with PP=1 each micro-batch's forward step is the
+workbench/megatron/bridge.py; with peft=lora the unmerged base, then LoRA adapters on the
+parallel linears initialised from the runner's PEFT adapters, workbench/megatron/lora.py; for a
+reward model a scalar head on the last stage) and hands methods `MegatronLM`
+(workbench/megatron/lm.py), SelectiveLM's forward on it. `forward_backward` runs Megatron-Core's
+own schedule (`get_forward_backward_func`): with PP=1 each micro-batch's forward step is the
 method's loss; with PP>1 the last stage hands the method a view of the stage's logits (the
-method must call the model once per micro-batch). Gradients are then summed over data-parallel
-ranks, sequence-parallel norms over TP and tied embeddings between first and last stage.
+method must call the model once per micro-batch).
+
+Optimizer: a torch optimizer over this rank's trainable parameters, gradients reduced by
+workbench/megatron/grads.py (data-parallel; experts over expert-data-parallel), or with
+`backend.distributed_optimizer=true` Megatron-Core's DDP and distributed optimizer
+(workbench/megatron/optimizer.py: state sharded over data-parallel ranks, its clipping and
+mixed precision).
 
 Data: a rank's *data-parallel* rank and size decide its slice of the global batch (TP and PP
 peers train on the same examples); the resolved run's layout (workbench/config/resolved.py) holds them
 and `wrap()` checks that Megatron-Core's process groups agree.
 Checkpoints: the canonical format (workbench/train/canonical.py) under Hugging Face names, so
-any layout reads them. Writing gathers nothing: each TP block of a weight or an Adam moment is
-a rectangular block of the HF tensor (the bridge's `pieces`), written as a DTensor shard over
-the TP group; replicated norms are plain tensors, PP stages write their own keys. Reading, every
-rank reads the full HF tensors of its stage and bridges weights and moments alike
-(`to_megatron`). MoE experts are gathered over the ranks before writing.
-`unwrapped()` is the HF model with the current weights bridged back (refreshed after the last
-step, at eval steps and, for GRPO's rollouts, after every step; on one process also on demand).
+any layout and backend reads them. Base weights and their Adam moments: each TP block is a
+rectangular block of the HF tensor (the bridge's `pieces`), written as a DTensor shard over the
+TP group; replicated norms are plain tensors, PP stages write their own keys; MoE experts are
+gathered first. LoRA adapters and their moments (small) are gathered whole under the keys PEFT
+writes. With the distributed optimizer the fp32 main weights are what is written. Reading, every
+rank reads the whole HF tensors of its stage and cuts its shards (`bridge.to_megatron`,
+`lora.to_megatron`; the mapping is elementwise, so a moment goes where its weight goes).
+`unwrapped()` is the HF model with the current weights (with LoRA: the adapters) bridged back
+(refreshed after the last step, at eval steps and, for methods that generate, after every step;
+on one process also on demand).
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ from workbench.train import canonical
 from workbench.train import precision as prec
 from workbench.train.batch import StepBatch
 from workbench.train.distributed import ensure_process_group
-from workbench.train.optim import build_optimizer, build_scheduler
+from workbench.train.optim import build_optimizer, build_scheduler, lr_factor
 
 
 @dataclass
@@ -73,68 +84,21 @@ def check(cfg, hf_config, world_size: int) -> None:
     check_parallel(hf_config, parallel(cfg), world_size)
 
 
-class MegatronLM(nn.Module):
-    """SelectiveLM's forward on a Megatron-Core GPTModel (PP=1): logits at `select`, full vocabulary."""
+def _init_model_parallel(par) -> None:
+    """Megatron-Core's process groups for `par` (made again when a process trains another layout)."""
+    from megatron.core import parallel_state as ps
 
-    def __init__(self, gpt: nn.Module, vocab: int):
-        super().__init__()
-        self.gpt = gpt
-        self.vocab = vocab
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None):
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-        logits = stage_forward(self.gpt, input_ids, attention_mask, position_ids)
-        return gather_logits(logits, select, self.vocab, gather_from_tensor_model_parallel_region)
-
-
-def stage_forward(gpt, input_ids, attention_mask, position_ids):
-    """One PP stage's output: hidden states [s,b,h], or logits [b,s,V/tp] on the last stage."""
-    from workbench.megatron.attention import attention_mask as build_mask
-    from workbench.megatron.cpu_shim import cpu_device
-
-    b, s = input_ids.shape
-    arange = torch.arange(s, device=input_ids.device).expand(b, s)
-    if position_ids is not None and not torch.equal(position_ids, arange):
-        raise RuntimeError("backend=megatron applies RoPE at positions 0..T-1; packed position_ids are not supported")
-    with cpu_device():
-        return gpt(input_ids, arange, build_mask(attention_mask, s, b, input_ids.device))
-
-
-def gather_logits(logits, select, vocab, gather):
-    if select is not None:
-        logits = logits[select]
-    return gather(logits)[..., :vocab]
-
-
-class _LogitsView(nn.Module):
-    """What the method sees on the last PP stage: the logits the schedule already computed."""
-
-    def __init__(self, logits, micro, vocab, gather):
-        super().__init__()
-        self.logits, self.micro, self.vocab, self.gather = logits, micro, vocab, gather
-        self.used = False
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None):
-        if self.used or input_ids is not self.micro["input_ids"]:
-            raise RuntimeError("with backend.pp > 1 a method's loss must call the model once, on micro['input_ids']")
-        self.used = True
-        return gather_logits(self.logits, select, self.vocab, self.gather)
-
-
-def _pad_micro(micro: dict, length: int) -> dict:
-    """Right-pad every [B, T] tensor to `length` (pads never attend into real tokens, never selected)."""
-    ids = micro["input_ids"]
-    b, t = ids.shape
-    if t == length:
-        return micro
-    out = dict(micro)
-    for k, v in micro.items():
-        if isinstance(v, torch.Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (b, t):
-            fill = -100 if k == "labels" else 0
-            pad = v.new_full((b, length - t, *v.shape[2:]), fill)
-            out[k] = torch.cat([v, pad], dim=1)
-    return out
+    if ps.model_parallel_is_initialized():
+        now = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+               ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+        if now == (par.tp, par.pp, par.cp, par.ep):
+            return
+        ps.destroy_model_parallel()
+        # 0.16.1's destroy leaves this rank list behind, and initialize sets it only on the
+        # embedding group's members: a middle stage would take itself for a member
+        ps._EMBEDDING_GLOBAL_RANKS = None
+    ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
+                                 context_parallel_size=par.cp, expert_model_parallel_size=par.ep)
 
 
 class MegatronBackend(Backend):
@@ -149,66 +113,119 @@ class MegatronBackend(Backend):
     def wrap(self, train_module: nn.Module, ctx) -> None:
         from megatron.core import parallel_state as ps
 
-        from workbench.megatron import bridge
+        from workbench.megatron import bridge, lora
+        from workbench.megatron.lm import MegatronLM
         from workbench.megatron.model import build_gpt
         from workbench.peft.lora import base_model
 
         self.train_module = train_module
-        self.hf = base_model(train_module.inner)
+        inner = train_module.inner
+        self.hf = base_model(inner)
         self.hf_config = self.hf.config
         ensure_process_group(ctx.device)
-        world = dist.get_world_size()
-        check(self.cfg, self.hf_config, world)
+        check(self.cfg, self.hf_config, dist.get_world_size())
         self.par = parallel(self.cfg)
-        if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=self.par.tp,
-                                         pipeline_model_parallel_size=self.par.pp,
-                                         context_parallel_size=self.par.cp,
-                                         expert_model_parallel_size=self.par.ep)
+        _init_model_parallel(self.par)
         self.layout = bridge.rank_layout()
         if ctx.device == "cuda":  # Megatron's dropout / recompute RNG streams live on the GPU
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(ctx.cfg.train.seed)
-        self.pol = ctx.run.precision
-        self.device = ctx.device
-        self.gpt = build_gpt(self.hf_config, self.par, self.pol.trainable_dtype)
+        run = ctx.run
+        self.pol, self.device = run.precision, ctx.device
+        self.adapter, self.distopt = run.peft.adapter, bool(self.cfg.distributed_optimizer)
+        self.tied = bool(self.hf_config.tie_word_embeddings)
+        dtype = self._params_dtype()
+        self.gpt = build_gpt(self.hf_config, self.par, dtype, scalar_head=run.facts.scalar_head)
+        if self.adapter:
+            bridge.load_into(self.gpt, bridge.to_megatron(lora.base_state(inner), self.hf_config, self.layout))
+            lora.attach(self.gpt, self.hf_config, lora.spec_of(inner))
+            lora.load(self.gpt, lora.peft_tensors(inner), self.hf_config, self.layout)
+            if run.facts.scalar_head and self.gpt.post_process:  # the reward head trains beside the adapters
+                head = self.gpt.output_layer.weight
+                head.data = head.data.to(self.pol.trainable_dtype)
+                head.requires_grad_(True)
+        else:
+            bridge.load_into(self.gpt, bridge.to_megatron(bridge.merged_hf_state(inner), self.hf_config,
+                                                          self.layout))
+        if not run.keeps_hf_base:
+            _release_base(inner)
         if ctx.device == "cuda":
             self.gpt.cuda()
-        bridge.load_into(self.gpt, bridge.to_megatron(bridge.merged_hf_state(train_module.inner),
-                                                      self.hf_config, self.layout))
-        self.module = MegatronLM(self.gpt, self.hf_config.vocab_size)
         self.dp_group = ps.get_data_parallel_group()
         self.dp = dist.get_world_size(self.dp_group)
         # Data-parallel rank decides the slice of the global batch; TP/PP peers share it. Methods
         # read it from the resolved layout, which must be Megatron-Core's own rank order.
-        lay = ctx.run.layout
+        lay = run.layout
         if (ps.get_data_parallel_rank(), self.dp) != (lay.dp_rank, lay.dp):
             raise RuntimeError(f"megatron: data-parallel rank/size {ps.get_data_parallel_rank()}/{self.dp} differ from "
                                f"the resolved layout's {lay.dp_rank}/{lay.dp}")
-        self.optimizer = build_optimizer(self.gpt.parameters(), ctx.cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, ctx.cfg.optim, ctx.cfg.train.max_steps)
+        self.max_steps = ctx.cfg.train.max_steps
         self.max_grad_norm = ctx.cfg.optim.max_grad_norm
+        self.optimizer = self.scheduler = self.mopt = None
+        if self.distopt:
+            from workbench.megatron.optimizer import DistributedOptimizer
+
+            self.mopt = DistributedOptimizer(self.gpt, ctx.cfg.optim, dtype)
+            self.chunk = self.mopt.ddp
+        else:
+            self.chunk = self.gpt
+            self.optimizer = build_optimizer(self.gpt.parameters(), ctx.cfg.optim)
+            self.scheduler = build_scheduler(self.optimizer, ctx.cfg.optim, self.max_steps)
+        head = "scalar" if run.facts.scalar_head else "shard" if run.facts.teacher else "gather"
+        switch = next((m for m in inner.modules() if hasattr(m, "lora_A")), None) if self.adapter else None
+        self.module = MegatronLM(self.chunk, self.hf_config.vocab_size, head, switch)
         self.steps = 0
+
+    def _params_dtype(self) -> torch.dtype:
+        """A LoRA base is frozen: the policy's frozen dtype. Megatron's own optimizer keeps
+        half-precision parameters with fp32 main weights (its mixed precision); the torch
+        optimizer trains the policy's trainable dtype under autocast."""
+        if self.adapter:
+            return self.pol.frozen_dtype
+        if self.distopt and self.pol.autocast_dtype is not None:
+            return self.pol.autocast_dtype
+        return self.pol.trainable_dtype
 
     def unwrapped(self) -> nn.Module:
         if dist.get_world_size() == 1:
             self._sync_hf()
         return self.train_module
 
+    def gathered_model(self) -> nn.Module | None:
+        """The trained HF model for eval and export. Where the HF copy kept only its trainable
+        tensors (run.keeps_hf_base), rank 0 rebuilds the base from its source on the CPU and
+        takes those tensors (every rank holds them, bridged back); the other ranks get None."""
+        module = self.unwrapped()
+        if self.ctx.run.keeps_hf_base:
+            return module.inner
+        if dist.get_rank() != 0:
+            return None
+        from workbench.models.build import rebuild_plain
+
+        trainable = {f"inner.{n}": p.detach() for n, p in module.inner.named_parameters() if p.requires_grad}
+        return rebuild_plain(self.ctx.run, trainable, only=set(trainable))
+
     def generation(self):
         return contextlib.nullcontext((self.unwrapped().inner, False))  # the bridged HF copy
 
     def _sync_hf(self) -> None:
-        """Bridge the current Megatron weights back into the HF model (collective over all ranks)."""
-        from workbench.megatron import bridge
+        """Bridge the current trainable weights back into the HF model (collective over all ranks)."""
+        from workbench.megatron import bridge, lora
 
-        state = bridge.to_hf(self.gpt, self.hf_config, self.layout)
-        target = self.hf.state_dict()
         with torch.no_grad():
-            for k, v in state.items():
-                if k in target:
-                    target[k].copy_(v)
+            if self.adapter:
+                full = lora.to_hf(self.gpt, self.hf_config, self.layout)
+                for key, p in lora.peft_tensors(self.train_module.inner).items():
+                    p.copy_(full[key])
+            rest = {n for n, p in self.gpt.named_parameters() if p.requires_grad and not lora.is_adapter(n)}
+            if not self.adapter or rest:
+                state = bridge.to_hf(self.gpt, self.hf_config, self.layout,
+                                     keep=(lambda n: n in rest) if self.adapter else None)
+                target = self.hf.state_dict()
+                for k, v in state.items():
+                    if k in target:
+                        target[k].copy_(v)
 
     # -- step ----------------------------------------------------------------------------
     def _sum(self, value: float, group) -> float:
@@ -219,12 +236,17 @@ class MegatronBackend(Backend):
         return float(t.item())
 
     def forward_backward(self, batch: StepBatch, loss_fn) -> dict[str, float]:
-        from megatron.core import parallel_state as ps
+        from workbench.megatron import grads
 
+        if self.mopt is not None:
+            self.mopt.zero_grad()
         denom = self._sum(batch.denom, self.dp_group)
         sums = self._schedule(list(batch.micro), loss_fn, 1.0 / max(denom, 1e-12), forward_only=False,
                               seeds=batch.micro_seeds)
-        self._reduce_grads(ps)
+        if self.mopt is not None:
+            self.mopt.finalize()
+        else:
+            grads.reduce(self.gpt, self.tied, self.par.sequence_parallel)
         out = {k: self._sum(v, self.dp_group) for k, v in sums.items()}
         loss = out.pop("loss_sum") / max(denom, 1e-12)
         return {"loss": loss, **out}
@@ -235,37 +257,44 @@ class MegatronBackend(Backend):
 
             with cpu_device():  # the TP gather of the logits asks torch.cuda for a device
                 return forward_only(self.module, micro, loss_fn, self.pol, self.device)
-        self.gpt.eval()
+        self.chunk.eval()
         try:
             with torch.no_grad():
                 return self._schedule([micro], loss_fn, 1.0, forward_only=True)["loss_sum"]
         finally:
-            self.gpt.train()
+            self.chunk.train()
 
     def _schedule(self, micro: list, loss_fn, scale: float, forward_only: bool, seeds=None) -> dict[str, float]:
         """Megatron-Core's schedule over `micro`; the method's summed metrics, summed over PP stages
-        (only the last stage computes the loss: it names the sums, every stage joins)."""
+        (only the last stage computes the loss: it names the sums, every stage joins, zeros elsewhere)."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather
 
+        from workbench.megatron import lora
         from workbench.megatron.cpu_shim import cpu_device
+        from workbench.megatron.lm import LogitsView, pad_micro, stage_forward
 
         if not forward_only:
-            self.gpt.train()
+            self.chunk.train()
         length = max(m["input_ids"].shape[1] for m in micro)
+        if self.par.ep > 1:
+            # the MoE token dispatcher all-gathers tokens over the expert-parallel ranks, which hold
+            # other examples: every rank's micro-batches get the longest length of all of them
+            t = torch.tensor([length])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            length = int(t)
         if self.par.sequence_parallel:
             length = -(-length // self.par.tp) * self.par.tp
-        if self.par.pp > 1 or self.par.sequence_parallel:
-            micro = [_pad_micro(m, length) for m in micro]
+        if self.par.pp > 1 or self.par.sequence_parallel or self.par.ep > 1:
+            micro = [pad_micro(m, length) for m in micro]
         sums: dict[str, float] = {}
-        vocab = self.hf_config.vocab_size
+        vocab, head = self.hf_config.vocab_size, self.module.head
 
         def loss_func(m, output):
             if self.par.pp == 1:
                 loss_sum, metrics = output
             else:
-                loss_sum, metrics = loss_fn(_LogitsView(output, m, vocab, gather), m)
+                loss_sum, metrics = loss_fn(LogitsView(output, m, vocab, head), m)
             for k, v in {"loss_sum": float(loss_sum.detach()), **metrics}.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
             return loss_sum.float() * scale, torch.tensor(1, dtype=torch.int), {}
@@ -282,12 +311,13 @@ class MegatronBackend(Backend):
                     loss_sum, metrics = loss_fn(self.module, m)
                     out = loss_sum.reshape(())
                     return out, lambda o: loss_func(m, (o, metrics))
-                out = stage_forward(model, m["input_ids"], m.get("attention_mask"), None)
+                lora.set_enabled(model, True)
+                out = stage_forward(model, m["input_ids"], m.get("attention_mask"), m.get("position_ids"))
             return out, lambda o: loss_func(m, o)
 
         fb = get_forward_backward_func()
         with cpu_device():
-            fb(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.gpt],
+            fb(forward_step_func=forward_step, data_iterator=iter(micro), model=[self.chunk],
                num_microbatches=len(micro), seq_length=length, micro_batch_size=micro[0]["input_ids"].shape[0],
                forward_only=forward_only)
         names = [sorted(sums)]
@@ -296,71 +326,73 @@ class MegatronBackend(Backend):
             dist.broadcast_object_list(names, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group)
         return {k: self._sum(sums.get(k, 0.0), pp_group) for k in names[0]}
 
-    def _reduce_grads(self, ps) -> None:
-        params = [p for p in self.gpt.parameters() if p.requires_grad and p.grad is not None]
-        if self.dp > 1:
-            for p in params:
-                dist.all_reduce(p.grad, group=self.dp_group)  # losses are already / global denom
-        if self.par.sequence_parallel:  # norms see only this rank's tokens under SP
-            for p in params:
-                if getattr(p, "sequence_parallel", False):
-                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-        if self.par.pp > 1 and self.hf_config.tie_word_embeddings and ps.is_rank_in_embedding_group():
-            w = self.gpt.shared_embedding_or_output_weight()
-            if w.grad is None:
-                w.grad = torch.zeros_like(w)
-            dist.all_reduce(w.grad, group=ps.get_embedding_group())
-
-    def _grad_norm(self, ps) -> torch.Tensor:
-        """Global L2 norm: TP shards and PP stages summed once, replicated tensors counted once."""
-        tp_rank = ps.get_tensor_model_parallel_rank()
-        dense = torch.zeros((), dtype=torch.float64)
-        expert = torch.zeros((), dtype=torch.float64)
-        tied_copy = (self.par.pp > 1 and self.hf_config.tie_word_embeddings and ps.is_pipeline_last_stage()
-                     and not ps.is_pipeline_first_stage())
-        for name, p in self.gpt.named_parameters():
-            if p.grad is None:
-                continue
-            if tied_copy and name == "output_layer.weight":
-                continue  # the same tensor as the first stage's embedding
-            if not getattr(p, "tensor_model_parallel", False) and tp_rank != 0:
-                continue
-            sq = p.grad.detach().double().pow(2).sum()
-            if getattr(p, "allreduce", True):
-                dense += sq
-            else:
-                expert += sq
-        dist.all_reduce(dense, group=ps.get_model_parallel_group())
-        if self.par.ep > 1 or any(not getattr(p, "allreduce", True) for p in self.gpt.parameters()):
-            dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
-        return (dense + expert).sqrt()
-
     def optimizer_step(self) -> dict[str, float]:
-        from megatron.core import parallel_state as ps
+        from workbench.megatron import grads
 
-        gn = self._grad_norm(ps)
-        if self.max_grad_norm > 0:
-            coef = torch.clamp(self.max_grad_norm / (gn + 1e-6), max=1.0)
-            for p in self.gpt.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef.to(p.grad.dtype))
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.mopt is not None:
+            o = self.ctx.cfg.optim
+            lr = o.lr * lr_factor(self.steps, o, self.max_steps)
+            gn = self.mopt.step(lr)
+        else:
+            gn = grads.norm(self.gpt, self.tied)
+            if self.max_grad_norm > 0:
+                coef = torch.clamp(self.max_grad_norm / (gn + 1e-6), max=1.0)
+                for p in self.gpt.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef.to(p.grad.dtype))
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         t = self.ctx.cfg
-        # GRPO generates with unwrapped() every step, so it needs the bridge back every step.
-        if (self.steps >= t.train.max_steps or t.method.name == "grpo"
+        # Methods that generate read unwrapped() every step, so they need the bridge back every step.
+        if (self.steps >= t.train.max_steps or self.ctx.run.facts.generates
                 or (t.eval.every_n_steps and self.steps % t.eval.every_n_steps == 0)):
             self._sync_hf()  # export and eval read the HF model; every rank joins the gather
         return {"grad_norm": float(gn), "lr": lr}
 
+    def local_bytes(self) -> dict[str, int]:
+        """Bytes of the GPTModel's parameters and of the optimizer state this rank holds."""
+        params = sum(p.numel() * p.element_size() for p in self.gpt.parameters())
+        if self.mopt is not None:
+            return {"params": params, "optimizer": self.mopt.local_bytes()}
+        optim = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
+                    if torch.is_tensor(t) and t.dim() > 0)
+        return {"params": params, "optimizer": optim}
+
     # -- state (workbench/train/canonical.py) ----------------------------------------------------
-    def _canonical_pieces(self, pairs, prefix: str) -> dict:
-        """{prefix + HF name: this rank's block} for (Megatron name, tensor) pairs: a DTensor shard
-        over the TP group where the bridge splits the tensor, a plain tensor where it is replicated
-        (DCP writes one copy). Vocabulary rows lose the TP padding (an uneven last shard)."""
+    def _trainable(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.gpt.named_parameters() if p.requires_grad}
+
+    def _optimizer_state(self) -> tuple[int, dict, dict]:
+        """(step, {moment: {name: tensor}}, {name: fp32 main weight} (distributed optimizer only))."""
+        if self.mopt is not None:
+            return self.mopt.full_state()
+        names = {p: n for n, p in self._trainable().items()}
+        st = {names[p]: s for p, s in self.optimizer.state.items() if s}
+        step = int(next(iter(st.values()))["step"]) if st and "step" in next(iter(st.values())) else 0
+        moments = {k: {n: s[k] for n, s in st.items() if k in s} for k in MOMENTS}
+        return step, {k: v for k, v in moments.items() if v}, {}
+
+    def _kinds(self) -> tuple[str, ...]:
+        """The optimizer state a checkpoint carries: Adam's moments (Megatron's optimizer is Adam)."""
+        if self.mopt is not None or isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            return MOMENTS
+        return ()
+
+    def _head_name(self) -> str:
+        """The canonical name of the reward head: `lm_head.weight`, or under adapters PEFT's name
+        for it, as backend=single writes it."""
+        if not self.adapter:
+            return "lm_head.weight"
+        return next(canonical.canonical_name(n) for n, p in self.train_module.named_parameters()
+                    if p.requires_grad and "lora_" not in n)
+
+    def _base_pieces(self, pairs, prefix: str) -> dict:
+        """{prefix + HF name: this rank's block} for (Megatron name, tensor) pairs of base weights:
+        a DTensor shard over the TP group where the bridge splits the tensor, a plain tensor where it
+        is replicated (DCP writes one copy). Vocabulary rows lose the TP padding (an uneven last shard)."""
         from workbench.megatron import bridge
 
         out, experts = {}, []
@@ -368,15 +400,36 @@ class MegatronBackend(Backend):
         for name, key, dim, t in bridge.pieces(pairs, self.hf_config, self.layout):
             if "#expert." in name:
                 experts.append((name, key, dim, t))
+            elif key == ():  # norms, a reward model's scalar head
+                out[prefix + (self._head_name() if name == "lm_head.weight" else name)] = t
             elif name in ("model.embed_tokens.weight", "lm_head.weight"):
                 lo = self.layout.tp_rank * t.shape[0]
                 out[prefix + name] = self._tp_shard(t[:max(0, min(t.shape[0], vocab - lo))], 0, vocab)
-            elif key == ():
-                out[prefix + name] = t
             else:
                 out[prefix + name] = self._tp_shard(t, dim, t.shape[dim] * self.layout.tp)
         if experts:  # a rank holds two row blocks of the fused gate_up tensor: gather, write whole
             out.update({prefix + k: v for k, v in self._gathered_experts(experts).items()})
+        return out
+
+    def _adapter_pieces(self, pairs, prefix: str) -> dict:
+        """Whole PEFT tensors of the adapters in (adapter parameter name, tensor) pairs, gathered
+        over every rank (adapters are small); every rank writes them alike, DCP keeps one copy."""
+        from workbench.megatron import lora
+
+        mine = lora.pieces(pairs, self.hf_config, self.layout)
+        everyone = [mine]
+        if dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)  # in-process tensors, never from files
+        return {prefix + _peft_name(k): v for k, v in lora.assemble(everyone).items()}
+
+    def _pieces(self, tensors: dict, prefix: str) -> dict:
+        from workbench.megatron import lora
+
+        base = [(n, t) for n, t in tensors.items() if not lora.is_adapter(n)]
+        out = self._base_pieces(base, prefix) if base else {}
+        if self.adapter:  # collective: every rank joins
+            out.update(self._adapter_pieces([(n, t) for n, t in tensors.items() if lora.is_adapter(n)], prefix))
         return out
 
     def _tp_shard(self, t: torch.Tensor, dim: int, full: int):
@@ -407,25 +460,20 @@ class MegatronBackend(Backend):
         bridge._assemble_experts(by_name, out)
         return out
 
-    def _moments(self) -> tuple[str, ...]:
-        return ("exp_avg", "exp_avg_sq") if isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW) else ()
-
     def canonical_state(self) -> dict:
-        named = [(n, p) for n, p in self.gpt.named_parameters()]
-        flat = self._canonical_pieces([(n, p.detach()) for n, p in named], "model/")
-        state = [self.optimizer.state.get(p, {}) for _, p in named]
-        if not all(state) or not self._moments():
-            return flat
-        for key in self._moments():
-            moments = self._canonical_pieces([(n, st[key]) for (n, _), st in zip(named, state)], "optim/")
-            flat.update({f"{k}/{key}": v for k, v in moments.items()})
-        step = torch.tensor(float(state[0]["step"]))
-        for k in [k for k in flat if k.startswith("model/")]:
-            flat[f"optim/{k[6:]}/step"] = step.clone()
+        step, moments, masters = self._optimizer_state()
+        weights = {n: masters.get(n, p.detach()) for n, p in self._trainable().items()}
+        flat = self._pieces(weights, "model/")
+        for kind in self._kinds():
+            if kind in moments:
+                flat.update({f"{k}/{kind}": v for k, v in self._pieces(moments[kind], "optim/").items()})
+        if moments:
+            for k in [k for k in flat if k.startswith("model/")]:
+                flat[f"optim/{k[6:]}/step"] = torch.tensor(float(step))
         return flat
 
     def _stage_names(self) -> dict[str, torch.Size]:
-        """HF names (and full shapes) of what this rank's PP stage holds."""
+        """HF names (and full shapes) of what this rank's PP stage holds (full fine-tuning)."""
         from workbench.megatron import bridge
 
         cfg, lay = self.hf_config, self.layout
@@ -442,36 +490,69 @@ class MegatronBackend(Backend):
         return out
 
     def load_canonical(self, read) -> None:
-        from workbench.megatron import bridge
+        from workbench.megatron import bridge, lora
 
-        names, moments = self._stage_names(), self._moments()
-        want = {f"model/{k}": torch.empty(s) for k, s in names.items()}
-        for k, s in names.items():
-            for key in moments:
-                want[f"optim/{k}/{key}"] = torch.empty(s)
-            if moments:
+        params = self._trainable()
+        base = [n for n in params if not lora.is_adapter(n)]
+        adapters = [n for n in params if lora.is_adapter(n)]
+        kinds = self._kinds()
+        shapes: dict[str, torch.Size] = {}
+        if base and not self.adapter:
+            shapes.update(self._stage_names())
+        elif base:  # an adapter run's reward head
+            shapes[self._head_name()] = self.gpt.output_layer.weight.shape
+        peft = {}  # PEFT module key (lora.key_of) -> canonical name
+        if adapters:
+            whole = lora.peft_tensors(self.train_module.inner)
+            for n in adapters:
+                key, _ = lora.key_of(n, self.hf_config, self.layout)
+                peft[key] = _peft_name(key)
+                shapes[peft[key]] = whole[key].shape
+        want = {}
+        for k, shape in shapes.items():
+            want[f"model/{k}"] = torch.empty(shape)
+            for kind in kinds:
+                want[f"optim/{k}/{kind}"] = torch.empty(shape)
+            if kinds:
                 want[f"optim/{k}/step"] = torch.tensor(0.0)
         read(want)
-        dtype = next(self.gpt.parameters()).dtype
-        bridge.load_into(self.gpt, {n: t.to(dtype) for n, t in bridge.to_megatron(
-            {k: want[f"model/{k}"] for k in names}, self.hf_config, self.layout).items()})
-        if not moments:
-            return
-        local = {key: bridge.to_megatron({k: want[f"optim/{k}/{key}"] for k in names}, self.hf_config, self.layout)
-                 for key in moments}
-        step = want[f"optim/{next(iter(names))}/step"]
-        for n, p in self.gpt.named_parameters():
-            st = self.optimizer.state[p]
-            for key in moments:
-                st[key] = local[key][n].to(p.device).clone()
-            st["step"] = step.clone()
+        local: dict[str, dict] = {}
+        for what in ("model", *kinds):
+            key = (lambda k: f"model/{k}") if what == "model" else (lambda k, w=what: f"optim/{k}/{w}")
+            got: dict = {}
+            if base and not self.adapter:
+                mapped = bridge.to_megatron({k: want[key(k)] for k in self._stage_names()}, self.hf_config,
+                                            self.layout)
+                missing = [n for n in base if n not in mapped]
+                if missing:
+                    raise RuntimeError(f"megatron: no HF tensor for {missing} in the checkpoint's mapping")
+                got.update({n: mapped[n] for n in base})
+            elif base:
+                got["output_layer.weight"] = want[key(self._head_name())]
+            if adapters:
+                got.update(lora.to_megatron({k: want[key(v)] for k, v in peft.items()}, adapters, self.hf_config,
+                                            self.layout))
+            local[what] = got
+        step = int(float(want[f"optim/{next(iter(shapes))}/step"])) if kinds and shapes else 0
+        model = local.pop("model")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(model[n].reshape(p.shape))
+        if self.mopt is not None:
+            self.mopt.load_full_state(step, local, model)
+        elif local:
+            for n, p in params.items():
+                self.optimizer.state[p] = {"step": torch.tensor(float(step)),
+                                           **{k: v[n].to(p).reshape(p.shape).clone() for k, v in local.items()}}
 
     def schedule_state(self) -> dict:
-        return {**canonical.schedule_state(self.scheduler), "steps": self.steps}
+        sched = canonical.schedule_state(self.scheduler) if self.scheduler is not None else {}
+        return {**sched, "steps": self.steps}  # the distributed optimizer's lr follows self.steps
 
     def load_schedule(self, state: dict) -> None:
-        canonical.apply_schedule(self.scheduler, self.optimizer, {k: v for k, v in state.items() if k != "steps"})
-        self.steps = int(state.get("steps", state["last_epoch"]))
+        if self.scheduler is not None:
+            canonical.apply_schedule(self.scheduler, self.optimizer, {k: v for k, v in state.items() if k != "steps"})
+        self.steps = int(state.get("steps", state.get("last_epoch", 0)))
 
     def _layout_record(self) -> dict:
         lay = self.layout
@@ -479,7 +560,8 @@ class MegatronBackend(Backend):
                 "ep_rank": lay.ep_rank}
 
     def load_legacy(self, path, rank: int) -> None:
-        """model{.rankN}.safetensors + optim{.rankN}.pt: this rank's Megatron-Core shard, same layout."""
+        """model{.rankN}.safetensors + optim{.rankN}.pt: this rank's Megatron-Core shard, same layout
+        (the format before the canonical one: full fine-tuning with a torch optimizer only)."""
         from safetensors.torch import load_file
 
         from workbench.megatron import bridge
@@ -487,13 +569,34 @@ class MegatronBackend(Backend):
         sfx = "" if rank == 0 else f".rank{rank}"
         state = torch.load(path / f"optim{sfx}.pt", weights_only=True)
         saved, mine = state.get("layout", {}), self._layout_record()
-        if any(saved.get(k) != v for k, v in mine.items()):
-            raise UserError(f"{path}: written with the Megatron layout {saved}, this run is {mine}; resume with "
-                            "that layout once (backend.tp/pp/ep) to convert it to the canonical format")
+        if any(saved.get(k) != v for k, v in mine.items()) or self.mopt is not None or self.adapter:
+            raise UserError(f"{path}: written with the Megatron layout {saved} and a torch optimizer; resume "
+                            f"it once with that layout, peft=none and backend.distributed_optimizer=false to "
+                            "convert it to the canonical format")
         bridge.load_into(self.gpt, load_file(path / f"model{sfx}.safetensors"))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state.get("steps", 0))
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _peft_name(key: str) -> str:
+    """The name PEFT saves an adapter tensor under, from its module key (lora.key_of):
+    model.layers.0.self_attn.q_proj.lora_A -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight."""
+    return f"base_model.model.{key}.weight"
+
+def _release_base(model: nn.Module) -> None:
+    """Replace the HF model's frozen parameters (the LoRA base the GPTModel now holds) by meta
+    tensors of their shapes: no memory, and any use fails loudly; shared (tied) ones stay shared."""
+    meta: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and not p.requires_grad:
+                if id(p) not in meta:
+                    meta[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=False)
+                mod._parameters[name] = meta[id(p)]
 
 
 def build(cfg, ctx) -> MegatronBackend:

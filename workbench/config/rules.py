@@ -261,7 +261,7 @@ RULES: list[Rule] = [
          "backend.activation_checkpointing=full"),
     Rule("qlora-megatron", {"peft": "qlora", "backend": "megatron"},
          lambda c, e: c.peft.kind == "qlora" and _backend(c) == "megatron",
-         "peft=qlora is not supported on backend=megatron (no 4-bit Megatron layers); use peft=none there, "
+         "peft=qlora is not supported on backend=megatron (no 4-bit Megatron layers); use peft=lora there, "
          "or peft=qlora with backend=fsdp2"),
     Rule("qlora-fp8", {"peft": "qlora", "precision": "fp8"},
          lambda c, e: c.peft.kind == "qlora" and c.precision.name == "fp8",
@@ -271,7 +271,8 @@ RULES: list[Rule] = [
          "peft=qlora needs bitsandbytes: pip install bitsandbytes (or use peft=lora)"),
     Rule("dora-megatron", {"peft": "dora", "backend": "megatron"},
          lambda c, e: c.peft.kind == "dora" and _backend(c) == "megatron",
-         "peft=dora is not supported on backend=megatron; use peft=none there, or peft=dora with backend=fsdp2"),
+         "peft=dora is not built for backend=megatron (a row-parallel layer's weight norms would need a TP "
+         "all-reduce per step); use peft=lora there, or peft=dora with backend=fsdp2"),
     # backends
     Rule("deepspeed-fp8", {"backend": "deepspeed", "precision": "fp8"},
          lambda c, e: _backend(c) == "deepspeed" and c.precision.name == "fp8",
@@ -354,10 +355,30 @@ RULES: list[Rule] = [
     Rule("megatron-fp8", {"backend": "megatron", "precision": "backend.fp8"},
          lambda c, e: _backend(c) == "megatron" and pick(c, "backend.fp8", None) is not None,
          "backend.fp8 needs Transformer Engine layer specs, which backend=megatron does not build yet: set backend.fp8=null"),
-    Rule("megatron-distributed-optimizer", {"backend": "megatron"},
-         lambda c, e: _backend(c) == "megatron" and bool(pick(c, "backend.distributed_optimizer", False)),
-         "backend.distributed_optimizer=true is not built yet; every data-parallel rank keeps full optimizer "
-         "state (set it to false)"),
+    Rule("megatron-distopt-fp16", {"backend": "megatron (distributed optimizer)", "precision": "fp16"},
+         lambda c, e: _backend(c) == "megatron" and bool(pick(c, "backend.distributed_optimizer", False))
+         and c.precision.name == "fp16",
+         "backend.distributed_optimizer=true keeps fp16 weights only with Megatron's loss scaler, which the "
+         "backend's schedule does not apply: use precision=bf16-mixed (or fp32)"),
+    Rule("megatron-distopt-adam", {"backend": "megatron (distributed optimizer)", "other": "optim.name=sgd"},
+         lambda c, e: _backend(c) == "megatron" and bool(pick(c, "backend.distributed_optimizer", False))
+         and c.optim.name != "adamw",
+         lambda c, e: f"backend.distributed_optimizer=true shards Adam's state; Megatron-Core 0.16's distributed "
+                      f"optimizer steps Adam only (distrib_optimizer.py:516): use optim.name=adamw, or "
+                      f"backend.distributed_optimizer=false for optim.name={c.optim.name}"),
+    Rule("megatron-moe-tp-needs-sp", {"backend": "megatron (tp > 1)", "model": "mixture of experts"},
+         lambda c, e: _backend(c) == "megatron" and bool(c.model.arch.experts) and _par(c, "tp") > 1
+         and not bool(pick(c, "backend.sequence_parallel", False)),
+         lambda c, e: f"model={c.model.name} has experts: Megatron-Core's MoE layer refuses to train with "
+                      f"backend.tp={_par(c, 'tp')} and no sequence parallelism (without it every TP rank routes "
+                      "the same tokens and expert gradients come out tp times too large): set "
+                      "backend.sequence_parallel=true (GPU, Transformer Engine or Apex), or backend.tp=1 with "
+                      "backend.ep for the experts"),
+    Rule("megatron-pp-one-forward", {"backend": "megatron (pp > 1)",
+                                     "method": "kto (KL rows), reference=adapter (dpo, kto, grpo)"},
+         lambda c, e: _backend(c) == "megatron" and _par(c, "pp") > 1 and _second_forward(c) is not None,
+         lambda c, e: f"with backend.pp={_par(c, 'pp')} the pipeline runs the model once per micro-batch, and "
+                      f"{_second_forward(c)}; use backend.pp=1 (tp/ep split the model too)"),
     Rule("megatron-sequence-parallel", {"backend": "megatron (sp)"},
          lambda c, e: _backend(c) == "megatron" and bool(pick(c, "backend.sequence_parallel", False))
          and (_par(c, "tp") < 2 or not (e.has("transformer_engine") or e.has("apex"))),
@@ -435,10 +456,6 @@ RULES: list[Rule] = [
          lambda c, e: _method(c) == "distill" and bool(pick(c, "data.packing", False)),
          "method=distill compares the teacher's and the student's next-token distributions row by row: set "
          "data.packing=false"),
-    Rule("new-methods-megatron", {"method": "kto, cpo, orpo, rm, distill", "backend": "megatron"},
-         lambda c, e: _backend(c) == "megatron" and _method(c) in ("kto", "cpo", "orpo", "rm", "distill"),
-         lambda c, e: f"method={_method(c)} is tested on backend=single, fsdp2 and deepspeed; with "
-                      "backend=megatron use method=sft, dpo or grpo, or backend=fsdp2"),
     # model x data x kernels
     Rule("seq-exceeds-context", {"data": "seq_len", "model": "max_position"},
          lambda c, e: c.data.seq_len > c.model.arch.max_position,
@@ -475,10 +492,15 @@ RULES: list[Rule] = [
          lambda c, e: c.train.export and bool(c.export.push_to_hub) and not e.hub_token,
          "export.push_to_hub needs a write token in $HF_TOKEN (checked now, not after training)"),
     # last, so that megatron's parallel-size rules report first when several apply
-    Rule("lora-megatron", {"peft": "lora", "backend": "megatron"},
-         lambda c, e: c.peft.kind == "lora" and _backend(c) == "megatron",
-         "peft=lora is not built for backend=megatron yet (adapters on Megatron layers); use peft=none there, "
-         "or peft=lora with backend=fsdp2"),
+    Rule("lora-megatron-dropout", {"peft": "lora (dropout > 0)", "backend": "megatron"},
+         lambda c, e: c.peft.kind == "lora" and _backend(c) == "megatron" and float(c.peft.dropout) > 0,
+         lambda c, e: f"peft.dropout={c.peft.dropout}: LoRA on Megatron layers draws no dropout mask (the "
+                      "column adapters' input is replicated over TP, so masks would have to agree across ranks); "
+                      "set peft.dropout=0"),
+    Rule("lora-megatron-targets", {"peft": "lora (target_modules)", "backend": "megatron"},
+         lambda c, e: c.peft.kind == "lora" and _backend(c) == "megatron" and bool(_unmapped_targets(c)),
+         lambda c, e: f"peft.target_modules: {_unmapped_targets(c)} have no Megatron linear to adapt; backend=megatron "
+                      f"maps {sorted(_megatron_targets())} (or all-linear)"),
     Rule("megatron-family", {"backend": "megatron", "model": "a family without an HF<->Megatron mapping"},
          lambda c, e: _backend(c) == "megatron" and c.model.arch.family not in _megatron_families(),
          lambda c, e: f"backend=megatron has no HF<->Megatron mapping for model family {c.model.arch.family!r} "
@@ -490,6 +512,29 @@ def _gguf():
     from workbench.export import gguf as to_gguf
 
     return to_gguf
+
+
+def _megatron_targets():
+    from workbench.megatron.lora import TARGETS
+
+    return TARGETS
+
+
+def _unmapped_targets(c) -> list[str]:
+    wanted = c.peft.target_modules
+    if wanted in ("all-linear", None):
+        return []
+    wanted = [wanted] if isinstance(wanted, str) else list(wanted)
+    return [t for t in wanted if t not in _megatron_targets()]
+
+
+def _second_forward(c) -> str | None:
+    """Why a method's loss would call the model twice per micro-batch, or None."""
+    if _method(c) == "kto" and pick(c, "method.loss_type", "kto") == "kto":
+        return "method=kto also runs its KL rows through it (use method.loss_type=apo_zero_unpaired)"
+    if _ref(c) == "adapter":
+        return f"method={_method(c)}'s reference is the adapter-free model, a second forward"
+    return None
 
 
 def _megatron_families():

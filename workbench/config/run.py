@@ -127,6 +127,23 @@ class Run:
         return bool(self.cfg.data.get("pad_free", False)) and self.cfg.backend.name != "megatron"
 
     @property
+    def keeps_hf_base(self) -> bool:
+        """Whether the HF model keeps its base weights once the backend holds the model.
+        backend=megatron bridges them into its own GPTModel shards; with adapters, and nothing
+        that reads the HF base between steps (no generation, a reference that is the
+        adapter-free Megatron model or none), the HF model keeps only its trainable tensors, and
+        evaluation and export rebuild the base from its source on rank 0 (on the CPU), as the
+        sharding backends do. A full fine-tune keeps it: export reads the weights bridged back."""
+        return not (self.cfg.backend.name == "megatron" and self.peft.adapter and not self.facts.generates
+                    and self.reference in ("none", "adapter"))
+
+    @property
+    def model_device(self) -> str:
+        """Where the runner loads the HF model: the run's device, or the host when the backend
+        keeps none of its base (keeps_hf_base), so the whole model never has to fit on one device."""
+        return self.device if self.keeps_hf_base else "cpu"
+
+    @property
     def merge_source(self) -> torch.dtype:
         """The dtype merged weights come from: adapters merge in fp32 (peft), a full fine-tune's
         weights are its trainable dtype."""

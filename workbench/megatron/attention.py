@@ -83,8 +83,11 @@ def attention_mask(pad_mask: torch.Tensor | None, seq: int, batch: int, device) 
     """Megatron's bool mask [b,1,s,s] (True = blocked): causal, plus padded keys blocked.
 
     A query row never ends fully blocked (its own position stays open), so left-padded rows give
-    finite values instead of NaN; no loss is ever read at a padded position.
+    finite values instead of NaN; no loss is ever read at a padded position. A 4-D mask (the
+    shared-prompt rows of workbench/data/pair_tree.py, True = may attend) is taken as it is.
     """
+    if pad_mask is not None and pad_mask.dim() == 4:
+        return ~pad_mask.bool()
     causal = torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)
     mask = causal.expand(batch, 1, seq, seq)
     if pad_mask is not None:

@@ -31,6 +31,8 @@ import torch.distributed as dist
 from workbench.core.errors import UserError
 from workbench.megatron.model import family, head_dim, n_experts, padded_vocab
 
+ADAPTER = ".lora."  # GPTModel parameter names of LoRA adapters (lora.is_adapter)
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -102,7 +104,9 @@ def to_megatron(hf: dict, cfg, lay: Layout) -> dict:
             out[m + "mlp.linear_fc2.weight"] = _block(hf[h + "mlp.down_proj.weight"], tp, r, 1)
     if last:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
-        if not cfg.tie_word_embeddings:
+        if hf.get("lm_head.weight") is not None and hf["lm_head.weight"].shape[0] == 1:
+            out["output_layer.weight"] = hf["lm_head.weight"].clone()  # scalar head (method=rm), replicated
+        elif not cfg.tie_word_embeddings:
             out["output_layer.weight"] = _vocab_rows(hf["lm_head.weight"], vp, tp, r)
         elif lay.pp > 1:  # the last stage keeps its own copy of the tied embedding
             out["output_layer.weight"] = _vocab_rows(hf["model.embed_tokens.weight"], vp, tp, r)
@@ -125,8 +129,9 @@ def _experts_to_megatron(hf, h, m, cfg, lay: Layout, out) -> None:
 
 
 def load_into(gpt: torch.nn.Module, local: dict) -> None:
-    """Copy `local` into the model; every parameter must be covered and every tensor used."""
-    params = dict(gpt.named_parameters())
+    """Copy `local` into the model; every parameter must be covered and every tensor used
+    (LoRA adapters have their own mapping, workbench/megatron/lora.py)."""
+    params = {n: p for n, p in gpt.named_parameters() if ADAPTER not in n}
     missing = sorted(set(params) - set(local))
     extra = sorted(set(local) - set(params))
     if missing or extra:
@@ -149,12 +154,16 @@ def pieces(pairs, cfg, lay: Layout) -> list[tuple[str, tuple, int, torch.Tensor]
     layers = list(stage_layers(cfg.num_hidden_layers, lay.pp, lay.pp_rank))
     out = []
     for name, p in pairs:
+        if ADAPTER in name:
+            continue  # adapters: workbench/megatron/lora.py
         t = p.detach().to("cpu", copy=True)
         parts = name.split(".")
         if name == "embedding.word_embeddings.weight":
             out.append(("model.embed_tokens.weight", (r,), 0, t))
         elif name == "output_layer.weight":
-            if not cfg.tie_word_embeddings:
+            if t.shape[0] == 1:  # a reward model's scalar head: replicated, unpadded
+                out.append(("lm_head.weight", (), 0, t))
+            elif not cfg.tie_word_embeddings:
                 out.append(("lm_head.weight", (r,), 0, t))
         elif name == "decoder.final_layernorm.weight":
             out.append(("model.norm.weight", (), 0, t))
@@ -202,14 +211,20 @@ def _layer_pieces(h, rest, t, fam, ng, nh, hd, lay: Layout):
     raise RuntimeError(f"no HF name for Megatron parameter {h}{rest}")
 
 
-def to_hf(gpt: torch.nn.Module, cfg, lay: Layout, group=None) -> dict:
-    """The full HF state dict, gathered from every TP/PP/EP rank onto every rank (CPU tensors)."""
-    mine = pieces(gpt.named_parameters(), cfg, lay)
+def to_hf(gpt: torch.nn.Module, cfg, lay: Layout, group=None, keep=None) -> dict:
+    """The full HF state dict, gathered from every TP/PP/EP rank onto every rank (CPU tensors);
+    `keep(megatron name)`: only those parameters."""
+    mine = pieces(((n, p) for n, p in gpt.named_parameters() if keep is None or keep(n)), cfg, lay)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)  # in-process tensors, never from files
     else:
         everyone = [mine]
+    return assemble(everyone, cfg)
+
+
+def assemble(everyone: list, cfg) -> dict:
+    """Whole HF tensors from the `pieces` of every rank (of one layout)."""
     by_name: dict[str, dict[tuple, tuple[int, torch.Tensor]]] = {}
     for part in everyone:
         for name, key, dim, t in part:
@@ -226,11 +241,12 @@ def to_hf(gpt: torch.nn.Module, cfg, lay: Layout, group=None) -> dict:
     if experts:
         _assemble_experts(experts, out)
     v = cfg.vocab_size
-    out["model.embed_tokens.weight"] = out["model.embed_tokens.weight"][:v].clone()
+    if "model.embed_tokens.weight" in out:
+        out["model.embed_tokens.weight"] = out["model.embed_tokens.weight"][:v].clone()
     if "lm_head.weight" in out:
         out["lm_head.weight"] = out["lm_head.weight"][:v].clone()
-    elif cfg.tie_word_embeddings:  # HF state dicts list the tied head under its own name too
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    elif cfg.tie_word_embeddings and "model.embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]  # HF state dicts list the tied head too
     return out
 
 

@@ -17,6 +17,15 @@ Megatron-Core 0.16 assumes a GPU in three places this workbench meets:
    (`tensor_parallel.random._get_cuda_rng_state`). Inside `cpu_device()` those read and write the
    CPU generator instead, so recomputed forwards see the same random stream.
 
+4. Megatron-Core's own optimizer (the distributed optimizer, its grad clipping) allocates with
+   `torch.tensor(..., device="cuda")` (found_inf, the overflow buffer, the grad-norm fallback:
+   optimizer/optimizer.py:473-485, utils.py:1207) and compares `Tensor.type()` with
+   "torch.cuda.FloatTensor" and its kin (distrib_optimizer.py:361, clip_grads.py:167).
+   `optimizer_cpu()` allocates those on the CPU and reports a CPU tensor's type under its CUDA
+   name; it is process-global while active, so the backend enters it only around building the
+   optimizer, finalising gradients, stepping and reading or writing its state, never around a
+   forward or backward pass.
+
 Not CUDA but found the same way: without Transformer Engine, Megatron-Core 0.16.1's MoE router
 reads a module global `te_general_gemm` that was never defined (NameError); `patch_missing_te()`
 defines it as None, which selects the plain PyTorch router matmul. MoE on CPU also uses the
@@ -63,3 +72,26 @@ def patch_missing_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+@contextlib.contextmanager
+def optimizer_cpu():
+    """Route Megatron-Core's optimizer's CUDA allocations and type checks to the CPU (no-op on GPU)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = (torch.tensor, torch.Tensor.type)
+    tensor, type_of = torch.tensor, torch.Tensor.type
+    torch.tensor = lambda *a, device=None, **k: tensor(*a, device="cpu" if device == "cuda" else device, **k)
+
+    def cuda_type(self, *a, **k):
+        out = type_of(self, *a, **k)
+        if not a and not k and isinstance(out, str) and out.startswith("torch.") and not self.is_cuda:
+            return "torch.cuda." + out[len("torch."):]
+        return out
+
+    torch.Tensor.type = cuda_type
+    try:
+        yield
+    finally:
+        torch.tensor, torch.Tensor.type = saved

@@ -150,8 +150,9 @@ def layer_spec(hf_config, config):
     return spec
 
 
-def build_gpt(hf_config, par: Parallel, dtype: torch.dtype = torch.float32):
-    """This rank's GPTModel (its TP shard and PP stage), weights uninitialised (load via bridge)."""
+def build_gpt(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, scalar_head: bool = False):
+    """This rank's GPTModel (its TP shard and PP stage), weights uninitialised (load via bridge).
+    `scalar_head`: a reward model's one-output head in place of the vocabulary head (ScalarHead)."""
     require_megatron()
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -168,8 +169,33 @@ def build_gpt(hf_config, par: Parallel, dtype: torch.dtype = torch.float32):
             parallel_output=True, share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
             position_embedding_type="rope", **rope(hf_config),
         )
+    if scalar_head and model.post_process:
+        model.output_layer = ScalarHead(hf_config.hidden_size, par.sequence_parallel)
     mark_tp_shards(model)
     return model
+
+
+class ScalarHead(torch.nn.Module):
+    """A reward model's head on the last stage, in GPTModel's `output_layer` call signature:
+    weight [1, hidden] replicated over TP (every TP rank computes the same score; no vocabulary
+    to split or gather). Under sequence parallelism each rank scores its own tokens, the scores
+    are all-gathered over the sequence and the weight's gradient, which then covers this
+    rank's tokens, is summed over TP like the norms' (`sequence_parallel`)."""
+
+    def __init__(self, hidden: int, sequence_parallel: bool = False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden))
+        self.weight.tensor_model_parallel = False
+        self.weight.sequence_parallel = sequence_parallel
+        self.sp = sequence_parallel
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        out = torch.nn.functional.linear(hidden, self.weight.to(hidden.dtype))  # [s(/tp), b, 1]
+        if self.sp:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)
+        return out, None
 
 
 def mark_tp_shards(model) -> None:

@@ -154,7 +154,11 @@ def check_teacher(spec: str, teacher_cfg, student_cfg, student_tok) -> None:
 # -- the loss ----------------------------------------------------------------------------
 def generalised_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,
                     temperature: float = 1.0) -> torch.Tensor:
-    """Per-token divergence (N,) between N x V student and teacher logits (module docstring)."""
+    """Per-token divergence (N,) between N x V student and teacher logits (module docstring).
+    Student logits split over the vocabulary (backend=megatron's VocabShard) compute it
+    vocabulary-parallel, on each rank's columns."""
+    if not isinstance(student_logits, torch.Tensor):
+        return student_logits.generalised_jsd(teacher_logits, beta, temperature)
     ls = torch.log_softmax(student_logits.float() / temperature, dim=-1)
     lt = torch.log_softmax(teacher_logits.float() / temperature, dim=-1)
     if beta == 0.0:
@@ -163,6 +167,14 @@ def generalised_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
         return (ls.exp() * (ls - lt)).sum(-1)
     lm = torch.logaddexp(ls + math.log(1.0 - beta), lt + math.log(beta))  # log of the mixture
     return beta * (lt.exp() * (lt - lm)).sum(-1) + (1.0 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+
+
+def token_entropy(logits, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token entropy (N,) of softmax(logits / T); vocabulary-parallel for a VocabShard."""
+    if not isinstance(logits, torch.Tensor):
+        return logits.entropy(temperature)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 # -- on-policy rows ------------------------------------------------------------------------
@@ -287,8 +299,7 @@ class Distill(Method):
                                    select=micro["select"])
         per_token = generalised_jsd(logits, teacher, c.beta, c.temperature)
         with torch.no_grad():
-            logp = torch.log_softmax(logits.float() / c.temperature, dim=-1)
-            entropy = float(-(logp.exp() * logp).sum())
+            entropy = float(token_entropy(logits, c.temperature).sum())
         return per_token.sum(), {"entropy": entropy / self._step_tokens}
 
     def state_dict(self) -> dict:

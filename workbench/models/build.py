@@ -18,7 +18,7 @@ from workbench.train import kernels, precision
 def build_model(run, train: bool = True) -> torch.nn.Module:
     """`train=False` leaves out what only training needs (kernels, checkpointing, fp8 swaps)."""
     cfg = run.cfg
-    model = load_model(cfg.model, dtype=run.load_dtype, device=run.device)
+    model = load_model(cfg.model, dtype=run.load_dtype, device=run.model_device)
     if train:
         kernels.apply(model, cfg.kernels, run.device)
         if cfg.model.gradient_checkpointing:

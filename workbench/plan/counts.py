@@ -28,6 +28,9 @@ class Counts:
     embed: int  # input embeddings + untied head
     lora: int  # adapter parameters for the peft config (0 for peft=none)
     layers: int
+    # of `lora`, what tensor parallelism splits under backend=megatron: B of a column-parallel
+    # projection (q, k, v, gate, up), A of a row-parallel one (o, down); the rest is replicated
+    lora_split: int = 0
 
 
 def probe(model_cfg) -> nn.Module:
@@ -59,12 +62,20 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def lora_params(block: nn.Module, targets: list[str], r: int, dora: bool = False) -> int:
-    """Adapter parameters in one block: r*(in+out) per targeted Linear (+ out for DoRA's magnitude)."""
+ROW_PARALLEL = ("o_proj", "down_proj")  # input-split projections under Megatron's tensor parallelism
+
+
+def lora_params(block: nn.Module, targets: list[str], r: int, dora: bool = False, split: bool = False) -> int:
+    """Adapter parameters in one block: r*(in+out) per targeted Linear (+ out for DoRA's magnitude);
+    `split`: only those Megatron's tensor parallelism splits (Counts.lora_split)."""
     n = 0
     for full, mod in block.named_modules():
-        if isinstance(mod, nn.Linear) and full.rsplit(".", 1)[-1] in targets:
-            n += r * (mod.in_features + mod.out_features) + (mod.out_features if dora else 0)
+        name = full.rsplit(".", 1)[-1]
+        if isinstance(mod, nn.Linear) and name in targets:
+            if split:
+                n += r * (mod.in_features if name in ROW_PARALLEL else mod.out_features)
+            else:
+                n += r * (mod.in_features + mod.out_features) + (mod.out_features if dora else 0)
     return n
 
 
@@ -95,9 +106,10 @@ def count(model: nn.Module, arch, peft_cfg=None) -> Counts:
         active = total - layers * experts * (1 - arch.experts_per_token / arch.experts)
     embed = _numel(model) - sum(_numel(b) for b in built) - sum(
         p.numel() for n, p in model.named_parameters() if n.startswith("model.norm"))
-    n_lora = 0
+    n_lora = n_split = 0
     if peft_cfg is not None and peft_cfg.kind != "none":
         targets = target_names(model, peft_cfg.target_modules)  # UserError if a target is missing
         n_lora = layers * lora_params(block, targets, peft_cfg.r, peft_cfg.kind == "dora")
+        n_split = layers * lora_params(block, targets, peft_cfg.r, split=True)
     return Counts(total=total, active=int(active), per_block=per_block, block_linear=layers * linear,
-                  embed=embed, lora=n_lora, layers=layers)
+                  embed=embed, lora=n_lora, layers=layers, lora_split=n_split)

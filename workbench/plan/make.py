@@ -56,6 +56,8 @@ def from_cfg(cfg, devices: int | None = None) -> Setup:
         generations=int(pick(cfg, "method.num_generations", 8)),
         completion_len=int(pick(cfg, "method.max_new_tokens", 256)),
         vllm_fraction=float(pick(cfg, "method.vllm_gpu_memory_utilization", 0.3)) if use_vllm else 0.0,
+        distributed_optimizer=backend == "megatron" and _flag(pick(cfg, "backend.distributed_optimizer", False)),
+        hf_copy=backend == "megatron" and run.keeps_hf_base,
     )
 
 

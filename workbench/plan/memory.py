@@ -110,7 +110,10 @@ def logits_bytes(arch, s: Setup, selected: float | None = None) -> float:
         selected = tokens_per_micro(s) * s.select_fraction
     # The loss upcasts: at the log-softmax backward its fp32 output, the incoming gradient and the
     # outgoing one are alive (3 x 4 bytes); the half-precision logits were freed after forward.
-    return selected * arch.vocab * 12 / s.tp
+    # backend=megatron gathers the selected logits over TP for the method's own log-softmax
+    # (workbench/megatron/lm.py), except distillation's, which stays vocabulary-parallel.
+    split = s.tp if s.backend != "megatron" or registry.spec(s.method).facts.teacher else 1
+    return selected * arch.vocab * 12 / split
 
 
 def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected: float | None = None,
@@ -118,7 +121,11 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     """Bytes per device for this setup; `tokens`/`selected`/`seq` override the config's batch shape."""
     mp = s.tp * s.pp
     dp = s.dp
-    half_params = s.backend in ("deepspeed", "megatron") and s.precision != "fp32"
+    megatron = s.backend == "megatron"
+    distopt = megatron and s.distributed_optimizer
+    # half-precision parameters with fp32 master weights: DeepSpeed, and Megatron-Core's own
+    # optimizer (backend=megatron with a torch optimizer trains the policy's trainable dtype)
+    half_params = (s.backend == "deepspeed" or distopt) and s.precision != "fp32"
     # parameters held per device before data-parallel sharding
     expert = counts.total - counts.active if counts.active < counts.total else 0
     per_dev = (counts.total - counts.embed - expert) / mp + counts.embed / s.tp + expert / (mp * s.ep)
@@ -126,12 +133,18 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         trainable, frozen_bytes = per_dev, 0.0
         w_bytes = (2 if half_params else TRAINABLE[s.precision]) * trainable
     else:
-        trainable = counts.lora / mp
+        # Megatron's LoRA (workbench/megatron/lora.py) splits column projections' B and row
+        # projections' A over TP, and replicates the other halves
+        trainable = (counts.lora - counts.lora_split) / s.pp + counts.lora_split / mp if megatron \
+            else counts.lora / mp
         base = per_dev
         quant = counts.block_linear / mp if s.peft == "qlora" else 0.0
         frozen_bytes = (base - quant) * FROZEN[s.precision] + quant * nf4_bytes_per_param(s.double_quant)
         w_bytes = frozen_bytes + trainable * 4  # adapters train in fp32
-    g_per = 2 if (half_params and s.peft == "none") else 4 if s.peft != "none" else TRAINABLE[s.precision]
+    if distopt:
+        g_per = 4  # DDP's gradient buffer, reduced in fp32 (grad_reduce_in_fp32)
+    else:
+        g_per = 2 if (half_params and s.peft == "none") else 4 if s.peft != "none" else TRAINABLE[s.precision]
     state_per = 4 if (half_params or s.peft != "none") else TRAINABLE[s.precision]
     moments = 2 if s.optimizer == "adamw" else 0
     grads = trainable * g_per
@@ -139,9 +152,15 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     master = trainable * 4 if (half_params and s.peft == "none") else 0.0
     weights = w_bytes
     stage = 3 if s.backend == "fsdp2" else s.stage
-    if s.backend == "megatron" and stage == 0:
-        stage = 1  # the distributed optimizer shards optimizer state and master weights
-    if stage >= 1:
+    if megatron:
+        stage = 1 if distopt else 0  # the distributed optimizer shards main weights and moments
+    if distopt and s.peft == "none" and expert and s.ep > 1:
+        # expert state is sharded over the expert-data-parallel ranks (dp / ep of them), not dp
+        e_dev = expert / (mp * s.ep)
+        e_share = e_dev / trainable
+        optim = optim * (1 - e_share) / dp + optim * e_share / max(1, dp // s.ep)
+        master = master * (1 - e_share) / dp + master * e_share / max(1, dp // s.ep)
+    elif stage >= 1:
         optim, master = optim / dp, master / dp
     if stage >= 2:
         grads = grads / dp
@@ -169,7 +188,15 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     acts = activation_bytes(arch, s, tokens, seq)
     casts = cast_bytes(counts, arch, s)  # freed, like the activations, by the backward that uses them
     logit = logits_bytes(arch, s, selected)
+    if megatron:
+        # GPTModel's output layer computes the logits of every position (this rank's vocabulary
+        # columns) in the compute dtype and copies them once as it transposes them to [b, s];
+        # the loss's selected logits come after the two are gone
+        every = (tokens if tokens is not None else tokens_per_micro(s)) * arch.vocab / s.tp
+        logit = max(logit, 2 * every * COMPUTE[s.precision])
     embed_grad = arch.vocab * arch.hidden * g_per / s.tp if s.peft == "none" else 0.0
+    if distopt and s.peft == "none":  # autograd's gradient, in the parameters' dtype, before DDP adds it to its buffer
+        embed_grad = arch.vocab * arch.hidden * (2 if half_params else 4) / s.tp
     # torch's AdamW makes two parameter-sized temporaries: for the whole list at once with the
     # foreach kernels (GPU default), for one tensor at a time on CPU; DeepSpeed/Megatron fuse.
     if s.device == "cpu":
@@ -178,15 +205,32 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         opt_span = min(biggest, trainable)
     else:
         opt_span = trainable / (dp if stage >= 1 else 1)
-    opt_tmp = 0.0 if s.backend in ("deepspeed", "megatron") or s.offload_optimizer or not moments else \
-        2 * opt_span * state_per
+    # Megatron-Core's optimizer steps with Transformer Engine's or Apex's fused Adam on a GPU, and
+    # torch's AdamW (one tensor at a time) on this rank's shards on a CPU.
+    fused = s.backend == "deepspeed" or (distopt and s.device != "cpu")
+    if distopt and s.device == "cpu":
+        opt_span = opt_span / dp
+    opt_tmp = 0.0 if fused or s.offload_optimizer or not moments else 2 * opt_span * state_per
+    # backend=megatron bridges the runner's HF model into its GPTModel shards; the HF model stays
+    # whole on every device when something reads it between steps (run.keeps_hf_base)
+    hf_copy = 0.0
+    if megatron and s.hf_copy:
+        hf_copy = counts.total * (TRAINABLE[s.precision] if s.peft == "none" else FROZEN[s.precision])
+    weights += hf_copy
+    if megatron and s.peft != "none":  # the HF model's adapters (fp32), bridged back after steps
+        if s.hf_copy or s.device == "cpu":
+            weights += counts.lora * 4
+        else:
+            host += counts.lora * 4  # loaded on the host when its base is released (run.model_device)
+    whole = counts.total if megatron else per_dev  # Megatron's reference and teacher are HF models, whole
     reference = 0.0
     if s.dpo_ref == "copy":  # resolved.reference says "copy" only where the method's loss needs one
-        reference = per_dev * FROZEN[s.precision] / (dp if stage >= 3 else 1)
+        ref_bytes = TRAINABLE[s.precision] if megatron and s.peft == "none" else FROZEN[s.precision]
+        reference = whole * ref_bytes / (dp if stage >= 3 else 1)
     if registry.spec(s.method).facts.teacher:
         # a frozen teacher held whole on every device, in the frozen dtype; sized like the student
         # unless plan.teacher_scale says how many times larger it is
-        reference += per_dev * s.teacher_scale * FROZEN[s.precision]
+        reference += whole * s.teacher_scale * FROZEN[s.precision]
     generation = 0.0
     vllm = 0.0
     if registry.spec(s.method).facts.generates:
@@ -216,6 +260,8 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         moment = max(acts + logit_grad + root, (3 if arch.tie_embeddings else 2) * dense, reduce)
     else:
         moment = max(acts + casts + logit + head_grad, grads + embed_grad)
+    if distopt:  # Megatron-Core's DDP keeps its gradient buffer allocated for the whole run
+        moment = max(acts + casts + logit + head_grad, embed_grad) + grads
     backward = weights + gather + master + optim + moment
     step = weights + master + optim + grads + opt_tmp
     peak = max(backward, step) + reference + generation

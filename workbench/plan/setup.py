@@ -34,6 +34,10 @@ class Setup:
     generations: int = 8  # GRPO group size
     completion_len: int = 256
     vllm_fraction: float = 0.0  # GPU memory share reserved by a colocated vLLM engine (0: HF generate)
+    distributed_optimizer: bool = False  # megatron: Megatron-Core's optimizer, state sharded over data-parallel ranks
+    # megatron: the runner's HF model keeps its weights on every device beside the GPTModel shards
+    # (run.keeps_hf_base: a full fine-tune, generation, a copied or precomputed reference)
+    hf_copy: bool = False
 
     @property
     def dp(self) -> int:
