@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from tests.distributed.test_backends import free_port, ov, torchrun
+from tests.helpers import free_port, ov, torchrun
 
 pytestmark = pytest.mark.distributed
 

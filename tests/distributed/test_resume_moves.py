@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from tests.conftest import train
-from tests.distributed.test_backends import torchrun
+from tests.helpers import torchrun
 from tests.tolerances import LOSS_RTOL, NEAR_ZERO_ATOL
 from workbench.train import checkpoint
 from workbench.train.canonical import read_all
