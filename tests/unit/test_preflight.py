@@ -166,6 +166,16 @@ CASES = [
      rules.Env(cuda=True, gpus=1, packages=ALL), "pip install flash-attn"),
     ("kernels-choice", {"kernels": "triton-magic"}, CPU, "none, liger"),
     ("liger-needs-package", {**CUDA, "kernels": "liger"}, rules.Env(cuda=True, gpus=1, packages=ALL), "'.[liger]'"),
+    # multi-turn episodes (env=) and rollouts one step ahead
+    ("env-needs-grpo", {"env": {"name": "calc", "max_turns": 3}}, CPU, "use method=grpo"),
+    ("env-rewards-need-env", {**GRPO, "reward": {"functions": [{"name": "final_answer"}]}}, CPU, "env=calc"),
+    ("async-rollouts-one-process", {**GRPO, "method": {**GRPO["method"], "async_rollouts": True},
+                                    "backend": {"name": "fsdp2"}, "hardware.procs": 2}, CPU,
+     "method.async_rollouts=false"),
+    ("async-rollouts-vllm", {**CUDA, **GRPO, "method": {**GRPO["method"], "async_rollouts": True, "engine": "vllm"}},
+     GPU8, "method.async_rollouts=false"),
+    ("async-rollouts-kl-in-reward", {**GRPO, "method": {**GRPO["method"], "async_rollouts": True, "beta": 0.1,
+                                                        "kl_in_reward": True}}, CPU, "method.async_rollouts=false"),
     # registered by workbench/backends/megatron.py (rules.register)
     ("megatron-family", {"backend": {"name": "megatron"}, "peft.kind": "none", "model.arch.family": "gemma2"}, CPU,
      "backend=fsdp2"),
