@@ -48,3 +48,40 @@ def test_tp2pp2_checkpoint_resumes_at_tp1pp4_and_tp4(tmp_path):
         diff = max(abs(a - b) / abs(b) for a, b in zip(got[name]["losses"], full[2:]))
         print(f"{name}: resumed losses {got[name]['losses']} vs uninterrupted {full[2:]}, rel diff {diff:.2e}")
         assert got[name]["losses"] == pytest.approx(full[2:], rel=LOSS_RTOL), name
+
+
+# LoRA and the distributed optimizer write the same canonical format: adapters whole under PEFT's
+# names (so backend=single reads them as its own), the distributed optimizer its fp32 main weights
+# and moments, gathered from their data-parallel shards.
+MOVES = ["model.arch.layers=2", "optim.name=adamw", "optim.lr=1e-2", "train.micro_batch_size=2",
+         "train.checkpoint_every=2", "train.keep_checkpoints=3", "++hardware.timeout_minutes=10"]
+LORA = ["peft=lora", "peft.r=4", "peft.alpha=8"]
+
+
+def test_lora_and_distributed_optimizer_checkpoints_move(tmp_path):
+    out = tmp_path / "job"
+
+    def step2(name):
+        return f"train.resume={out / name / 'checkpoints' / 'step-00000002'}"
+
+    runs = [{"name": "lora-tp2", "overrides": [*MOVES, *LORA, "backend=megatron", "backend.tp=2",
+                                               "train.grad_accum=2", "train.max_steps=4"]},
+            {"name": "lora-tp1", "overrides": [*MOVES, *LORA, "backend=megatron", "train.grad_accum=1",
+                                               "train.max_steps=4", step2("lora-tp2")]},
+            {"name": "lora-single", "overrides": [*MOVES, *LORA, "backend=single", "train.grad_accum=1",
+                                                  "train.max_steps=4", step2("lora-tp2")]},
+            {"name": "distopt-dp2", "overrides": [*MOVES, "peft=none", "optim.max_grad_norm=0", "backend=megatron",
+                                                  "backend.distributed_optimizer=true", "train.grad_accum=1",
+                                                  "train.max_steps=4"]},
+            {"name": "distopt-tp2", "overrides": [*MOVES, "peft=none", "optim.max_grad_norm=0", "backend=megatron",
+                                                  "backend.tp=2", "train.grad_accum=2", "train.max_steps=4",
+                                                  step2("distopt-dp2")]}]
+    got = worker_job(runs, out, timeout=2400, procs=2)
+    for source, movers in (("lora-tp2", ("lora-tp1", "lora-single")), ("distopt-dp2", ("distopt-tp2",))):
+        full = got[source]["losses"]
+        assert len(full) == 4 and full[-1] < full[0], (source, full)
+        for name in movers:
+            assert got[name]["resumed_from"].endswith("step-00000002"), got[name]["resumed_from"]
+            diff = max(abs(a - b) / abs(b) for a, b in zip(got[name]["losses"], full[2:]))
+            print(f"{source} -> {name}: resumed {got[name]['losses']} vs uninterrupted {full[2:]}, rel diff {diff:.2e}")
+            assert got[name]["losses"] == pytest.approx(full[2:], rel=LOSS_RTOL), name

@@ -67,8 +67,10 @@ def test_sft_curve_equals_single(tmp_path, layout):
     # (full: whole layers; selective: the core attention only).
     recompute = next((x.split("=")[1] for x in layout if x.startswith("backend.recompute=")), "none")
     n = 3 * 2
-    assert got["layer_calls"] and set(got["layer_calls"]) == {2 * n if recompute == "full" else n}, got
-    assert got["core_attn_calls"] == [2 * n if recompute != "none" else n] * len(got["layer_calls"]), got
+    # plus one forward without gradient (nothing recomputed) per checkpoint's replay probe
+    assert got["probes"] >= 1
+    assert got["layer_calls"] and set(got["layer_calls"]) == {(2 * n if recompute == "full" else n) + got["probes"]}, got
+    assert got["core_attn_calls"] == [(2 * n if recompute != "none" else n) + got["probes"]] * len(got["layer_calls"]), got
     assert got["losses"] == pytest.approx(ref["losses"], rel=RTOL), (got["losses"], ref["losses"])
     assert got["losses"][-1] < got["losses"][0]  # it learns
     # The HF model the runner exports / evaluates holds the trained weights, bridged back.
@@ -124,10 +126,19 @@ if __name__ == "__main__":
         return gpt
 
     megatron_model.build_gpt = counting_build
+    from workbench.train import replay
+
+    probe, probes = replay.probe_loss_of, []
+
+    def counting_probe(*args, **kwargs):  # each checkpoint's replay probe is one more forward
+        probes.append(1)
+        return probe(*args, **kwargs)
+
+    replay.probe_loss_of = counting_probe
     out_dir, res_file, *ov = sys.argv[1:]
     r, final = run_here(Path(out_dir), ov)
     if dist.get_rank() == 0:
         Path(res_file).write_text(json.dumps({"losses": r["losses"], "resumed_from": r["resumed_from"],
-                                              "layer_calls": layers, "core_attn_calls": cores}))
+                                              "layer_calls": layers, "core_attn_calls": cores, "probes": len(probes)}))
         save_file({k: v.contiguous() for k, v in final.items() if k != "lm_head.weight"},
                   Path(out_dir) / "hf_final.safetensors")

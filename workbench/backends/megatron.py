@@ -252,17 +252,24 @@ class MegatronBackend(Backend):
         return {"loss": loss, **out}
 
     def forward_only(self, micro: dict, loss_fn) -> float:
-        if self.par.pp == 1:
-            from workbench.megatron.cpu_shim import cpu_device
-
-            with cpu_device():  # the TP gather of the logits asks torch.cuda for a device
-                return forward_only(self.module, micro, loss_fn, self.pol, self.device)
-        self.chunk.eval()
+        """A forward without gradient of one micro-batch (the checkpoint's replay probe), with the
+        full vocabulary's logits also where the method reads vocabulary shards (distillation)."""
+        head = self.module.head
+        self.module.head = "gather" if head == "shard" else head
         try:
-            with torch.no_grad():
-                return self._schedule([micro], loss_fn, 1.0, forward_only=True)["loss_sum"]
+            if self.par.pp == 1:
+                from workbench.megatron.cpu_shim import cpu_device
+
+                with cpu_device():  # the TP gather of the logits asks torch.cuda for a device
+                    return forward_only(self.module, micro, loss_fn, self.pol, self.device)
+            self.chunk.eval()
+            try:
+                with torch.no_grad():
+                    return self._schedule([micro], loss_fn, 1.0, forward_only=True)["loss_sum"]
+            finally:
+                self.chunk.train()
         finally:
-            self.chunk.train()
+            self.module.head = head
 
     def _schedule(self, micro: list, loss_fn, scale: float, forward_only: bool, seeds=None) -> dict[str, float]:
         """Megatron-Core's schedule over `micro`; the method's summed metrics, summed over PP stages
