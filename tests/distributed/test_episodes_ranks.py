@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from tests.helpers import free_port, ov, torchrun
+from tests.helpers import free_port, ov, worker_job
 
 pytestmark = pytest.mark.distributed
 
@@ -74,14 +74,14 @@ def test_ranks_with_episodes_of_different_lengths_make_the_same_calls(tmp_path):
 
 
 ENV = ("method=grpo", "env=calc", "env.max_new_tokens=6", "env.max_turns=2", "method.num_generations=4",
-       'reward.functions=["tests.unit.test_rewards:char_length"]', "train.micro_batch_size=4", "train.grad_accum=1")
+       'reward.functions=["tests.rewards:char_length"]', "train.micro_batch_size=4", "train.grad_accum=1")
 
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     runs = [{"name": "f_env", "overrides": ov("backend=fsdp2", "peft=lora", *ENV, steps=2)},
             {"name": "z3_env", "overrides": ov("backend=deepspeed", "backend.stage=3", "peft=lora", *ENV, steps=2)}]
-    return torchrun(runs, tmp_path_factory.mktemp("env_ranks"), timeout=1500)
+    return worker_job(runs, tmp_path_factory.mktemp("env_ranks"), timeout=1500)
 
 
 @pytest.mark.parametrize("name", ["f_env", "z3_env"])

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from tests.conftest import train
-from tests.helpers import torchrun
+from tests.helpers import worker_job
 from tests.tolerances import LOSS_RTOL, NEAR_ZERO_ATOL
 from workbench.train import checkpoint
 from workbench.train.canonical import read_all
@@ -79,7 +79,7 @@ def job(tmp_path_factory, single_writer):
             reader("z3_from_single", single_writer[0], *ADAM, *Z3),
             reader("f2_from_z2", out / "z2", *ADAM, *F2),
             {"name": "grpo_ddp2", "overrides": [*GRPO, "train.max_steps=3", "train.checkpoint_every=2"]}]
-    return out, torchrun(runs, out, timeout=1200)
+    return out, worker_job(runs, out, timeout=1200)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def slow_job(tmp_path_factory, job, bf16_writer):
             reader("f2_resave_from_z2", src / "z2", *ADAM, *F2, steps=2),
             reader("f2_bf16_from_single_bf16", bf16_writer[0], *ADAM, *F2, "precision=bf16-mixed", steps=2),
             {"name": "ddp_dropout", "overrides": DROPOUT}]
-    return out, torchrun(runs, out, timeout=1500)
+    return out, worker_job(runs, out, timeout=1500)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def megatron_job(tmp_path_factory):
     runs = [writer("f2_sgd", *SGD, *F2), writer("m2", *SGD, *M2, *ONE_RANK),
             reader("m2_from_f2", out / "f2_sgd", *SGD, *M2),
             reader("z3_from_m2", out / "m2", *SGD, *Z3)]
-    return out, torchrun(runs, out, timeout=1500)
+    return out, worker_job(runs, out, timeout=1500)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def megatron_pp_job(tmp_path_factory, megatron_job):
     src = megatron_job[0] / "f2_sgd"
     pp = ["backend=megatron", "backend.pp=2"]
     runs = [reader("pp2_from_f2", src, *SGD, *pp), reader("pp2_resave_from_f2", src, *SGD, *pp, steps=2)]
-    return out, torchrun(runs, out, timeout=1500)
+    return out, worker_job(runs, out, timeout=1500)
 
 
 # -- the checks ---------------------------------------------------------------------------------
@@ -282,7 +282,8 @@ def test_kill9_fsdp2x2_resumed_on_one_process(tmp_path):
     import time
 
     from tests.conftest import TINY
-    from tests.distributed.test_launch_torchrun import finish, losses, workbench
+    from tests.helpers import finish, workbench
+    from tests.helpers import logged_losses as losses
 
     run = [*TINY, *ADAM, "train.max_steps=8", "train.checkpoint_every=1", "train.keep_checkpoints=2"]
     full = tmp_path / "full"

@@ -98,7 +98,7 @@ def test_dry_run_plans_the_move(written, tmp_path):
                          "hardware.procs=2 (train.grad_accum=1) or train.keep_global_batch=false")
 
 
-GRPO = ["method=grpo", "peft=none", 'reward.functions=["tests.unit.test_rewards:char_length"]',
+GRPO = ["method=grpo", "peft=none", 'reward.functions=["tests.rewards:char_length"]',
         "method.num_generations=4", "method.dynamic_sampling=false", "method.num_iterations=2",
         "method.log_completions=4", "train.checkpoint_every=1"]
 
