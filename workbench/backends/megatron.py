@@ -24,13 +24,8 @@ Data: a rank's *data-parallel* rank and size decide its slice of the global batc
 peers train on the same examples); the resolved run's layout (workbench/config/resolved.py) holds them
 and `wrap()` checks that Megatron-Core's process groups agree.
 Checkpoints: the canonical format (workbench/train/canonical.py) under Hugging Face names, so
-any layout and backend reads them. Base weights and their Adam moments: each TP block is a
-rectangular block of the HF tensor (the bridge's `pieces`), written as a DTensor shard over the
-TP group; replicated norms are plain tensors, PP stages write their own keys; MoE experts are
-gathered first. LoRA adapters and their moments (small) are gathered whole under the keys PEFT
-writes. With the distributed optimizer the fp32 main weights are what is written. Reading, every
-rank reads the whole HF tensors of its stage and cuts its shards (`bridge.to_megatron`,
-`lora.to_megatron`; the mapping is elementwise, so a moment goes where its weight goes).
+any layout and backend reads them: base weights by TP block, adapters whole under PEFT's names,
+the distributed optimizer's fp32 main weights (workbench/backends/megatron_state.py).
 `unwrapped()` is the HF model with the current weights (with LoRA: the adapters) bridged back
 (refreshed after the last step, at eval steps and, for methods that generate, after every step;
 on one process also on demand).
@@ -47,7 +42,6 @@ from torch import nn
 
 from workbench.backends.base import Backend
 from workbench.backends.step import forward_only
-from workbench.core.errors import UserError
 from workbench.train import canonical
 from workbench.train import precision as prec
 from workbench.train.batch import StepBatch
@@ -368,189 +362,21 @@ class MegatronBackend(Backend):
                     if torch.is_tensor(t) and t.dim() > 0)
         return {"params": params, "optimizer": optim}
 
-    # -- state (workbench/train/canonical.py) ----------------------------------------------------
-    def _trainable(self) -> dict[str, nn.Parameter]:
-        return {n: p for n, p in self.gpt.named_parameters() if p.requires_grad}
-
-    def _optimizer_state(self) -> tuple[int, dict, dict]:
-        """(step, {moment: {name: tensor}}, {name: fp32 main weight} (distributed optimizer only))."""
-        if self.mopt is not None:
-            return self.mopt.full_state()
-        names = {p: n for n, p in self._trainable().items()}
-        st = {names[p]: s for p, s in self.optimizer.state.items() if s}
-        step = int(next(iter(st.values()))["step"]) if st and "step" in next(iter(st.values())) else 0
-        moments = {k: {n: s[k] for n, s in st.items() if k in s} for k in MOMENTS}
-        return step, {k: v for k, v in moments.items() if v}, {}
-
-    def _kinds(self) -> tuple[str, ...]:
-        """The optimizer state a checkpoint carries: Adam's moments (Megatron's optimizer is Adam)."""
-        if self.mopt is not None or isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
-            return MOMENTS
-        return ()
-
-    def _head_name(self) -> str:
-        """The canonical name of the reward head: `lm_head.weight`, or under adapters PEFT's name
-        for it, as backend=single writes it."""
-        if not self.adapter:
-            return "lm_head.weight"
-        return next(canonical.canonical_name(n) for n, p in self.train_module.named_parameters()
-                    if p.requires_grad and "lora_" not in n)
-
-    def _base_pieces(self, pairs, prefix: str) -> dict:
-        """{prefix + HF name: this rank's block} for (Megatron name, tensor) pairs of base weights:
-        a DTensor shard over the TP group where the bridge splits the tensor, a plain tensor where it
-        is replicated (DCP writes one copy). Vocabulary rows lose the TP padding (an uneven last shard)."""
-        from workbench.megatron import bridge
-
-        out, experts = {}, []
-        vocab = self.hf_config.vocab_size
-        for name, key, dim, t in bridge.pieces(pairs, self.hf_config, self.layout):
-            if "#expert." in name:
-                experts.append((name, key, dim, t))
-            elif key == ():  # norms, a reward model's scalar head
-                out[prefix + (self._head_name() if name == "lm_head.weight" else name)] = t
-            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-                lo = self.layout.tp_rank * t.shape[0]
-                out[prefix + name] = self._tp_shard(t[:max(0, min(t.shape[0], vocab - lo))], 0, vocab)
-            else:
-                out[prefix + name] = self._tp_shard(t, dim, t.shape[dim] * self.layout.tp)
-        if experts:  # a rank holds two row blocks of the fused gate_up tensor: gather, write whole
-            out.update({prefix + k: v for k, v in self._gathered_experts(experts).items()})
-        return out
-
-    def _adapter_pieces(self, pairs, prefix: str) -> dict:
-        """Whole PEFT tensors of the adapters in (adapter parameter name, tensor) pairs, gathered
-        over every rank (adapters are small); every rank writes them alike, DCP keeps one copy."""
-        from workbench.megatron import lora
-
-        mine = lora.pieces(pairs, self.hf_config, self.layout)
-        everyone = [mine]
-        if dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)  # in-process tensors, never from files
-        return {prefix + _peft_name(k): v for k, v in lora.assemble(everyone).items()}
-
-    def _pieces(self, tensors: dict, prefix: str) -> dict:
-        from workbench.megatron import lora
-
-        base = [(n, t) for n, t in tensors.items() if not lora.is_adapter(n)]
-        out = self._base_pieces(base, prefix) if base else {}
-        if self.adapter:  # collective: every rank joins
-            out.update(self._adapter_pieces([(n, t) for n, t in tensors.items() if lora.is_adapter(n)], prefix))
-        return out
-
-    def _tp_shard(self, t: torch.Tensor, dim: int, full: int):
-        if self.layout.tp == 1:
-            return t
-        from megatron.core import parallel_state as ps
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import DTensor, Shard
-
-        if self._tp_mesh is None:  # the run's device type: its process groups' backend expects it
-            self._tp_mesh = DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), self.device)
-        shape = list(t.shape)
-        shape[dim] = full
-        size = torch.Size(shape)
-        return DTensor.from_local(t.to(self.device).contiguous(), self._tp_mesh, [Shard(dim)], shape=size,
-                                  stride=torch.empty(size, device="meta").stride())
-
-    def _gathered_experts(self, experts: list) -> dict:
-        from workbench.megatron import bridge
-
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, experts)  # in-process tensors, never from files
-        by_name: dict = {}
-        for part in everyone:
-            for name, key, dim, t in part:
-                by_name.setdefault(name, {}).setdefault(key, (dim, t))
-        out: dict = {}
-        bridge._assemble_experts(by_name, out)
-        return out
-
+    # -- state (workbench/backends/megatron_state.py) ---------------------------------------------
     def canonical_state(self) -> dict:
-        step, moments, masters = self._optimizer_state()
-        weights = {n: masters.get(n, p.detach()) for n, p in self._trainable().items()}
-        flat = self._pieces(weights, "model/")
-        for kind in self._kinds():
-            if kind in moments:
-                flat.update({f"{k}/{kind}": v for k, v in self._pieces(moments[kind], "optim/").items()})
-        if moments:
-            for k in [k for k in flat if k.startswith("model/")]:
-                flat[f"optim/{k[6:]}/step"] = torch.tensor(float(step))
-        return flat
+        from workbench.backends import megatron_state as state
 
-    def _stage_names(self) -> dict[str, torch.Size]:
-        """HF names (and full shapes) of what this rank's PP stage holds (full fine-tuning)."""
-        from workbench.megatron import bridge
-
-        cfg, lay = self.hf_config, self.layout
-        layers = {f"model.layers.{i}." for i in bridge.stage_layers(cfg.num_hidden_layers, lay.pp, lay.pp_rank)}
-        first, last = lay.pp_rank == 0, lay.pp_rank == lay.pp - 1
-        out = {}
-        for k, v in self.hf.state_dict().items():
-            if k == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue  # the tied head is the embedding
-            if (any(k.startswith(x) for x in layers) or (k == "model.embed_tokens.weight"
-                                                          and (first or (last and cfg.tie_word_embeddings)))
-                    or (last and k in ("model.norm.weight", "lm_head.weight"))):
-                out[k] = v.shape
-        return out
+        return state.canonical_state(self)
 
     def load_canonical(self, read) -> None:
-        from workbench.megatron import bridge, lora
+        from workbench.backends import megatron_state as state
 
-        params = self._trainable()
-        base = [n for n in params if not lora.is_adapter(n)]
-        adapters = [n for n in params if lora.is_adapter(n)]
-        kinds = self._kinds()
-        shapes: dict[str, torch.Size] = {}
-        if base and not self.adapter:
-            shapes.update(self._stage_names())
-        elif base:  # an adapter run's reward head
-            shapes[self._head_name()] = self.gpt.output_layer.weight.shape
-        peft = {}  # PEFT module key (lora.key_of) -> canonical name
-        if adapters:
-            whole = lora.peft_tensors(self.train_module.inner)
-            for n in adapters:
-                key, _ = lora.key_of(n, self.hf_config, self.layout)
-                peft[key] = _peft_name(key)
-                shapes[peft[key]] = whole[key].shape
-        want = {}
-        for k, shape in shapes.items():
-            want[f"model/{k}"] = torch.empty(shape)
-            for kind in kinds:
-                want[f"optim/{k}/{kind}"] = torch.empty(shape)
-            if kinds:
-                want[f"optim/{k}/step"] = torch.tensor(0.0)
-        read(want)
-        local: dict[str, dict] = {}
-        for what in ("model", *kinds):
-            key = (lambda k: f"model/{k}") if what == "model" else (lambda k, w=what: f"optim/{k}/{w}")
-            got: dict = {}
-            if base and not self.adapter:
-                mapped = bridge.to_megatron({k: want[key(k)] for k in self._stage_names()}, self.hf_config,
-                                            self.layout)
-                missing = [n for n in base if n not in mapped]
-                if missing:
-                    raise RuntimeError(f"megatron: no HF tensor for {missing} in the checkpoint's mapping")
-                got.update({n: mapped[n] for n in base})
-            elif base:
-                got["output_layer.weight"] = want[key(self._head_name())]
-            if adapters:
-                got.update(lora.to_megatron({k: want[key(v)] for k, v in peft.items()}, adapters, self.hf_config,
-                                            self.layout))
-            local[what] = got
-        step = int(float(want[f"optim/{next(iter(shapes))}/step"])) if kinds and shapes else 0
-        model = local.pop("model")
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(model[n].reshape(p.shape))
-        if self.mopt is not None:
-            self.mopt.load_full_state(step, local, model)
-        elif local:
-            for n, p in params.items():
-                self.optimizer.state[p] = {"step": torch.tensor(float(step)),
-                                           **{k: v[n].to(p).reshape(p.shape).clone() for k, v in local.items()}}
+        state.load_canonical(self, read)
+
+    def load_legacy(self, path, rank: int) -> None:
+        from workbench.backends import megatron_state as state
+
+        state.load_legacy(self, path, rank)
 
     def schedule_state(self) -> dict:
         sched = canonical.schedule_state(self.scheduler) if self.scheduler is not None else {}
@@ -561,38 +387,6 @@ class MegatronBackend(Backend):
             canonical.apply_schedule(self.scheduler, self.optimizer, {k: v for k, v in state.items() if k != "steps"})
         self.steps = int(state.get("steps", state.get("last_epoch", 0)))
 
-    def _layout_record(self) -> dict:
-        lay = self.layout
-        return {"tp": lay.tp, "tp_rank": lay.tp_rank, "pp": lay.pp, "pp_rank": lay.pp_rank, "ep": lay.ep,
-                "ep_rank": lay.ep_rank}
-
-    def load_legacy(self, path, rank: int) -> None:
-        """model{.rankN}.safetensors + optim{.rankN}.pt: this rank's Megatron-Core shard, same layout
-        (the format before the canonical one: full fine-tuning with a torch optimizer only)."""
-        from safetensors.torch import load_file
-
-        from workbench.megatron import bridge
-
-        sfx = "" if rank == 0 else f".rank{rank}"
-        state = torch.load(path / f"optim{sfx}.pt", weights_only=True)
-        saved, mine = state.get("layout", {}), self._layout_record()
-        if any(saved.get(k) != v for k, v in mine.items()) or self.mopt is not None or self.adapter:
-            raise UserError(f"{path}: written with the Megatron layout {saved} and a torch optimizer; resume "
-                            f"it once with that layout, peft=none and backend.distributed_optimizer=false to "
-                            "convert it to the canonical format")
-        bridge.load_into(self.gpt, load_file(path / f"model{sfx}.safetensors"))
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.steps = int(state.get("steps", 0))
-
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _peft_name(key: str) -> str:
-    """The name PEFT saves an adapter tensor under, from its module key (lora.key_of):
-    model.layers.0.self_attn.q_proj.lora_A -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight."""
-    return f"base_model.model.{key}.weight"
 
 def _release_base(model: nn.Module) -> None:
     """Replace the HF model's frozen parameters (the LoRA base the GPTModel now holds) by meta
