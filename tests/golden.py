@@ -15,6 +15,8 @@ ASSETS = Path(__file__).resolve().parent / "assets" / "losses"
 
 CHAR_LENGTH = 'reward.functions=["tests.rewards:char_length"]'
 GRPO_SHAPE = ["method.num_generations=4", "method.dynamic_sampling=false", "train.grad_accum=1"]
+# advantages divided by the group's std, as these curves were recorded (GRPO's default is now none)
+STD_SCALED = "method.scale_rewards=group"
 
 CASES: dict[str, list[str]] = {
     "sft_none": ["method=sft", "peft=none"],
@@ -25,9 +27,9 @@ CASES: dict[str, list[str]] = {
     # a reward with spread on the random tiny model's text; KL and two passes per generation batch
     # the batch shape is pinned (4 completions of one prompt per step, no refills): these curves
     # check the loss arithmetic, not method=grpo's defaults, which were chosen by measurement
-    "grpo_none": ["method=grpo", "peft=none", CHAR_LENGTH,
+    "grpo_none": ["method=grpo", "peft=none", CHAR_LENGTH, STD_SCALED,
                   "method.beta=0.1", "method.num_iterations=2", "method.loss_type=grpo", *GRPO_SHAPE],
-    "grpo_lora": ["method=grpo", "peft=lora", CHAR_LENGTH,
+    "grpo_lora": ["method=grpo", "peft=lora", CHAR_LENGTH, STD_SCALED,
                   "method.beta=0.1", "method.num_iterations=2", *GRPO_SHAPE],
     "kto_none": ["method=kto", "peft=none"],
     "kto_lora": ["method=kto", "peft=lora"],
@@ -40,15 +42,15 @@ CASES: dict[str, list[str]] = {
     "rm_none": ["method=rm", "peft=none"],
     "rm_lora": ["method=rm", "peft=lora"],
     # the policy-gradient variants, with GRPO's pinned shape and a KL term where the method has one
-    "grpo_gspo_none": ["method=gspo", "peft=none", CHAR_LENGTH, "method.beta=0.1", "method.num_iterations=2",
+    "grpo_gspo_none": ["method=gspo", "peft=none", CHAR_LENGTH, STD_SCALED, "method.beta=0.1", "method.num_iterations=2",
                        *GRPO_SHAPE],
-    "grpo_gspo_lora": ["method=gspo", "peft=lora", CHAR_LENGTH, "method.beta=0.1", "method.num_iterations=2",
+    "grpo_gspo_lora": ["method=gspo", "peft=lora", CHAR_LENGTH, STD_SCALED, "method.beta=0.1", "method.num_iterations=2",
                        *GRPO_SHAPE],
     "grpo_rloo_none": ["method=rloo", "peft=none", CHAR_LENGTH, "method.num_iterations=2", *GRPO_SHAPE],
     "grpo_rloo_lora": ["method=rloo", "peft=lora", CHAR_LENGTH, "method.num_iterations=2", *GRPO_SHAPE],
-    "grpo_cispo_none": ["method=grpo", "peft=none", CHAR_LENGTH, "method.loss_type=cispo", "method.epsilon_high=5.0",
+    "grpo_cispo_none": ["method=grpo", "peft=none", CHAR_LENGTH, STD_SCALED, "method.loss_type=cispo", "method.epsilon_high=5.0",
                         "method.beta=0.1", "method.num_iterations=2", *GRPO_SHAPE],
-    "grpo_sapo_lora": ["method=grpo", "peft=lora", CHAR_LENGTH, "method.loss_type=sapo", "method.beta=0.1",
+    "grpo_sapo_lora": ["method=grpo", "peft=lora", CHAR_LENGTH, STD_SCALED, "method.loss_type=sapo", "method.beta=0.1",
                        "method.num_iterations=2", *GRPO_SHAPE],
     # the teacher is the tiny model as conf/model/tiny.yaml builds it (seed 0), the student seed 1;
     # step 3 is on-policy (method.lmbda=0.5 under train.seed), so both data paths are pinned

@@ -208,7 +208,7 @@ def test_rloo_advantage_is_reward_minus_mean_of_the_others():
     (["method.importance_sampling_level=seq"], "method.importance_sampling_level='seq' is not one of"),
     (["method.loss_type=cispo"], "method.loss_type=cispo caps the importance weight at method.epsilon_high"),
     (["method.loss_type=clip"], "method.loss_type='clip' is not one of"),
-    (["method.advantage=rloo"], "with advantage=rloo set method.scale_rewards=none"),
+    (["method.advantage=rloo", "method.scale_rewards=group"], "with advantage=rloo set method.scale_rewards=none"),
     (["method.normalize_advantages=true"], "method.normalize_advantages applies to method.advantage=rloo"),
     (["method.advantage=loo", "method.scale_rewards=none"], "method.advantage='loo' is not one of"),
 ])

@@ -10,6 +10,7 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
+from tests.conftest import compose
 from tests.rewards import char_length
 from tests.tolerances import f32_roundings
 from workbench.core.errors import UserError
@@ -32,6 +33,15 @@ def test_builtins():
     assert got[:, 2].tolist() == [1 - 1 / 8, 1 - 2 / 8, 1 - 4 / 8]
     # "The answer is 5.": 1 digit of 13 non-space characters, in float32
     assert got[0, 3] == 1.0 and float(got[2, 3]) == pytest.approx(1 / 13, rel=f32_roundings(1))
+
+
+def test_digit_credit_needs_the_answers_length():
+    # GRPO's default partial credit: right digits in the right places of a number as long as the answer
+    texts = ["119", "118", "191", "8", "1190", "119.", " 109 ", "abc"]
+    got = rewards.arith_digits(texts, [119] * len(texts))
+    assert got == [1.0, 2 / 3, 1 / 3, 0.0, 0.0, 0.0, 2 / 3, 0.0]
+    fns = rewards.resolve(compose(["method=grpo"]).reward)
+    assert [(f.name, f.weight) for f in fns] == [("arith_exact", 1.0), ("arith_digits", 0.2)]
 
 
 def test_weights_and_module_function():
@@ -92,7 +102,6 @@ def test_a_prompt_row_without_a_reward_column_stops_the_run_before_weights(tmp_p
     at the rollout or evaluation that reaches it."""
     import json
 
-    from tests.conftest import compose
     from workbench.cli import run_job
     from workbench.models import build
 

@@ -1,6 +1,7 @@
 """Reward functions for GRPO: a registry of built-ins plus any `module:function` the user names.
 
     python -m workbench method=grpo reward=arith_exact        # conf/reward/arith_exact.yaml
+    python -m workbench method=grpo                           # reward=arith_digits: exact match + digit credit
     python -m workbench method=grpo reward=arith_format       # exact match + format, weighted
     python -m workbench method=grpo reward=model reward.path=runs/<rm run>   # a trained reward model
 
@@ -53,6 +54,20 @@ def arith_close(completions, answer, **_) -> list[float]:
     return out
 
 
+def arith_digits(completions, answer, **_) -> list[float]:
+    """Partial credit digit by digit: for a bare integer with as many digits as the expected
+    number, the share of its digits that equal the answer's, position by position (1.0 when
+    exact); 0.0 for anything else. A number of the wrong length earns nothing, so a policy cannot
+    settle on one-digit answers for a format bonus, and every right digit is worth the same
+    (GRPO's default with arith_exact, conf/reward/arith_digits.yaml; README, GRPO)."""
+    out = []
+    for c, a in zip(completions, answer):
+        c, a = c.strip(), str(int(a))
+        right = _NUMBER.fullmatch(c) and len(c) == len(a)
+        out.append(sum(x == y for x, y in zip(c, a)) / len(a) if right else 0.0)
+    return out
+
+
 def number_format(completions, **_) -> list[float]:
     """1.0 when the completion is a bare integer and nothing else, else 0.0."""
     return [float(bool(_NUMBER.fullmatch(c.strip()))) for c in completions]
@@ -74,8 +89,8 @@ def digits(completions, **_) -> list[float]:
     return out
 
 
-REGISTRY: dict[str, Callable] = {"arith_exact": arith_exact, "arith_close": arith_close, "format": number_format,
-                                 "length": length, "digits": digits}
+REGISTRY: dict[str, Callable] = {"arith_exact": arith_exact, "arith_digits": arith_digits, "arith_close": arith_close,
+                                 "format": number_format, "length": length, "digits": digits}
 REGISTRY.update({"final_answer": episode_rewards.final_answer, "env": episode_rewards.env})  # whole episodes (env=)
 
 
