@@ -188,6 +188,21 @@ def test_smallest_fix_is_found_and_really_fits():
     assert v.fix_peak_gb < v.usable_gb
 
 
+def test_megatron_fix_is_a_larger_tp_never_a_refused_peft():
+    # backend=megatron shards by TP and has no 4-bit layers: the 70B at tp=1 on 8 H100s is fixed by
+    # the TP the heads and devices allow, and no fix names peft=qlora (rule qlora-megatron)
+    m = model_cfg("70b")
+    c = count(probe(m), m.arch, lora())
+    s = Setup(peft="lora", precision="bf16-mixed", backend="megatron", devices=8, micro_batch=4, seq_len=2048)
+    v = verdict(c, m.arch, s, 80, "cuda")
+    assert not v.fits and v.fix.startswith("backend.tp=") and "qlora" not in v.fix, v.fix
+    tp = int(v.fix.split("=")[1])
+    assert verdict(c, m.arch, s.but(tp=tp), 80, "cuda").fits
+    assert not verdict(c, m.arch, s.but(tp=tp // 2), 80, "cuda").fits  # the smallest TP that fits
+    tight = verdict(c, m.arch, s, 20, "cuda")  # nothing fits: the fixes tried still name no qlora
+    assert tight.fix is None or ("qlora" not in tight.fix and tight.fix.count("backend.tp=") <= 1), tight.fix
+
+
 def test_dpo_reference_and_grpo_generation_terms():
     kw = dict(peft="none", precision="bf16-mixed", micro_batch=2, seq_len=1024)
     sft = _est("llama3-8b", method="sft", **kw)[2]
