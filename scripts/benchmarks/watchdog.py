@@ -10,7 +10,8 @@ from other processes hits both alike:
         (workbench/train/watchdog.py) publishing and judging every `--interval` seconds
 A step is the runner's: the batch (marked `data`), forward and backward through the backend
 (marked inside), the optimizer (marked), and the step mark. The result is each variant's median
-step time and the cost of `on` as a share of `off`'s step.
+step time, the cost of `on` as a share of `off`'s step, and the noise floor `off_vs_off`: the
+medians of `off` in alternate rounds against each other (a cost below it is not measurable here).
 """
 
 from __future__ import annotations
@@ -83,5 +84,11 @@ def run(args: list[str]) -> dict:
                     dog.stop()
         heartbeat.phase = real_phase
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    # the noise floor: the same variant (off) measured in alternate rounds, as two halves
+    blocks = [times["off"][i:i + a.steps] for i in range(0, len(times["off"]), a.steps)]
+    even = [t for b in blocks[0::2] for t in b]
+    odd = [t for b in blocks[1::2] for t in b]
+    noise = abs(statistics.median(even) / statistics.median(odd) - 1) if even and odd else None
     return {"benchmark": "watchdog", "model": a.model, "steps_per_variant": len(times["on"]), "interval_s": a.interval,
-            "off_s_per_step": round(off, 4), "on_s_per_step": round(on, 4), "cost": round(on / off - 1, 4)}
+            "off_s_per_step": round(off, 4), "on_s_per_step": round(on, 4), "cost": round(on / off - 1, 4),
+            "off_vs_off": None if noise is None else round(noise, 4)}
