@@ -11,7 +11,10 @@ from other processes hits both alike:
 A step is the runner's: the batch (marked `data`), forward and backward through the backend
 (marked inside), the optimizer (marked), and the step mark. The result is each variant's median
 step time, the cost of `on` as a share of `off`'s step, and the noise floor `off_vs_off`: the
-medians of `off` in alternate rounds against each other (a cost below it is not measurable here).
+medians of `off` in alternate rounds against each other (a cost below it is not measurable that
+way). `cost_accounted` is the cost by accounting instead, which the machine's noise does not
+touch: the watchdog thread's CPU time (/proc) as a share of the wall time it ran, plus the phase
+marks per step times what one mark costs timed alone, over the step time.
 """
 
 from __future__ import annotations
@@ -70,20 +73,40 @@ def run(args: list[str]) -> dict:
 
         block(1)  # first step: allocation, warm-up
         times: dict[str, list[float]] = {"off": [], "on": []}
+        thread_cpu, thread_wall, marks = 0.0, 0.0, 0
+
+        def counting_phase(*args, **kwargs):
+            nonlocal marks
+            marks += 1
+            return real_phase(*args, **kwargs)
         for _ in range(a.rounds):
             for variant in times:
                 dog = None
                 if variant == "on":
-                    heartbeat.phase = real_phase
+                    heartbeat.phase = counting_phase
                     dog = Watchdog(Path(tmp) / "run", 0, 1, stall_timeout_s=600, interval_s=a.interval)
                     dog.start()
+                    t0 = time.perf_counter()
                 else:
                     heartbeat.phase = lambda *_a, **_k: contextlib.nullcontext()
                 times[variant] += block(a.steps)
                 if dog is not None:
+                    thread_cpu += _thread_cpu_seconds(dog._thread.native_id)  # before it exits
+                    thread_wall += time.perf_counter() - t0
                     dog.stop()
         heartbeat.phase = real_phase
+        # what one phase mark costs, timed alone (the marks inside the backend are counted too)
+        n = 20000
+        t0 = time.perf_counter()
+        for _ in range(n):
+            with real_phase("bench"):
+                pass
+        mark_s = (time.perf_counter() - t0) / n
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    # The cost by accounting, free of the machine's noise: the thread's CPU time as a share of
+    # the wall time it ran (a core it takes from the step at worst) plus the marks' own time.
+    per_step_marks = marks / max(len(times["on"]), 1)
+    accounted = thread_cpu / max(thread_wall, 1e-9) + per_step_marks * mark_s / off
     # the noise floor: the same variant (off) measured in alternate rounds, as two halves
     blocks = [times["off"][i:i + a.steps] for i in range(0, len(times["off"]), a.steps)]
     even = [t for b in blocks[0::2] for t in b]
@@ -91,4 +114,15 @@ def run(args: list[str]) -> dict:
     noise = abs(statistics.median(even) / statistics.median(odd) - 1) if even and odd else None
     return {"benchmark": "watchdog", "model": a.model, "steps_per_variant": len(times["on"]), "interval_s": a.interval,
             "off_s_per_step": round(off, 4), "on_s_per_step": round(on, 4), "cost": round(on / off - 1, 4),
-            "off_vs_off": None if noise is None else round(noise, 4)}
+            "off_vs_off": None if noise is None else round(noise, 4),
+            "thread_cpu_share": round(thread_cpu / max(thread_wall, 1e-9), 6), "marks_per_step": round(per_step_marks, 1),
+            "mark_us": round(mark_s * 1e6, 2), "cost_accounted": round(accounted, 6)}
+
+
+def _thread_cpu_seconds(tid: int) -> float:
+    """User + system CPU seconds of one thread of this process (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
