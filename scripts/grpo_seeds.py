@@ -1,9 +1,9 @@
 """GRPO learning across seeds on the embedded task: the table behind the README's GRPO numbers.
 
-    python scripts/grpo_seeds.py --seeds 0 1 2                       # from a 20-step SFT warm start
-    python scripts/grpo_seeds.py --seeds 0 1 2 --sft-precision fp32 precision=fp32   # both in fp32
-    python scripts/grpo_seeds.py --seeds 0 1 2 --from-base reward=arith_format
-    python scripts/grpo_seeds.py --seeds 0 --steps 60 method.dynamic_sampling=false   # any override
+    python scripts/grpo_seeds.py --seeds 0 1 2 3 4 5 --from-base      # method=grpo as shipped, from SmolLM2
+    python scripts/grpo_seeds.py --seeds 0 1 2 reward=arith_exact      # from a 20-step SFT warm start
+    python scripts/grpo_seeds.py --seeds 0 5 --from-base precision=fp32   # another precision
+    python scripts/grpo_seeds.py --seeds 5 --from-base reward=arith_format method.scale_rewards=group  # any override
 
 For each seed: (unless --from-base) 20 LoRA SFT steps with that seed, merged, as the starting
 policy; then GRPO on it with the given overrides, held-out 2-digit-addition exact match
@@ -48,7 +48,7 @@ def one_seed(seed: int, steps: int, from_base: bool, overrides: list[str], out: 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="grpo_seeds")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=60, help="GRPO steps (60: method=grpo's own)")
     ap.add_argument("--from-base", action="store_true", help="start from SmolLM2 itself, no SFT warm start")
     ap.add_argument("--sft-precision", default="bf16-mixed", help="the warm start's precision (fp32: 5x faster on "
                     "CPUs without native bf16)")
