@@ -64,6 +64,16 @@ def rss_gib(field: str = "VmRSS") -> float:
     return 0.0
 
 
+def reset_peak() -> None:
+    """Start the resident set's high-water mark again from what is resident now (Linux
+    /proc/self/clear_refs, value 5), so a one-off peak before training (converting a model into
+    the cache on a cold start) is not counted as the run's."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
 def measured_peak_gib(device: str, baseline_gib: float) -> float:
     if device == "cuda":
         import torch

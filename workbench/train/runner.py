@@ -120,6 +120,7 @@ class Runner:
         else:
             self._rss0 = plan_check.rss_gib()  # the plan check's CPU memory baseline: before the weights
             self.model = build_model(self.run_facts)
+            plan_check.reset_peak()  # the weights stay counted; a cold cache's conversion peak does not
         self.train_module = SelectiveLM(self.model)
         if cfg.train.compile:
             self.train_module.compile()
