@@ -239,7 +239,7 @@ class HardwareConfig:
     node_rank: int = -1  # -1: let the rendezvous assign it
     timeout_minutes: int = 30  # collective timeout
     # the watchdog (workbench/train/watchdog.py): seconds without progress before a run is called
-    # stalled; 0: ten times the median step time, at least 60 s (600 s until 3 steps are timed)
+    # stalled; 0: twenty times the median step time, at least 300 s (600 s until 3 steps are timed)
     stall_timeout_s: float = 0.0
     watchdog: bool = True  # false: no watchdog thread (e.g. stepping through a run in a debugger)
     env: dict[str, str] = field(default_factory=dict)  # NCCL and other presets for this profile

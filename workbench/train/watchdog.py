@@ -8,8 +8,8 @@ blocked in a collective), and watches two keys there:
 - `error`: a rank whose run raised posts what it was doing and why (`fail`); the others stop
   within one beat instead of waiting for the collective timeout (`hardware.timeout_minutes`);
 - `stall`: rank 0 judges progress. When no rank has changed phase or step for the phase's budget
-  (`hardware.stall_timeout_s`, or, when 0, ten times the run's median step time with a floor of a
-  minute; startup, evaluation, checkpoint and export get the long budget), or a rank's process is
+  (`hardware.stall_timeout_s`, or, when 0, twenty times the run's median step time with a floor of
+  five minutes; startup, evaluation, checkpoint and export get the long budget), or a rank's process is
   gone, it names the stalled ranks: a gone one, else the ones not waiting in a collective (read
   off each main thread's Python stack), else the ones furthest behind. Every rank then writes
   all its threads' stacks (faulthandler) to `<run_dir>/stalls/rank-<N>.txt`, rank 0 prints one
@@ -43,8 +43,12 @@ from workbench.core import heartbeat
 from workbench.core.errors import UserError
 
 STALLED_EXIT = 3  # a rank stalled, or another rank failed: the run stopped (cli.py lists the statuses)
-FLOOR_S = 60.0  # a step phase is never called stalled sooner (when derived from the step time)
-STEP_FACTOR = 10.0  # derived budget: this many median steps
+# A step phase is never called stalled sooner than FLOOR_S when the budget is derived from the step
+# time: a single-process GRPO run starved of CPU by other jobs spent 10 median steps (118 s) in one
+# rollout and was stopped though it was only slow. Five minutes still ends a hang long before the
+# collective timeout (30 minutes).
+FLOOR_S = 300.0
+STEP_FACTOR = 20.0  # derived budget: this many median steps (GRPO's refill rounds make long steps)
 FIRST_STEPS_S = 600.0  # until 3 steps have a time: compiling, first touches of memory
 # a stack frame in these paths means the main thread waits for its peers (a collective)
 WAITING = ("/torch/distributed/", "/deepspeed/comm/", "/megatron/core/parallel_state", "/torch/autograd/")
