@@ -39,19 +39,6 @@ BACKENDS = {"f": ["backend=fsdp2"], "z3": ["backend=deepspeed", "backend.stage=3
 GENERATES = ("gspo", "rloo")
 
 
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
-    """A teacher for method=distill: the tiny model with another init seed, saved to a directory."""
-    from tests.conftest import compose
-    from workbench.models.load import load_model, load_tokenizer
-
-    cfg = compose(["model.init_seed=7"])
-    path = tmp_path_factory.mktemp("teacher")
-    load_model(cfg.model).save_pretrained(path)
-    load_tokenizer(cfg.model).save_pretrained(path)
-    return path
-
-
 def overrides(name: str, teacher) -> list[str]:
     extra = [f"method.teacher={teacher}"] if name == "distill" else []
     return [*METHODS[name], *extra, "peft=lora"]

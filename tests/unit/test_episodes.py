@@ -185,7 +185,7 @@ def test_ranks_that_finish_early_keep_joining_the_turns(smol, monkeypatch):
     tok, contract = smol
     env = calc_env(max_turns=3)
     turns = Turns(tok, contract, env.tools)
-    monkeypatch.setattr(episodes, "_all_max", lambda n: max(n, 1))  # the other rank always has one running
+    monkeypatch.setattr(episodes, "all_max", lambda n: max(n, 1))  # the other rank always has one running
     seen: list = []
     eps = episodes.run(env, turns, [ROW], scripted(tok, ["936", "x", "y"], seen), max_new_tokens=64, synced=True)
     assert eps[0].turns == 1 and len(seen) == 3  # one real turn, then two stand-in turns

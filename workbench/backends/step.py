@@ -32,15 +32,6 @@ def all_sum(value: float) -> float:
     return float(t.item())
 
 
-def all_max(value: float) -> float:
-    """The largest value over ranks."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def accumulate(net, batch: StepBatch, loss_fn, pol, device: str, world: int, scaler=None,
                sync: Callable[[bool], contextlib.AbstractContextManager] = lambda last: contextlib.nullcontext(),
                backward: Callable[[torch.Tensor], None] | None = None) -> dict[str, float]:

@@ -57,6 +57,7 @@ from workbench.methods.reference import Reference
 from workbench.methods.spec import MethodFacts, MethodSpec
 from workbench.rollout import advantages, objectives, rewards
 from workbench.train.batch import Forward, StepBatch
+from workbench.train.distributed import all_max
 
 
 @dataclass
@@ -377,7 +378,7 @@ class GRPO(Method):
             return generated, {"generated": generated, "rounds": 0, "dropped": 0}
         kept, rounds = [g for g in generated if g["signal"]], 0
         while rounds < c.max_resample_rounds:
-            need = _all_max(max(0, want - len(kept)))
+            need = int(all_max(max(0, want - len(kept))))  # every rank runs the same refill rounds
             if need == 0:
                 break
             more = self._groups(backend, self._draw(need))
@@ -563,15 +564,6 @@ def _signal_share(with_signal: float, groups: int) -> float:
     return float(t[0] / t[1]) if t[1] else 0.0
 
 
-def _all_max(value: int) -> int:
-    """The largest value over ranks (every rank must run the same number of refill rounds)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def build(cfg, ctx) -> GRPO:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from workbench.data.chat import IGNORE
 from workbench.envs.base import Turn, answered_after_tool, final_answer
+from workbench.train.distributed import all_max
 
 # (token ids of each running episode, first turn?) -> one sampled turn per episode
 Sampler = Callable[[list[list[int]], bool], list[list[int]]]
@@ -126,7 +127,7 @@ def run(env, turns, rows: list[dict], sample: Sampler, repeat: int = 1, max_new_
     episodes = [start(env, turns, row) for row in rows for _ in range(repeat)]
     for turn in range(max_turns):
         active = [e for e in episodes if not e.done]
-        if (_all_max(len(active)) if synced else len(active)) == 0:
+        if (all_max(len(active)) if synced else len(active)) == 0:
             break
         # a rank with nothing left still joins the collective forwards of this turn
         prompts = [e.ids for e in active] or [episodes[0].ids[:episodes[0].prompt_len]]
@@ -134,17 +135,6 @@ def run(env, turns, rows: list[dict], sample: Sampler, repeat: int = 1, max_new_
         for ep, ids in zip(active, outs):
             advance(env, turns, ep, ids, max_new_tokens, max_turns)
     return episodes
-
-
-def _all_max(value: int) -> int:
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.long)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def score(fns, episodes: list[Episode], max_new_tokens: int, step: int | None = None, limit_s: float | None = None):

@@ -78,3 +78,12 @@ def ensure_process_group(device: str, timeout_minutes: int = 30) -> None:
     os.unlink(path)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{path}", rank=0,
                             world_size=1, timeout=timedelta(minutes=timeout_minutes))
+
+
+def all_max(value: float) -> float:
+    """The largest value over ranks (the value itself without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())

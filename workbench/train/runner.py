@@ -419,8 +419,8 @@ class Runner:
     def _plan_check(self) -> dict | None:
         """Measured peak memory, step time and tokens/s against the planner's prediction for this
         run (workbench/telemetry/plan_check.py); the peak is the largest over ranks (collective)."""
-        from workbench.backends.step import all_max
         from workbench.plan.make import make_plan
+        from workbench.train.distributed import all_max
 
         peak = all_max(plan_check.measured_peak_gib(self.device, self._rss0))
         if not self.is_main:
