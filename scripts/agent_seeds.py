@@ -5,13 +5,13 @@
     python scripts/agent_seeds.py --seeds 0 --steps 0                    # the warm start alone, evaluated
     python scripts/agent_seeds.py --seeds 0 method.async_rollouts=true   # the same with rollouts one step ahead
 
-For each seed: a short LoRA SFT warm start on the shipped tool-use demonstrations
-(data_recipes/calc_sft.yaml, --sft-steps steps with that seed), merged; then GRPO with
+For each seed: a short LoRA SFT warm start (--recipe, default data_recipes/calc_sft_mixed.yaml:
+one tool-use episode to three bare answers; --sft-steps steps with that seed), merged; then GRPO with
 env=calc from it (--steps steps, the given overrides), evaluated before and after on the first
 100 held-out questions (eval.tasks=[env], greedy episodes): accuracy, and the share of final
 answers that follow a tool result. Prints one JSON line per seed and a summary line, and appends
-them to --out (default runs/agent_seeds.jsonl). The warm start depends on the seed and
---sft-steps only, and is made once per --work directory.
+them to --out (default runs/agent_seeds.jsonl). The warm start depends on the seed, --recipe
+and --sft-steps only, and is made once per --work directory.
 """
 
 from __future__ import annotations
@@ -29,28 +29,28 @@ COMMON = ["train.export=false", "train.resume=never", "train.log_every=5", "eval
           "eval.num_samples=100", "eval.tasks=[env]", "precision=fp32"]
 
 
-def warm_start(seed: int, steps: int, work: Path) -> Path:
+def warm_start(seed: int, steps: int, work: Path, recipe: str = "calc_sft_mixed") -> Path:
     from tests.conftest import train
 
-    merged = work / f"sft{seed}-{steps}" / "export" / "merged"
+    merged = work / f"{recipe}{seed}-{steps}" / "export" / "merged"
     if not (merged / "config.json").exists():
-        train([f"train.max_steps={steps}", f"train.seed={seed}", f"data.shuffle_seed={seed}", "data.recipe=calc_sft",
+        train([f"train.max_steps={steps}", f"train.seed={seed}", f"data.shuffle_seed={seed}", f"data.recipe={recipe}",
                "train.resume=never", "eval=none", "train.export=true", "precision=fp32", "optim.warmup_steps=0"],
-              work / f"sft{seed}-{steps}", base=[])
+              work / f"{recipe}{seed}-{steps}", base=[])
     return merged
 
 
-def one_seed(seed: int, sft_steps: int, steps: int, overrides: list[str], work: Path) -> dict:
+def one_seed(seed: int, sft_steps: int, steps: int, overrides: list[str], work: Path, recipe: str) -> dict:
     from tests.conftest import train
 
-    merged = warm_start(seed, sft_steps, work)
+    merged = warm_start(seed, sft_steps, work, recipe)
     t = time.perf_counter()
     out = work / f"grpo{seed}-{int(time.time())}"
     res = train(["method=grpo", "env=calc", f"model.path={merged}", f"train.max_steps={steps}", f"train.seed={seed}",
                  f"data.shuffle_seed={seed}", *COMMON, *(["eval.at_end=false"] if steps == 0 else []), *overrides],
                 out, base=[])
     start, end = res["eval_start"], res.get("eval_end") or res["eval_start"]
-    row = {"seed": seed, "sft_steps": sft_steps, "steps": steps, "overrides": overrides, "run": str(out),
+    row = {"seed": seed, "recipe": recipe, "sft_steps": sft_steps, "steps": steps, "overrides": overrides, "run": str(out),
            "before": start["eval/env/accuracy"], "after": end["eval/env/accuracy"],
            "after_tool_before": start["eval/env/answer_after_tool"], "after_tool_after": end["eval/env/answer_after_tool"],
            "grpo_seconds": round(time.perf_counter() - t)}
@@ -62,18 +62,20 @@ def one_seed(seed: int, sft_steps: int, steps: int, overrides: list[str], work: 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="agent_seeds")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--sft-steps", type=int, default=8, help="LoRA SFT steps of the warm start (16 demonstrations each)")
-    ap.add_argument("--steps", type=int, default=60, help="GRPO steps (0: evaluate the warm start only)")
+    ap.add_argument("--sft-steps", type=int, default=20, help="LoRA SFT steps of the warm start (16 demonstrations each)")
+    ap.add_argument("--recipe", default="calc_sft_mixed", help="the warm start's data recipe (calc_sft: tool episodes only)")
+    ap.add_argument("--steps", type=int, default=30, help="GRPO steps (0: evaluate the warm start only)")
     ap.add_argument("--work", default="/tmp/agent_seeds")
     ap.add_argument("--out", default=str(ROOT / "runs" / "agent_seeds.jsonl"))
     a, overrides = ap.parse_known_args(argv)
     rows = []
     for seed in a.seeds:
-        row = one_seed(seed, a.sft_steps, a.steps, overrides, Path(a.work) / f"s{seed}")
+        row = one_seed(seed, a.sft_steps, a.steps, overrides, Path(a.work) / f"s{seed}", a.recipe)
         rows.append(row)
         print(json.dumps(row), flush=True)
     gains = [r["after"] - r["before"] for r in rows]
-    summary = {"summary": True, "overrides": overrides, "sft_steps": a.sft_steps, "steps": a.steps, "gains": gains,
+    summary = {"summary": True, "overrides": overrides, "recipe": a.recipe, "sft_steps": a.sft_steps, "steps": a.steps,
+               "gains": gains,
                "mean_gain": sum(gains) / len(gains), "min_gain": min(gains),
                "min_after_tool": min(r["after_tool_after"] for r in rows),
                "max_grpo_seconds": max(r["grpo_seconds"] for r in rows)}

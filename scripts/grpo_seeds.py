@@ -48,7 +48,7 @@ def one_seed(seed: int, steps: int, from_base: bool, overrides: list[str], out: 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="grpo_seeds")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=60, help="GRPO steps (60: method=grpo's own)")
+    ap.add_argument("--steps", type=int, default=100, help="GRPO steps (100: method=grpo's own)")
     ap.add_argument("--from-base", action="store_true", help="start from SmolLM2 itself, no SFT warm start")
     ap.add_argument("--sft-precision", default="bf16-mixed", help="the warm start's precision (fp32: 5x faster on "
                     "CPUs without native bf16)")

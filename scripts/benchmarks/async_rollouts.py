@@ -1,8 +1,8 @@
 """Rollouts one step ahead against the synchronous loop: steps/s and the learning curve of both.
 
-    python scripts/bench.py async_rollouts                         # env=calc from a 4-step SFT warm start, 20 steps each
+    python scripts/bench.py async_rollouts                         # env=calc from agent_seeds.py's warm start, 20 steps each
     python scripts/bench.py async_rollouts --steps 4 --model tiny  # wiring only (random model, no learning)
-    python scripts/bench.py async_rollouts --warm /tmp/agent_seeds/s0/sft0-4/export/merged method.prompts_per_step=2
+    python scripts/bench.py async_rollouts --warm /tmp/agent_seeds/s0/calc_sft_mixed0-20/export/merged method.prompts_per_step=2
 
 Two GRPO runs with the calculator environment, identical but for `method.async_rollouts`: the
 synchronous loop (generate step k's episodes, then train on them) and the asynchronous one (a
@@ -37,7 +37,7 @@ def run(args: list[str]) -> dict:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--model", default="smollm2-135m", help="smollm2-135m (from a warm start) or tiny (wiring only)")
     ap.add_argument("--warm", default=None, help="a warm-start model dir; default: scripts/agent_seeds.py's, made if needed")
-    ap.add_argument("--sft-steps", type=int, default=4)
+    ap.add_argument("--sft-steps", type=int, default=20, help="the warm start's LoRA SFT steps (agent_seeds.py's)")
     ap.add_argument("--eval", type=int, default=100, help="held-out questions evaluated before and after (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     a, overrides = ap.parse_known_args(args)

@@ -12,7 +12,13 @@ and by unordered operand pair, so a held-out `a * b` never appears as `b * a` in
   tools declared in a system message, the question, a `calc` call in the Hermes/Qwen format,
   the tool's result as a `tool` message, and the bare answer. The system message is the one
   the calculator environment shows a template without native tool rendering (SmolLM2's;
-  workbench/rollout/turns.py), so the warm start is trained on what the episodes show it.
+  workbench/rollout/turns.py), so the warm start is trained on what the episodes show it;
+- calc_sft_direct.jsonl: the same 1000 questions under the same system message answered at once
+  with the bare number, no call. data_recipes/calc_sft_mixed.yaml mixes one tool episode to three
+  of these: a warm start that knows both the call format and the bare answer, and calls the
+  tool in about a quarter of its sampled episodes, so GRPO's reward has both to compare (a warm
+  start on tool episodes alone goes from never calling within 10 LoRA steps to calling in most
+  greedy episodes by 16, leaving GRPO little between).
 """
 
 from __future__ import annotations
@@ -79,8 +85,18 @@ def demonstration(a: int, b: int, op: str) -> dict:
     ]}
 
 
+def direct_answer(a: int, b: int, op: str) -> dict:
+    """The same question answered at once with the bare number, no tool call."""
+    return {"messages": [
+        {"role": "system", "content": describe([TOOL], Hermes())},
+        {"role": "user", "content": question(a, b, op)},
+        {"role": "assistant", "content": answer(a, b, op)},
+    ]}
+
+
 def files() -> dict[str, list[dict]]:
     s = splits()
     return {"calc_eval.jsonl": [prompt_row(*t) for t in s["eval"]],
             "calc_grpo_train.jsonl": [prompt_row(*t) for t in s["grpo"]],
-            "calc_sft_train.jsonl": [demonstration(*t) for t in s["sft"]]}
+            "calc_sft_train.jsonl": [demonstration(*t) for t in s["sft"]],
+            "calc_sft_direct.jsonl": [direct_answer(*t) for t in s["sft"]]}

@@ -1,6 +1,6 @@
 """env=calc: arithmetic the model cannot do in its head, with a calculator tool it learns to use.
 
-    python -m workbench method=sft data.recipe=calc_sft train.max_steps=10      # warm start on demonstrations
+    python -m workbench method=sft data.recipe=calc_sft_mixed train.max_steps=20   # warm start on demonstrations
     python -m workbench method=grpo env=calc model.path=<warm start>/export/merged
 
 Tasks (workbench/data/tool_tasks.py): 3-digit addition and 2-digit multiplication, held-out
