@@ -27,9 +27,10 @@ sys.path.insert(0, str(ROOT))
 
 COMMON = ["train.export=false", "train.resume=never", "train.log_every=5", "eval.at_start=true", "eval.at_end=true",
           "eval.num_samples=100", "eval.tasks=[env]", "precision=fp32"]
+RECIPE = "calc_sft_mixed"  # the warm start's data: one tool episode to three bare answers
 
 
-def warm_start(seed: int, steps: int, work: Path, recipe: str = "calc_sft_mixed") -> Path:
+def warm_start(seed: int, steps: int, work: Path, recipe: str = RECIPE) -> Path:
     from tests.conftest import train
 
     merged = work / f"{recipe}{seed}-{steps}" / "export" / "merged"
@@ -63,7 +64,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="agent_seeds")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--sft-steps", type=int, default=20, help="LoRA SFT steps of the warm start (16 demonstrations each)")
-    ap.add_argument("--recipe", default="calc_sft_mixed", help="the warm start's data recipe (calc_sft: tool episodes only)")
+    ap.add_argument("--recipe", default=RECIPE, help="the warm start's data recipe (calc_sft: tool episodes only)")
     ap.add_argument("--steps", type=int, default=30, help="GRPO steps (0: evaluate the warm start only)")
     ap.add_argument("--work", default="/tmp/agent_seeds")
     ap.add_argument("--out", default=str(ROOT / "runs" / "agent_seeds.jsonl"))

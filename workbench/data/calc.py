@@ -77,8 +77,7 @@ def demonstration(a: int, b: int, op: str) -> dict:
     expression = f"{a} {op} {b}"
     result = evaluate(expression)
     return {"messages": [
-        {"role": "system", "content": describe([TOOL], fmt)},
-        {"role": "user", "content": question(a, b, op)},
+        *_asked(a, b, op),
         {"role": "assistant", "content": fmt.render(ToolCall("calc", {"expression": expression}))},
         {"role": "tool", "name": "calc", "content": result},
         {"role": "assistant", "content": result},
@@ -87,11 +86,12 @@ def demonstration(a: int, b: int, op: str) -> dict:
 
 def direct_answer(a: int, b: int, op: str) -> dict:
     """The same question answered at once with the bare number, no tool call."""
-    return {"messages": [
-        {"role": "system", "content": describe([TOOL], Hermes())},
-        {"role": "user", "content": question(a, b, op)},
-        {"role": "assistant", "content": answer(a, b, op)},
-    ]}
+    return {"messages": [*_asked(a, b, op), {"role": "assistant", "content": answer(a, b, op)}]}
+
+
+def _asked(a: int, b: int, op: str) -> list[dict]:
+    """The tools as the environment shows them to SmolLM2, then the question."""
+    return [{"role": "system", "content": describe([TOOL], Hermes())}, {"role": "user", "content": question(a, b, op)}]
 
 
 def files() -> dict[str, list[dict]]:

@@ -3,7 +3,7 @@
     python -m workbench method=sft data.recipe=calc_sft_mixed train.max_steps=20   # warm start on demonstrations
     python -m workbench method=grpo env=calc model.path=<warm start>/export/merged
 
-Tasks (workbench/data/tool_tasks.py): 3-digit addition and 2-digit multiplication, held-out
+Tasks (workbench/data/calc.py): 3-digit addition and 2-digit multiplication, held-out
 questions in data_recipes/data/calc_eval.jsonl. One tool, `calc(expression)`, evaluated by
 `evaluate` below: the expression is parsed with `ast` and only numbers, + - * / // % **,
 unary signs and parentheses are walked; nothing is ever passed to eval(). Exponents, operand
