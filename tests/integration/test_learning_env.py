@@ -1,4 +1,4 @@
-"""Tool-use RL learns on the calculator environment (slow: 45 minutes on one core of a 2-core CPU).
+"""Tool-use RL learns on the calculator environment (slow: 45 minutes on one CPU core).
 
     OMP_NUM_THREADS=2 .venv/bin/python -m pytest -q -m slow tests/integration/test_learning_env.py -s
 
