@@ -1,7 +1,11 @@
-"""Write the embedded data files under data_recipes/data/ from workbench.data.arith.
+"""Write the embedded data files under data_recipes/data/ from workbench.data.arith and .calc.
 
     python scripts/make_data.py          # (re)write the files
-    python scripts/make_data.py --check  # exit 1 if a shipped file differs from what it would write
+    python scripts/make_data.py --check  # exit 1 if a shipped file differs from what it would write,
+                                         # or two roles share a question (arith.role_overlaps)
+
+Roles follow the file name (arith.py's docstring): *_eval.jsonl is the test split,
+*_validation.jsonl the validation split, everything else trains.
 """
 
 from __future__ import annotations
@@ -18,17 +22,20 @@ from workbench.data import arith, calc  # noqa: E402
 
 OUT = ROOT / "data_recipes" / "data"
 N_TRAIN = 4000
-N_EVAL = 200
 
 
 def files() -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
+    calc_splits = calc.splits()
+    # The calculator's 3-digit sums are worded like arith_add3's: keep its questions out of both.
+    calc_keys = frozenset(arith.canonical(calc.question(*t)) for rows in calc_splits.values() for t in rows)
     for task in arith.TASKS:
-        train, held_out = arith.split_pairs(task, N_EVAL)
+        s = arith.splits(task, exclude=calc_keys if task == "add3" else ())
         op = arith.TASKS[task][2]
-        out[f"arith_{task}_eval.jsonl"] = [arith.eval_example(a, b, op) for a, b in held_out]
+        out[f"arith_{task}_eval.jsonl"] = [arith.eval_example(a, b, op) for a, b in s["test"]]
+        out[f"arith_{task}_validation.jsonl"] = [arith.eval_example(a, b, op) for a, b in s["validation"]]
         if task == "add2":
-            out[f"arith_{task}_train.jsonl"] = [arith.chat_example(a, b, op) for a, b in train[:N_TRAIN]]
+            out[f"arith_{task}_train.jsonl"] = [arith.chat_example(a, b, op) for a, b in s["train"][:N_TRAIN]]
     out.update(alignment_files())
     out.update(calc.files())  # env=calc: held-out questions, GRPO prompts, tool-use demonstrations
     return out
@@ -55,16 +62,18 @@ def preference_example(a: int, b: int, op: str, rng) -> dict:
 
 
 def alignment_files() -> dict[str, list[dict]]:
-    """DPO pairs and GRPO prompts from the add2 training pairs; held-out pairs only in *_eval files."""
+    """DPO pairs and GRPO prompts from add2's training pairs; pairs on its held-out questions only
+    in the held-out files."""
     import random
 
-    train, held_out = arith.split_pairs("add2", N_EVAL)
+    s = arith.splits("add2")
     op = arith.TASKS["add2"][2]
     rng = random.Random("arith-pref")
     return {
-        "arith_dpo_train.jsonl": [preference_example(a, b, op, rng) for a, b in train[:N_PREF]],
-        "arith_pref_eval.jsonl": [preference_example(a, b, op, rng) for a, b in held_out],
-        "arith_grpo_train.jsonl": [arith.eval_example(a, b, op) for a, b in train[-N_PROMPTS:]],
+        "arith_dpo_train.jsonl": [preference_example(a, b, op, rng) for a, b in s["train"][:N_PREF]],
+        "arith_pref_eval.jsonl": [preference_example(a, b, op, rng) for a, b in s["test"]],
+        "arith_pref_validation.jsonl": [preference_example(a, b, op, rng) for a, b in s["validation"]],
+        "arith_grpo_train.jsonl": [arith.eval_example(a, b, op) for a, b in s["train"][-N_PROMPTS:]],
     }
 
 
@@ -87,8 +96,10 @@ def main() -> int:
             path.write_text(text)
     if stale:
         print("stale data files (run scripts/make_data.py):", ", ".join(stale))
-        return 1
-    return 0
+    overlaps = arith.role_overlaps(OUT)
+    for a, b, n, example in overlaps:
+        print(f"{a} ({arith.role_of(a)}) and {b} ({arith.role_of(b)}) share {n} questions, e.g. {example}")
+    return 1 if stale or overlaps else 0
 
 
 if __name__ == "__main__":

@@ -94,9 +94,12 @@ def test_loss_grads_and_metrics_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu)
     assert float(loss.detach()) == pytest.approx(float(trl_loss.detach()), rel=LOSS_RTOL)
     ours = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert set(ours) == set(trl_grads) and len(ours) > 10
+    # TRL's loss is a weighted sum of losses (smoothing: 1.6 sigmoid - 0.6 robust, which cancel), so its
+    # gradient carries the rounding of the weighted terms, up to sum |w| times its own scale (difference_atol)
+    spread = sum(abs(w) for w in trl_losses.get("loss_weights", [1.0]))
     for n, g in ours.items():
         # summation order differs (index_add vs TRL's masked sums): tests/tolerances.py
-        torch.testing.assert_close(g, trl_grads[n], rtol=LOSS_RTOL, atol=grad_atol(trl_grads[n]))
+        torch.testing.assert_close(g, trl_grads[n], rtol=LOSS_RTOL, atol=spread * grad_atol(trl_grads[n]))
     # the logged rewards are TRL's: beta x the log-ratios, their margin and how often chosen wins
     # each reward is beta x a difference of log-prob sums: it carries their rounding (tests/tolerances.py)
     atol = difference_atol(beta * trl_metrics["logps/chosen"], beta * trl_metrics["logps/rejected"])

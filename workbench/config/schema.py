@@ -136,6 +136,9 @@ class DataConfig:
     format: str = "auto"  # the format of data.path's files (auto-detected per row by default)
     # Held-out rows: a fraction (0.05), a row count (200) or a file; never trained on.
     eval_split: Any = None
+    # Training rows whose key a held-out row shares leave training: `package.module:function`
+    # (row -> key); null: the exact prompt (workbench/data/recipes.py)
+    dedup_key: str | None = None
 
 
 @dataclass

@@ -6,7 +6,9 @@ Two kinds of question a 135M model cannot answer in its head: 3-digit addition (
 100-999) and 2-digit multiplication (10-99 x 10-99), alternating. The split is deterministic
 and by unordered operand pair, so a held-out `a * b` never appears as `b * a` in training:
 
-- calc_eval.jsonl: 200 held-out prompt rows (`eval.tasks=[env]` reads the first eval.num_samples);
+- calc_eval.jsonl: 200 held-out prompt rows, the test split (`eval.tasks=[env]` reads the first
+  eval.num_samples);
+- calc_validation.jsonl: 100 held-out prompt rows to choose settings on (`env.eval_path=data/calc_validation.jsonl`);
 - calc_grpo_train.jsonl: 2000 prompt rows {"prompt", "answer"} for GRPO episodes;
 - calc_sft_train.jsonl: 1000 demonstrations for the SFT warm start, disjoint from both: the
   tools declared in a system message, the question, a `calc` call in the Hermes/Qwen format,
@@ -30,7 +32,7 @@ from workbench.envs.calculator import TOOL, evaluate
 from workbench.rollout.tools import Hermes, ToolCall, describe
 
 KINDS = {"add3": ((100, 999), "+"), "mul2": ((10, 99), "*")}
-N_EVAL, N_GRPO, N_SFT = 100, 1000, 500  # per kind
+N_EVAL, N_GRPO, N_SFT, N_VAL = 100, 1000, 500, 50  # per kind
 
 
 def question(a: int, b: int, op: str) -> str:
@@ -54,13 +56,16 @@ def _pairs(kind: str) -> list[tuple[int, int]]:
 
 
 def splits() -> dict[str, list[tuple[int, int, str]]]:
-    """{"eval", "grpo", "sft"}: (a, b, op) triples, the two kinds alternating, never shared."""
-    out: dict[str, list] = {"eval": [], "grpo": [], "sft": []}
+    """{"eval", "grpo", "sft", "validation"}: (a, b, op) triples, the two kinds alternating, never shared.
+
+    Validation comes after the others in each kind's order, so adding it left them as they were."""
+    out: dict[str, list] = {"eval": [], "grpo": [], "sft": [], "validation": []}
     per_kind = {}
     for kind in KINDS:
         p = _pairs(kind)
         per_kind[kind] = {"eval": p[:N_EVAL], "grpo": p[N_EVAL:N_EVAL + N_GRPO],
-                          "sft": p[N_EVAL + N_GRPO:N_EVAL + N_GRPO + N_SFT]}
+                          "sft": p[N_EVAL + N_GRPO:N_EVAL + N_GRPO + N_SFT],
+                          "validation": p[N_EVAL + N_GRPO + N_SFT:N_EVAL + N_GRPO + N_SFT + N_VAL]}
     for name in out:
         for add, mul in zip(per_kind["add3"][name], per_kind["mul2"][name]):
             out[name] += [(*add, "+"), (*mul, "*")]
@@ -97,6 +102,7 @@ def _asked(a: int, b: int, op: str) -> list[dict]:
 def files() -> dict[str, list[dict]]:
     s = splits()
     return {"calc_eval.jsonl": [prompt_row(*t) for t in s["eval"]],
+            "calc_validation.jsonl": [prompt_row(*t) for t in s["validation"]],
             "calc_grpo_train.jsonl": [prompt_row(*t) for t in s["grpo"]],
             "calc_sft_train.jsonl": [demonstration(*t) for t in s["sft"]],
             "calc_sft_direct.jsonl": [direct_answer(*t) for t in s["sft"]]}

@@ -13,6 +13,7 @@
         max_tokens: 2048
 
     eval_split: 0.05        # optional: held-out rows (a fraction, a row count, or a file)
+    dedup_key: mypkg.keys:question   # optional: rows with a held-out row's key leave training
 
 Every key is checked: a typo names the field and the recipe file.
 
@@ -21,7 +22,10 @@ eval.jsonl`. `workbench.config.validate` turns those into an inline recipe (`dat
 as JSON, so the run's config.yaml records exactly what was read), and `load_recipe` reads it like
 a file. The held-out rows are chosen deterministically (a fixed-seed permutation of row numbers,
 the same for the same file and size) and are removed from the training view of every source;
-`Recipe.eval_sources` reads exactly them (workbench/evals/ uses it).
+`Recipe.eval_sources` reads exactly them (workbench/evals/ uses it). So is every training row
+that asks what a held-out row asks: by default the same prompt, exactly (`prompt_key`); with
+`data.dedup_key=package.module:function`, the same key, `function(row)` on each row as read (our
+column names), so "27 + 64" can hold out "64 + 27" as well (workbench/data/arith.py canonical).
 
 Rows are read with their file and line so every bad row can be reported as `file:line:`.
 """
@@ -73,6 +77,7 @@ class Recipe:
     sources: list[Source]  # the training view (held-out rows removed)
     eval_sources: list[Source] = field(default_factory=list)  # the held-out view (empty: no split)
     eval_split: object = None
+    dedup_key: str | None = None
 
 
 SPLIT_SEED = 20240601  # fixed: the held-out rows depend only on the file's rows and the split size
@@ -93,6 +98,12 @@ def inline_recipe(data_cfg, eval_tasks=()) -> str | None:
         if is_main_process():
             print(f"data: holding out {DEFAULT_SPLIT:.0%} of data.path's rows for eval.tasks={list(eval_tasks)} "
                   "(set data.eval_split to choose: a fraction, a row count or a file)", file=sys.stderr)
+    key = getattr(data_cfg, "dedup_key", None)
+    if key is not None:
+        key_function(key)  # a bad module:function is reported before anything loads
+        if split is None:
+            raise UserError(f"data.dedup_key={key!r} keeps data.eval_split's held-out rows out of training; "
+                            "set data.eval_split too")
     if paths is None and (split is None or str(data_cfg.recipe).lstrip().startswith("{")):
         return None  # nothing to do, or validated before (a launched job re-validates its config)
     spec: dict = {"name": "data.path"}
@@ -116,6 +127,8 @@ def inline_recipe(data_cfg, eval_tasks=()) -> str | None:
         spec["extends"] = data_cfg.recipe  # a named recipe with a held-out split added
     if split is not None:
         spec["eval_split"] = _split_value(split)
+    if key is not None:
+        spec["dedup_key"] = key
     return json.dumps(spec)
 
 
@@ -154,7 +167,8 @@ def load_recipe(name: str) -> Recipe:
         spec = json.loads(name)
         if "extends" in spec:
             base = load_recipe(spec["extends"])
-            return _with_split(Recipe(base.name, base.file, base.sources), spec.get("eval_split"), Path.cwd())
+            return _with_split(Recipe(base.name, base.file, base.sources), spec.get("eval_split"), Path.cwd(),
+                               spec.get("dedup_key"))
         path = Path.cwd() / "data.path"  # paths in an inline recipe are absolute already
     else:
         path = recipe_path(name)
@@ -164,36 +178,97 @@ def load_recipe(name: str) -> Recipe:
             raise UserError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(spec, dict) or not spec.get("sources"):
         raise UserError(f"{path}: a recipe needs a non-empty 'sources' list")
-    unknown = set(spec) - {"name", "sources", "eval_split", "description"}
+    unknown = set(spec) - {"name", "sources", "eval_split", "dedup_key", "description"}
     if unknown:
-        raise UserError(f"{path}: unknown key(s) {sorted(unknown)}; allowed: name, sources, eval_split, description")
+        raise UserError(f"{path}: unknown key(s) {sorted(unknown)}; allowed: name, sources, eval_split, dedup_key, "
+                        "description")
     sources = []
     for i, s in enumerate(spec["sources"]):
         sources.append(_source(s, i, path))
     names = [s.name for s in sources]
     if len(set(names)) != len(names):
         raise UserError(f"{path}: source names must be unique, got {names}")
-    return _with_split(Recipe(spec.get("name", path.stem), path, sources), spec.get("eval_split"), path.parent)
+    return _with_split(Recipe(spec.get("name", path.stem), path, sources), spec.get("eval_split"), path.parent,
+                       spec.get("dedup_key"))
 
 
-_COUNTS: dict = {}
+def prompt_key(row: dict) -> str:
+    """What a row asks, exactly: its prompt, or the conversation before its last assistant turn
+    (a lone user message as its text, so a chat row and a prompt row asking the same match)."""
+    from workbench.data.formats import detect_format, to_messages
+
+    if "prompt" in row:
+        p = row["prompt"]
+    elif "text" in row and not {"messages", "conversations", "instruction"} & set(row):
+        p = row["text"]
+    else:
+        try:
+            msgs = to_messages(row, detect_format(row, "row"), "row")
+        except UserError:  # a bad row is reported by the reader that trains on it, with its file:line
+            msgs = [row]
+        if isinstance(msgs, str):
+            p = msgs
+        else:
+            last = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=len(msgs))
+            p = msgs[:last]
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], dict) and p[0].get("role") == "user":
+        p = p[0].get("content")
+    return p if isinstance(p, str) else json.dumps(p, sort_keys=True, ensure_ascii=False, default=str)
 
 
-def _row_count(source: Source) -> int:
-    """Rows in a source, one pass, remembered per process for the same file (size and mtime):
-    preflight, the method and the eval tasks all load the recipe."""
+def key_function(spec: str | None):
+    """The function rows are keyed by for a split: data.dedup_key's `module:function`, or prompt_key."""
+    if spec is None:
+        return prompt_key
+    from workbench.core.imports import user_function
+
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise UserError(f"data.dedup_key={spec!r}: name a function as 'package.module:function' (row -> key)")
+    return user_function(spec, "data.dedup_key")
+
+
+_KEYS: dict = {}
+
+
+def _row_keys(source: Source, dedup_key: str | None) -> list[bytes]:
+    """A digest of every row's key, in order (so also the row count): one pass, remembered per
+    process for the same file (size and mtime) and key, since preflight, the method and the eval
+    tasks all load the recipe."""
+    import hashlib
+
     from workbench.data.readers import iter_rows
 
     st = source.path.stat() if source.path is not None and source.path.is_file() else None
-    key = (str(source.path), source.hub, source.split, tuple(sorted(source.columns.items())),
-           (st.st_size, st.st_mtime_ns) if st else None)
-    if key not in _COUNTS or st is None:
-        _COUNTS[key] = sum(1 for _ in iter_rows(source))
-    return _COUNTS[key]
+    memo = (str(source.path), source.hub, source.split, tuple(sorted(source.columns.items())),
+            (st.st_size, st.st_mtime_ns) if st else None, dedup_key)
+    if memo not in _KEYS or st is None:
+        fn, out = key_function(dedup_key), []
+        for where, row in iter_rows(source):
+            try:
+                k = fn(row)
+            except Exception as exc:  # noqa: BLE001 - the user's function fails in its own ways; name it and the row
+                raise UserError(f"data.dedup_key={dedup_key!r} raised on {where}: {type(exc).__name__}: {exc}") from None
+            out.append(hashlib.blake2b((k if isinstance(k, str) else repr(k)).encode(), digest_size=16).digest())
+        _KEYS[memo] = out
+    return _KEYS[memo]
 
 
-def _with_split(recipe: Recipe, split, base: Path) -> Recipe:
-    """Apply a held-out split: train sources lose the held-out rows, eval sources read only them."""
+_TOLD: set = set()
+
+
+def _tell_dropped(n: int, recipe: Recipe, dedup_key: str | None) -> None:
+    from workbench.train.distributed import is_main_process
+
+    what = f"the same data.dedup_key ({dedup_key})" if dedup_key else "the same prompt"
+    note = f"data: {n} training row(s) of {recipe.name} ask what a held-out row asks ({what}); left out of training"
+    if n and note not in _TOLD and is_main_process():
+        _TOLD.add(note)
+        print(note, file=sys.stderr)
+
+
+def _with_split(recipe: Recipe, split, base: Path, dedup_key: str | None = None) -> Recipe:
+    """Apply a held-out split: train sources lose the held-out rows and every row sharing a
+    held-out row's key; eval sources read only the held-out rows."""
     if split is None:
         return recipe
     import dataclasses
@@ -204,10 +279,20 @@ def _with_split(recipe: Recipe, split, base: Path) -> Recipe:
         if not f.exists():
             raise UserError(f"{recipe.file}: eval_split file not found: {f}")
         ev = Source(name="eval", path=f, format=recipe.sources[0].format if len(recipe.sources) == 1 else "auto")
-        return Recipe(recipe.name, recipe.file, recipe.sources, [ev], str(f))
+        held_keys = set(_row_keys(ev, dedup_key))
+        train, dropped = [], 0
+        for s in recipe.sources:
+            mine = frozenset(i for i, k in enumerate(_row_keys(s, dedup_key)) if k in held_keys)
+            dropped += len(mine)
+            train.append(dataclasses.replace(s, held_out=mine, role="train") if mine else s)
+        if dropped == sum(len(_row_keys(s, dedup_key)) for s in recipe.sources):
+            raise UserError(f"data.eval_split={split}: every training row asks what a held-out row asks, "
+                            "leaving nothing to train on")
+        _tell_dropped(dropped, recipe, dedup_key)
+        return Recipe(recipe.name, recipe.file, train, [ev], str(f), dedup_key)
     value = _split_value(split)
-    counts = [_row_count(s) for s in recipe.sources]
-    total = sum(counts)
+    keys = [_row_keys(s, dedup_key) for s in recipe.sources]
+    total = sum(map(len, keys))
     k = max(1, round(value * total)) if isinstance(value, float) else value
     if k >= total:
         raise UserError(f"data.eval_split={split}: holds out {k} of {total} rows, leaving nothing to train on")
@@ -216,14 +301,24 @@ def _with_split(recipe: Recipe, split, base: Path) -> Recipe:
     order = list(range(total))
     random.Random(SPLIT_SEED).shuffle(order)
     held = sorted(order[:k])
+    flat = [x for ks in keys for x in ks]
+    held_keys = {flat[i] for i in held}
+    # Rows asking what a held-out row asks leave training too; the evaluation reads only the held-out rows.
+    excluded = {i for i, x in enumerate(flat) if x in held_keys}
+    if len(excluded) >= total:
+        raise UserError(f"data.eval_split={split}: every training row asks what a held-out row asks, "
+                        "leaving nothing to train on")
+    _tell_dropped(len(excluded) - k, recipe, dedup_key)
     train, evals, start = [], [], 0
-    for s, n in zip(recipe.sources, counts):
+    for s, ks in zip(recipe.sources, keys):
+        n = len(ks)
         mine = frozenset(i - start for i in held if start <= i < start + n)
+        out = frozenset(i - start for i in excluded if start <= i < start + n)
         start += n
-        train.append(dataclasses.replace(s, held_out=mine, role="train"))
+        train.append(dataclasses.replace(s, held_out=out, role="train"))
         if mine:
             evals.append(dataclasses.replace(s, held_out=mine, role="eval", max_samples=None))
-    return Recipe(recipe.name, recipe.file, train, evals, value)
+    return Recipe(recipe.name, recipe.file, train, evals, value, dedup_key)
 
 
 def _source(s, i: int, path: Path) -> Source:

@@ -12,7 +12,9 @@ A registry, like the reward functions (workbench/rollout/rewards.py). A task is 
 - the embedded arithmetic tasks: `arith_add2`, `arith_add3`, `arith_mul1` (held-out exact-match
   accuracy, greedy, answer-only prompt; data_recipes/data/arith_<task>_eval.jsonl) and
   `arith_pref` (share of held-out pairs whose chosen completion has the higher log-prob),
-  `arith_rm` (a reward model's accuracy on the same pairs: chosen scored above rejected);
+  `arith_rm` (a reward model's accuracy on the same pairs: chosen scored above rejected),
+  all on the test split; `arith_add2_val`, `arith_add3_val`, `arith_mul1_val`, `arith_pref_val` are
+  the same on the validation split that settings are chosen on (workbench/data/arith.py);
 - `env`: greedy episodes with the run's environment on its held-out rows (`env.eval_path`):
   accuracy, the share of final answers that follow a tool result, turns (workbench/evals/episodes.py);
 - `lm_eval:<task>` or `lm_eval:<task.yaml>`: an lm-evaluation-harness task, in-process on the
@@ -20,8 +22,9 @@ A registry, like the reward functions (workbench/rollout/rewards.py). A task is 
 - `package.module:function`, your own: called as `function(ctx)` with an `EvalContext`
   (ctx.model, ctx.tokenizer, ctx.generate(prompts) -> texts, ctx.step, ctx.tag, ctx.cfg) and
   returning {metric: number}. Its metrics are logged as `eval/<task>/<metric>` to metrics.jsonl,
-  results.json and the report. A hook that raises stops the run with one line naming the hook
-  and the step; the runner keeps the step's checkpoint first.
+  results.json and the report (where an accuracy with an `n` beside it also gets its Wilson 95%
+  interval, `eval/<task>/accuracy_ci95: [lo, hi]`: workbench/evals/stats.py). A hook that raises
+  stops the run with one line naming the hook and the step; the runner keeps the step's checkpoint first.
 
 Every name is checked by preflight (`check_tasks`) before any weights load.
 """
@@ -42,7 +45,8 @@ from workbench.data import arith
 from workbench.data.recipes import RECIPES_DIR
 from workbench.rollout.generate import generate
 
-ARITH = ("arith_add2", "arith_add3", "arith_mul1", "arith_pref", "arith_rm")
+ARITH = ("arith_add2", "arith_add3", "arith_mul1", "arith_pref", "arith_rm",
+         "arith_add2_val", "arith_add3_val", "arith_mul1_val", "arith_pref_val")
 TASKS = ARITH + ("loss", "preference", "reward", "reward_accuracy", "generate", "env")
 
 
@@ -107,7 +111,8 @@ def lookup(task: str) -> Callable:
 
 
 def eval_rows(task: str, n: int) -> list[dict]:
-    path = RECIPES_DIR / "data" / f"{task}_eval.jsonl"
+    name = f"{task[:-4]}_validation" if task.endswith("_val") else f"{task}_eval"
+    path = RECIPES_DIR / "data" / f"{name}.jsonl"
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     return rows[:n]
 
@@ -148,7 +153,7 @@ def exact_match(model, tokenizer, contract, task: str, cfg_eval, autocast=None) 
 
 
 def _arith(ctx: EvalContext, task: str) -> dict:
-    if task == "arith_pref":
+    if task in ("arith_pref", "arith_pref_val"):
         from workbench.methods.dpo import preference_accuracy
 
         rows = eval_rows(task, ctx.eval_cfg.num_samples)

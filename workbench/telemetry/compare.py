@@ -76,6 +76,14 @@ def final_metrics(run: Run) -> dict[str, float]:
     return out
 
 
+def _accuracy(end: dict, k: str) -> str:
+    """An accuracy as a percentage, with its 95% interval where the run reports one."""
+    if not isinstance(end.get(k), (int, float)):
+        return "-"
+    ci = end.get(f"{k}_ci95")
+    return f"{end[k]:.1%} [{ci[0]:.1%}, {ci[1]:.1%}]" if ci else f"{end[k]:.1%}"
+
+
 def rank(metrics: list[dict[str, float]], metric: str = "auto", mode: str = "auto"
          ) -> tuple[str | None, str, int | None]:
     """(metric, mode, index of the best run) over runs' `final_metrics`. `auto`: the first eval
@@ -134,7 +142,7 @@ def compare(paths: list[str], out: Path | None = None) -> tuple[str, Path | None
         body.append([str(run.dir), *[str(f.get(k, "")) for k in differing], str(len(run.rows)),
                      f"{losses[0]:.4f}" if losses else "-", f"{losses[-1]:.4f}" if losses else "-",
                      f"{_median(tps):.0f}" if tps else "-", f"{_median(mfu):.1%}" if mfu else "-",
-                     *[f"{end[k]:.1%}" if isinstance(end.get(k), (int, float)) else "-" for k in evals]])
+                     *[_accuracy(end, k) for k in evals]])
     table = "\n".join(markdown(head, body))
     fig = None
     names = [", ".join(f"{k.split('.')[-1]}={f.get(k)}" for k in differing) or r.dir.name

@@ -1,4 +1,5 @@
 """report.md: the short human summary of a run (eval before/after, loss, speed, plots, export).
+Accuracies carry their Wilson 95% interval, in the report and in results.json (workbench/evals/stats.py).
 
     report.write(run_dir, run, results, rows)     # the runner, rank 0, at the end of a run
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from workbench.evals import stats
 from workbench.telemetry import plots
 
 
@@ -36,12 +38,18 @@ def _acc_rows(results: dict) -> list[str]:
     keys = sorted({k for k in list(start) + list(end) if k.startswith("eval/") and k.count("/") >= 2
                    and isinstance((start.get(k) if k in start else end.get(k)), (int, float))
                    and k.rsplit("/", 1)[1] not in ("n", "seconds", "tokens")})
+    def fmt(ev: dict, k: str) -> str:
+        v = ev.get(k)
+        if v is None:
+            return "-"
+        if not k.endswith("accuracy"):
+            return f"{v:.4g}"
+        ci = stats.intervals(ev).get(f"{k}_ci95")
+        return f"{v:.1%} [{ci[0]:.1%}, {ci[1]:.1%}]" if ci else f"{v:.1%}"
+
     rows = []
     for k in keys:
-        a, b = start.get(k), end.get(k)
-        pct = k.endswith("accuracy")
-        fa = "-" if a is None else f"{a:.1%}" if pct else f"{a:.4g}"
-        fb = "-" if b is None else f"{b:.1%}" if pct else f"{b:.4g}"
+        fa, fb = fmt(start, k), fmt(end, k)
         name = k.split("/")[1] if k.endswith("/accuracy") else "/".join(k.split("/")[1:])
         rows.append(f"| {name} | {fa} | {fb} |")
     return rows
@@ -133,6 +141,8 @@ def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
     acc = _acc_rows(results)
     if acc:
         lines += ["", "| eval | before | after |", "|---|---|---|", *acc]
+        if any(stats.intervals(ev) for ev in (results.get("eval_start") or {}, results.get("eval_end") or {})):
+            lines += ["", "Accuracies: [Wilson 95% interval over the questions evaluated]."]
     samples = (results.get("eval_end") or {}).get("samples") or {}
     for task, items in samples.items():
         lines += ["", f"Samples ({task}, after training):", ""]
@@ -145,4 +155,11 @@ def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
         lines += ["", "Export:", "", "```", json.dumps(results["export"], indent=1), "```"]
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
     slim = {k: v for k, v in results.items() if k != "losses"}
+    # eval/<task>/accuracy_ci95: [lo, hi] beside each accuracy measured on n questions; only in the
+    # file, so the in-memory results stay {metric: number}
+    for key in ("eval_start", "eval_end"):
+        if isinstance(slim.get(key), dict):
+            slim[key] = {**slim[key], **stats.intervals(slim[key])}
+    if isinstance(slim.get("eval_during"), list):
+        slim["eval_during"] = [{**e, **stats.intervals(e)} if isinstance(e, dict) else e for e in slim["eval_during"]]
     (run_dir / "results.json").write_text(json.dumps({**slim, "losses": losses}, indent=1, default=str))
