@@ -45,6 +45,7 @@ import torch
 
 from workbench.core import heartbeat
 from workbench.core.errors import UserError
+from workbench.core.secrets import redact, secret_values
 from workbench.data.chat import IGNORE, prompt_ids
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture, rank_share
@@ -484,10 +485,11 @@ class GRPO(Method):
             return
         path = self.ctx.run_dir / "samples" / "grpo.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
+        secrets = secret_values(self.ctx.cfg)  # prompts are the user's data: the one rule (workbench/core/secrets.py)
         with path.open("a") as fh:
             for i in range(min(self.cfg.log_completions, len(texts))):
-                fh.write(json.dumps({"prompt": prompts[i][-1]["content"], "completion": texts[i],
-                                     "reward": float(total[i])}) + "\n")
+                fh.write(json.dumps(redact({"prompt": prompts[i][-1]["content"], "completion": texts[i],
+                                            "reward": float(total[i])}, secrets)) + "\n")
 
     def next_batch(self, state, backend) -> StepBatch:
         if self._regenerate is not None:  # resumed mid-iteration: the same prompts, sampled again

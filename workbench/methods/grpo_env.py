@@ -30,6 +30,7 @@ import sys
 import torch
 
 from workbench.core import heartbeat
+from workbench.core.secrets import redact, secret_values
 from workbench.envs import base as envs
 from workbench.envs import registry as env_registry
 from workbench.rollout import advantages, episodes
@@ -130,7 +131,8 @@ class EpisodeRollouts:
             return
         path = grpo.ctx.run_dir / "samples" / "episodes.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
+        secrets = secret_values(grpo.ctx.cfg)  # prompts, tool results: the one rule (workbench/core/secrets.py)
         with path.open("a") as fh:
             for e, r in list(zip(eps, total.tolist()))[:n]:
-                fh.write(json.dumps({"step": grpo._step, "messages": e.messages, "reward": r, "cut": e.cut,
-                                     "sampled_tokens": e.sampled}, default=str) + "\n")
+                fh.write(json.dumps(redact({"step": grpo._step, "messages": e.messages, "reward": r, "cut": e.cut,
+                                            "sampled_tokens": e.sampled}, secrets), default=str) + "\n")

@@ -277,7 +277,7 @@ class Runner:
         an error here reaches the other ranks at once, a stall anywhere ends the run with stacks."""
         cfg = self.cfg
         self.dog = Watchdog(self.run_dir, self.rank, self.world, cfg.hardware.stall_timeout_s, cfg.eval.timeout_s,
-                            last_checkpoint=lambda: checkpoint.latest_valid(self.run_dir))
+                            last_checkpoint=lambda: checkpoint.latest_valid(self.run_dir), secrets=self._secrets)
         if cfg.debug.hang_phase and self.rank == cfg.debug.hang_rank:
             heartbeat.BEAT.hang = (cfg.debug.hang_phase, cfg.debug.hang_at_step)
         if cfg.hardware.watchdog:
