@@ -2,11 +2,20 @@
 
     python -m workbench data.preview=true data.preview_samples=5
     python -m workbench data.preview=true data.recipe=my_mix data.chat_template=chatml
+    python -m workbench method=dpo data.preview=true      # pairs: prompt, chosen and rejected
+    python -m workbench method=kto data.preview=true      # unpaired rows, desirable or not
+    python -m workbench method=grpo data.preview=true     # prompts, their reward columns, the rewards
 
-Only the tokenizer is loaded (never model weights). The samples are the first ones of the
-training stream itself (same recipe, mixture and seed), so what is shown is what step 1 trains.
+Only the tokenizer is loaded (never model weights). Every source is read and tokenised exactly
+as training reads it (so a row training would refuse stops the preview too, at its file:line);
+each sample names the row's 1-based file line and its format (declared in the recipe, or
+detected from the row's columns). For SFT the samples are the first ones of the training stream
+itself (same recipe, mixture and seed), so what is shown is what step 1 trains; for the other
+methods they are the first rows of each source in file order, one source after another in turn.
 Trained tokens are shown in green on a terminal, and between ⟦ ⟧ otherwise; everything else is
-context the model reads but is not trained to produce.
+context the model reads but is not trained to produce. A GRPO prompt has no trained tokens: its
+completions are sampled by the policy during training. SFT rows and episodes are rendered here,
+pairs, unpaired rows and prompts by workbench/data/preview_rows.py.
 
 With an environment (`method=grpo env=calc data.preview=true`) each sample is a multi-turn
 episode: the environment's demonstration of the first prompt rows (`demonstrate`) stands in for
@@ -17,11 +26,15 @@ tool results or the template's text between turns.
 
 from __future__ import annotations
 
+import itertools
 import sys
 
+from workbench.core.errors import UserError
+from workbench.data import formats
 from workbench.data.chat import IGNORE, setup_tokenizer
 from workbench.data.mixing import Mixture
 from workbench.data.pipeline import tokenise_recipe
+from workbench.data.readers import iter_rows
 from workbench.data.recipes import load_recipe
 
 OPEN, CLOSE = "⟦", "⟧"
@@ -50,23 +63,28 @@ def render(tokenizer, ids: list[int], labels: list[int], color: bool = False) ->
     return "".join(parts)
 
 
-def preview(cfg, out=None) -> dict:
-    """Render the first `data.preview_samples` training samples; return them for callers and tests."""
+def setup(cfg, out):
+    """(tokenizer, chat contract, output stream, colour?) of a preview: the tokenizer only, no weights."""
     from workbench.models.load import load_tokenizer
 
     out = out or sys.stdout
-    color = hasattr(out, "isatty") and out.isatty()
     tokenizer = load_tokenizer(cfg.model)
-    contract = setup_tokenizer(tokenizer, cfg.data.chat_template)
+    return tokenizer, setup_tokenizer(tokenizer, cfg.data.chat_template), out, hasattr(out, "isatty") and out.isatty()
+
+
+def preview(cfg, out=None) -> dict:
+    """Render the first `data.preview_samples` training samples of an SFT-shaped method, or the
+    episodes of an environment (env=...); return them for callers and tests. The other methods'
+    rows are workbench/data/preview_rows.py's."""
+    tokenizer, contract, out, color = setup(cfg, out)
     if cfg.get("env") is not None:
         return preview_episodes(cfg, tokenizer, contract, out, color)
     loss_on = getattr(cfg.method, "loss_on", "assistant") if cfg.method is not None else "assistant"
-    sources = tokenise_recipe(load_recipe(cfg.data.recipe), tokenizer, contract, cfg.data, loss_on)
+    recipe = load_recipe(cfg.data.recipe)
+    sources = tokenise_recipe(recipe, tokenizer, contract, cfg.data, loss_on)
     mixture = Mixture([len(s.examples) for s in sources], [s.source.weight for s in sources],
                       seed=cfg.data.shuffle_seed)
-    print(f"data preview: recipe={cfg.data.recipe}, end-of-turn={contract.end_of_turn!r}, "
-          f"template={contract.template_hash}; trained tokens shown "
-          f"{'in green' if color else f'between {OPEN} {CLOSE}'}", file=out)
+    print(header(cfg, recipe, contract, color), file=out)
     for s in sources:
         r = s.report()
         print(f"  source {s.source.name}: {r['rows']} examples (read {r['rows_read']}, skipped {r['skipped']}, "
@@ -77,11 +95,38 @@ def preview(cfg, out=None) -> dict:
         ids, labels = sources[src].examples[row]
         trained = sum(y != IGNORE for y in labels)
         text = render(tokenizer, ids, labels, color)
-        print(f"\n--- sample {n + 1}: source {sources[src].source.name} row {row}, {len(ids)} tokens, "
+        where, fmt = sft_origin(sources[src], row)
+        print(f"\n--- sample {n + 1}: source {sources[src].source.name}, {where}, format {fmt}, {len(ids)} tokens, "
               f"{trained} trained ---\n{text}", file=out)
-        samples.append({"source": sources[src].source.name, "row": row, "tokens": len(ids), "trained": trained,
-                        "text": render(tokenizer, ids, labels, False)})
+        samples.append({"source": sources[src].source.name, "row": row, "where": where, "format": fmt,
+                        "tokens": len(ids), "trained": trained, "text": render(tokenizer, ids, labels, False)})
     return {"preview": samples, "sources": {s.source.name: s.report() for s in sources}}
+
+
+def header(cfg, recipe, contract, color: bool) -> str:
+    """The preview's first line: method, recipe, end-of-turn, template and how trained tokens show."""
+    return (f"data preview: method={cfg.method.name}, recipe={recipe.name}, end-of-turn={contract.end_of_turn!r}, "
+            f"template={contract.template_hash}; trained tokens shown "
+            f"{'in green' if color else f'between {OPEN} {CLOSE}'}")
+
+
+def row_format(source, row: dict, where: str) -> str:
+    """The row's format: declared in the recipe, or detected from its columns (as training does)."""
+    if source.format != "auto":
+        return f"{source.format} (declared)"
+    try:
+        return f"{formats.detect_format(row, where)} (detected)"
+    except UserError:
+        return "unknown (detected)"
+
+
+def sft_origin(tokenised, index: int) -> tuple[str, str]:
+    """(file:line, format) of a source's `index`-th example. Examples follow the rows one to one
+    unless rows were skipped or filtered; then only the example's number is known."""
+    if tokenised.skipped or tokenised.filtered or tokenised.rows_read != len(tokenised.examples):
+        return f"example {index + 1} of the source (rows were skipped or filtered)", f"{tokenised.source.format}"
+    where, row = next(itertools.islice(iter_rows(tokenised.source), index, None))
+    return where, row_format(tokenised.source, row, where)
 
 
 def preview_episodes(cfg, tokenizer, contract, out, color: bool) -> dict:
@@ -98,6 +143,7 @@ def preview_episodes(cfg, tokenizer, contract, out, color: bool) -> dict:
     note = turns.check()
     source = read_prompts(load_recipe(cfg.data.recipe).sources[0], tokenizer, contract, cfg.data)
     print(f"data preview: env={node['name']} (episodes of its demonstrations), recipe={cfg.data.recipe}, "
+          f"format prompt_only, "
           f"end-of-turn={contract.end_of_turn!r}, template={contract.template_hash}, tool calls: {turns.format.family}, "
           f"tools {'by the template' if turns.native_tools else 'in a system message'}, results as "
           f"{turns.tool_role} messages; trained tokens shown {'in green' if color else f'between {OPEN} {CLOSE}'}"

@@ -1,5 +1,6 @@
 """Where a run executes. `launcher=local` runs here, or under torchrun when more than one process
-is asked for; other launchers (conf/launcher/) send the same composed config elsewhere.
+is asked for or the backend needs a launcher's environment even on one (backend=deepspeed reads
+LOCAL_RANK); other launchers (conf/launcher/) send the same composed config elsewhere.
 
 `dispatch(cfg)` returns the results of a run it started elsewhere, or None when the run should
 proceed in this process.
@@ -10,11 +11,30 @@ from __future__ import annotations
 import os
 
 LAUNCHERS = ("slurm", "ray", "modal", "runpod")  # besides local; each module has `launch(cfg) -> dict`
+# Backends that only run inside a launched process: DeepSpeed's engine refuses to start without
+# LOCAL_RANK, which torchrun sets, so on one process it is started through torchrun too.
+NEED_LAUNCHER = ("deepspeed",)
 
 
 def under_distributed_launcher() -> bool:
     """True inside torchrun / accelerate launch / a Ray or Slurm worker that set up ranks."""
     return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def torchrun_reason(cfg) -> str | None:
+    """Why `launcher=local` starts this run under torchrun, or None when it runs in this process."""
+    from workbench.train.distributed import requested_procs
+
+    name = cfg.launcher.name if cfg.get("launcher") is not None else "local"
+    backend = cfg.backend.name if cfg.get("backend") is not None else "single"
+    if name != "local" or under_distributed_launcher():
+        return None
+    procs = requested_procs(cfg.hardware)
+    if procs > 1:
+        return f"{procs} processes"
+    if backend in NEED_LAUNCHER:
+        return f"backend={backend} runs only in a launched process, so its one process is started by torchrun"
+    return None
 
 
 def dispatch(cfg):
@@ -25,9 +45,7 @@ def dispatch(cfg):
 
             raise UserError(f"launcher={name!r} is not one of {['local', *sorted(LAUNCHERS)]}")
         return _module(name).launch(cfg)
-    from workbench.train.distributed import requested_procs
-
-    if requested_procs(cfg.hardware) > 1 and not under_distributed_launcher():
+    if torchrun_reason(cfg) is not None:
         from workbench.launch import torchrun
 
         return torchrun.launch(cfg)
