@@ -50,6 +50,10 @@ def render() -> str:
         "Rules marked *machine* concern this machine only: with `dry_run=true`, or a launcher that runs",
         "the job elsewhere, they are warnings so the run can still be planned.",
         "",
+        "Which cells of method x backend x precision x peft train (with backend=single's losses) and",
+        "which of these rules refuses each of the others, measured: [precision-matrix.md](precision-matrix.md)",
+        "(`scripts/precision_matrix.py`).",
+        "",
         "| rule | " + " | ".join(AXES) + " | other | refusal and fix |",
         "|" + "---|" * (len(AXES) + 3),
     ]

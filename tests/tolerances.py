@@ -156,3 +156,27 @@ ADAMW_UPDATE_ULPS = 16
 
 def adamw_same_grads_atol(steps: int, lr: float, w_max: float) -> float:
     return steps * (ADAMW_UPDATE_ULPS * EPS32 * lr * steps**0.5 + EPS32 * w_max)
+
+
+# Losses under bf16 compute (precision=bf16-mixed and bf16) of the same run in another layout
+# (tests/precision_matrix.py): every matmul output is rounded to bf16 (EPS_BF16 = 2**-8 relative),
+# and the layouts round different partial sums (a tensor-parallel split, a sharded reduction,
+# another kernel), so a token's log-prob moves by a few bf16 ulps of the logits' scale; a mean
+# over a few hundred tokens moves far less. No bound follows from that short of PROBE_RTOL_HALF's
+# worst case (1.6%, wider than a training step's effect), so these are measured figures, from
+# the whole matrix (scripts/precision_matrix.py, docs/precision-matrix.md, 2 SGD steps at lr 0.2):
+# - HALF_LOSS_RTOL (cross-entropy and divergence losses: sft, distill): at most 1.6e-4 relative
+#   (distill, FSDP2, bf16-mixed; SFT at most 8e-5, Megatron tp=2): 1e-3 is 6x that, and 7x below
+#   the smallest change one step made to an SFT loss (7e-3), so a step that did not happen or a
+#   gradient off by 2x fails.
+HALF_LOSS_RTOL = 1e-3
+# - HALF_PAIR_RTOL (losses of a margin between two sequences' summed log-probs or rewards: dpo,
+#   kto, cpo, orpo, simpo, rm): the margin is a difference of terms much larger than itself, so
+#   its rounding is theirs (difference_atol's case) and shows relative to the loss as at most
+#   1.9e-3 (SimPO, Megatron tp=2, pure bf16); 5e-3 is 2.6x that. A step changes these losses by
+#   4e-3 (KTO, qlora under DDP) to 9% (SimPO); only KTO's smallest steps come near it.
+HALF_PAIR_RTOL = 5e-3
+# - HALF_NEAR_ZERO_ATOL (GRPO's signed means near zero, NEAR_ZERO_ATOL's case): at most 7.5e-5
+#   apart (ZeRO-3 against 2 DDP ranks, bf16-mixed, step 2); 3e-4 is 4x that, and below the
+#   second step's loss (4e-4 to 5e-3), which a ratio that did not move would leave at zero.
+HALF_NEAR_ZERO_ATOL = 3e-4

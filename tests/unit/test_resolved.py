@@ -82,6 +82,7 @@ def test_precision_auto_follows_the_cpus_bf16_arithmetic(tmp_path, monkeypatch, 
     """precision=auto (the default): bf16-mixed on CPUs that multiply bf16 in hardware, fp32 on
     those that would emulate it; the choice and its reason are in the resolved summary (the
     manifest's `resolved`). A GPU profile planned from here resolves to bf16-mixed."""
+    monkeypatch.delenv("WORKBENCH_CPU_BF16", raising=False)  # the detection itself, not its override
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     cfg = compose(["model=tiny"], tmp_path, base=[])  # the shipped defaults (tests pin fp32 elsewhere)
@@ -91,6 +92,19 @@ def test_precision_auto_follows_the_cpus_bf16_arithmetic(tmp_path, monkeypatch, 
     assert ("no bf16" in run.summary()["precision_auto"]) == (want == "fp32")
     assert derive(compose(["precision=fp32"], tmp_path)).summary().get("precision_auto") is None
     assert derive(compose(["model=tiny", "hardware=h100-80gb"], tmp_path, base=[])).precision.name == "bf16-mixed"
+
+
+@pytest.mark.parametrize("forced,want", [("0", "fp32"), ("1", "bf16-mixed")])
+def test_precision_auto_override_and_the_start_line(tmp_path, monkeypatch, forced, want):
+    """WORKBENCH_CPU_BF16 makes one machine resolve `auto` either way (the suite runs under both);
+    the start line names the choice and why, and a set precision says it was set."""
+    from workbench.train import precision
+
+    monkeypatch.setenv("WORKBENCH_CPU_BF16", forced)
+    assert derive(compose(["model=tiny"], tmp_path, base=[])).precision.name == want
+    line = precision.describe("auto", "cpu")
+    assert line.startswith(f"precision: {want} (auto: ") and ("WORKBENCH_CPU_BF16=1" in line) == (forced == "1")
+    assert precision.describe("bf16", "cpu") == "precision: bf16 (set)"
 
 
 def test_layout_follows_megatrons_rank_order():

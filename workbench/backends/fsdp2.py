@@ -93,6 +93,14 @@ class FSDP2Backend(Backend):
         for block in decoder_blocks(model):
             fully_shard(block, **kw)
         fully_shard(model, **kw)
+        # FSDP fixes each group's gradient dtypes from the parameters that require grad at its
+        # lazy init, which a first forward runs. PEFT's disable_adapter() turns the adapters'
+        # requires_grad off, so a first forward through the adapter-free reference (DPO, KTO,
+        # GRPO's KL) would leave no trainable parameter in any group: under mixed precision the
+        # bf16 gradients then never become fp32 ("grad_dtype 'Float'"). Initialise now, while the
+        # adapters train; the root is this module.
+        model._get_fsdp_state()._lazy_init()
+        self._forwarded = True
         self.verify_sharded()
         self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         self.optimizer = build_optimizer(model.parameters(), ctx.cfg.optim)

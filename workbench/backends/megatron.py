@@ -45,7 +45,7 @@ from workbench.backends.step import forward_only
 from workbench.train import canonical
 from workbench.train import precision as prec
 from workbench.train.batch import StepBatch
-from workbench.train.distributed import ensure_process_group
+from workbench.train.distributed import all_max, ensure_process_group
 from workbench.train.optim import build_optimizer, build_scheduler, lr_factor
 
 
@@ -130,7 +130,8 @@ class MegatronBackend(Backend):
         self.adapter, self.distopt = run.peft.adapter, bool(self.cfg.distributed_optimizer)
         self.tied = bool(self.hf_config.tie_word_embeddings)
         dtype = self._params_dtype()
-        self.gpt = build_gpt(self.hf_config, self.par, dtype, scalar_head=run.facts.scalar_head)
+        self.gpt = build_gpt(self.hf_config, self.par, dtype, scalar_head=run.facts.scalar_head,
+                             compute_dtype=self.pol.compute_dtype)
         if self.adapter:
             bridge.load_into(self.gpt, bridge.to_megatron(lora.base_state(inner), self.hf_config, self.layout))
             lora.attach(self.gpt, self.hf_config, lora.spec_of(inner))
@@ -213,7 +214,10 @@ class MegatronBackend(Backend):
                 for key, p in lora.peft_tensors(self.train_module.inner).items():
                     p.copy_(full[key])
             rest = {n for n, p in self.gpt.named_parameters() if p.requires_grad and not lora.is_adapter(n)}
-            if not self.adapter or rest:
+            # Beside adapters only some stages may train a tensor (a reward model's head lives on
+            # the last pipeline stage), but the gather below is collective: every rank joins when
+            # any rank has one, or the others wait in it until the collective timeout.
+            if not self.adapter or all_max(float(bool(rest))):
                 state = bridge.to_hf(self.gpt, self.hf_config, self.layout,
                                      keep=(lambda n: n in rest) if self.adapter else None)
                 target = self.hf.state_dict()
@@ -314,6 +318,9 @@ class MegatronBackend(Backend):
                     return out, lambda o: loss_func(m, (o, metrics))
                 lora.set_enabled(model, True)
                 out = stage_forward(model, m["input_ids"], m.get("attention_mask"), m.get("position_ids"))
+            sent = self.gpt.config.pipeline_dtype
+            if not ps.is_pipeline_last_stage() and out.dtype != sent:  # the next stage would misread it
+                raise RuntimeError(f"megatron: stage output is {out.dtype} but stages exchange {sent}")
             return out, lambda o: loss_func(m, o)
 
         fb = get_forward_backward_func()

@@ -13,13 +13,15 @@ worker; with `train.resume=auto` they continue from the newest complete checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import socket
 import sys
 from pathlib import Path
 
-from workbench.train.distributed import requested_procs
+from workbench.train.distributed import LAUNCHED_BY, requested_procs
 
 
 def _free_port() -> int:
@@ -78,6 +80,7 @@ def launch(cfg) -> dict | None:
     for key, value in (cfg.hardware.env or {}).items():
         os.environ.setdefault(str(key), str(value))
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.hardware.threads or 1))
+    os.environ[LAUNCHED_BY] = "torchrun"
     config = launch_config(cfg)
     args = worker_args(cfg)
     print(f"launching {cfg.hardware.nodes} x {cfg.hardware.procs} workers (torchrun, rendezvous "
@@ -85,15 +88,33 @@ def launch(cfg) -> dict | None:
     stalls = Path(cfg.output_dir) / "stalls"
     for name in ("stall.json", "failure.json"):  # a verdict of an earlier launch is not this one's
         (stalls / name).unlink(missing_ok=True)
+    for old in stalls.glob("traceback-rank*.txt"):
+        old.unlink()
     try:
-        elastic_launch(config, entrypoint=sys.executable)(*args)
+        with _quiet_agent():
+            elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as exc:
         raise _failure(stalls) or RuntimeError(f"distributed run failed: {exc.format_msg()}") from None
     return _results(cfg)
 
 
+@contextlib.contextmanager
+def _quiet_agent():
+    """torchrun's agent logs each failed worker's exit code and a root-cause table; the one line
+    made by `_failure` says which rank failed, where and why, so the agent's error log is held
+    back while it runs (its warnings and info still show)."""
+    log = logging.getLogger("torch.distributed.elastic")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _failure(stalls: Path):
-    """What the workers' watchdog found (workbench/train/watchdog.py), as one line."""
+    """What the workers' watchdog found (workbench/train/watchdog.py), as one line; else the last
+    line of the first rank's traceback that a worker left (cli.py), naming its file."""
     from workbench.train.watchdog import RankFailure
 
     for name in ("stall.json", "failure.json"):
@@ -102,6 +123,10 @@ def _failure(stalls: Path):
                 return RankFailure(json.loads((stalls / name).read_text())["message"])
             except (OSError, ValueError, KeyError):
                 continue
+    for path in sorted(stalls.glob("traceback-rank*.txt")):
+        lines = [x for x in path.read_text().splitlines() if x.strip()]
+        rank = path.stem.removeprefix("traceback-rank")
+        return RankFailure(f"rank {rank} failed: {lines[-1] if lines else '?'} (traceback: {path})")
     return None
 
 

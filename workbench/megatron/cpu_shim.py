@@ -31,6 +31,15 @@ reads a module global `te_general_gemm` that was never defined (NameError); `pat
 defines it as None, which selects the plain PyTorch router matmul. MoE on CPU also uses the
 "allgather" token dispatcher (the "alltoall" one creates a CUDA stream in its constructor).
 
+5. The tensor-parallel linear layers are autograd Functions decorated with
+   `torch.amp.custom_fwd/custom_bwd(device_type="cuda")` (tensor_parallel/layers.py:68): the
+   backward re-enters the forward's *CUDA* autocast state, so on a GPU `grad_output @ weight`
+   runs in bf16 whatever the weight's dtype. On the CPU the backward runs outside any autocast
+   (the schedule calls it after the forward's `torch.autocast` block has closed), and with fp32
+   weights under bf16 autocast (precision=bf16-mixed, full fine-tuning) the bf16 gradient meets
+   the fp32 weight: "expected m1 and m2 to have the same dtype". `patch_cpu_autocast()`
+   re-decorates the same functions for the CPU's autocast, which is what Megatron does for CUDA.
+
     with cpu_device():
         model = build_gpt(...)
         logits = model(input_ids, position_ids, mask)
@@ -65,6 +74,23 @@ def cpu_device():
     finally:
         (torch.cuda.current_device, mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state,
          torch.Tensor.cuda, torch.zeros, torch.cuda.synchronize) = saved
+
+
+def patch_cpu_autocast() -> None:
+    """Make Megatron-Core's tensor-parallel linear Functions carry the forward's CPU autocast
+    state into their backward, as they do for CUDA (item 5 above). Idempotent; no-op on GPU."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import layers
+
+    for fn in (layers.LinearWithFrozenWeight, layers.LinearWithGradAccumulationAndAsyncCommunication):
+        if getattr(fn, "_workbench_cpu_autocast", False):
+            continue
+        # custom_fwd/custom_bwd wrap with functools.wraps: __wrapped__ is Megatron's own function
+        fwd, bwd = fn.forward.__wrapped__, fn.backward.__wrapped__
+        fn.forward = staticmethod(torch.amp.custom_fwd(fwd, device_type="cpu"))
+        fn.backward = staticmethod(torch.amp.custom_bwd(bwd, device_type="cpu"))
+        fn._workbench_cpu_autocast = True
 
 
 def patch_missing_te() -> None:

@@ -103,7 +103,11 @@ def padded_vocab(hf_config, tp: int) -> int:
     return -(-v // tp) * tp
 
 
-def transformer_config(hf_config, par: Parallel, dtype: torch.dtype):
+def transformer_config(hf_config, par: Parallel, dtype: torch.dtype, compute_dtype: torch.dtype | None = None):
+    """Megatron's config for this model. `dtype`: the parameters'; `compute_dtype`: what the
+    activations a pipeline stage sends are in (bf16 under bf16 autocast over fp32 parameters).
+    The receiving stage allocates its buffer in `pipeline_dtype` and gloo copies bytes into it,
+    so a bf16 activation received into an fp32 buffer is read as garbage (NaN losses)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     experts = n_experts(hf_config)
@@ -120,7 +124,7 @@ def transformer_config(hf_config, par: Parallel, dtype: torch.dtype):
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
         context_parallel_size=par.cp, expert_model_parallel_size=par.ep,
-        sequence_parallel=par.sequence_parallel, params_dtype=dtype, pipeline_dtype=dtype,
+        sequence_parallel=par.sequence_parallel, params_dtype=dtype, pipeline_dtype=compute_dtype or dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=not torch.cuda.is_available(), perform_initialization=False,
         # The workbench divides summed losses by the global denominator itself.
@@ -150,17 +154,20 @@ def layer_spec(hf_config, config):
     return spec
 
 
-def build_gpt(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, scalar_head: bool = False):
+def build_gpt(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, scalar_head: bool = False,
+              compute_dtype: torch.dtype | None = None):
     """This rank's GPTModel (its TP shard and PP stage), weights uninitialised (load via bridge).
-    `scalar_head`: a reward model's one-output head in place of the vocabulary head (ScalarHead)."""
+    `scalar_head`: a reward model's one-output head in place of the vocabulary head (ScalarHead);
+    `compute_dtype`: the precision policy's (transformer_config)."""
     require_megatron()
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from workbench.megatron.cpu_shim import cpu_device, patch_missing_te
+    from workbench.megatron.cpu_shim import cpu_device, patch_cpu_autocast, patch_missing_te
 
     patch_missing_te()
-    config = transformer_config(hf_config, par, dtype)
+    patch_cpu_autocast()
+    config = transformer_config(hf_config, par, dtype, compute_dtype)
     with cpu_device():
         model = GPTModel(
             config=config, transformer_layer_spec=layer_spec(hf_config, config),

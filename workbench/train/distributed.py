@@ -10,6 +10,7 @@ and what the config asks for are read through here:
     requested_procs(cfg.hardware)             # hardware.procs x hardware.nodes: what to launch
     launched_world(), launched_rank()         # WORLD_SIZE / RANK of a launched process, or None / 0
     is_main_process()                         # rank 0 (or no launcher): the one that prints
+    launched_here()                           # a worker of workbench/launch/torchrun.py
 
 A resolved run reads its layout instead (`ctx.run.layout`: rank, world, dp, dp_rank, is_main),
 which workbench/config/run.py builds from these.
@@ -23,6 +24,14 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+LAUNCHED_BY = "WORKBENCH_LAUNCHED_BY"  # set for its workers by workbench/launch/torchrun.py
+
+
+def launched_here() -> bool:
+    """True in a worker that this workbench's own launcher started: the launcher prints the one
+    failure line for every rank, so the worker stays quiet. False under a user's own torchrun."""
+    return bool(os.environ.get(LAUNCHED_BY)) and ("LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ)
 
 
 def requested_procs(hardware) -> int:

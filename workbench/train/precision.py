@@ -64,6 +64,24 @@ def fp8_backend() -> str:
     raise missing_package("torchao")
 
 
+def cpu_bf16_units() -> str:
+    """Which bf16 matmul instructions this CPU has: "AMX", "AVX512-BF16" or "" (none).
+
+    WORKBENCH_CPU_BF16=0|1 overrides the detection for tests, so one machine can run the suite
+    under both resolutions of `precision=auto` (it changes the choice, not the arithmetic: bf16
+    runs on every x86 CPU, emulated where the instructions are missing)."""
+    import os
+
+    forced = os.environ.get("WORKBENCH_CPU_BF16")
+    if forced is not None:
+        return "AVX512-BF16 (WORKBENCH_CPU_BF16=1)" if forced == "1" else ""
+    if torch.cpu._is_amx_tile_supported():
+        return "AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "AVX512-BF16"
+    return ""
+
+
 def choose(device: str) -> tuple[str, str]:
     """What `precision=auto` trains in on `device`, and why.
 
@@ -73,12 +91,23 @@ def choose(device: str) -> tuple[str, str]:
     AVX-512 CPU without BF16 a SmolLM2-135M LoRA step took 7.2 s in bf16-mixed against 2.2 s in
     fp32, so fp32 is both faster and exact there (pre-bf16 GPUs get fp16 with loss scaling)."""
     if device == "cpu":
-        if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
-            return "bf16-mixed", "this CPU multiplies bf16 in hardware (AMX or AVX512-BF16)"
+        units = cpu_bf16_units()
+        if units:
+            return "bf16-mixed", f"this CPU multiplies bf16 in hardware ({units})"
         return "fp32", "this CPU has no bf16 matmul instructions (AMX, AVX512-BF16): fp32 is faster"
     if device == "cuda" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         return "fp16", "this GPU has no bf16 support"
     return "bf16-mixed", f"{device} multiplies bf16 in hardware"
+
+
+def describe(name: str, device: str) -> str:
+    """The line a run starts with, so a user knows which column of the precision matrix
+    (docs/precision-matrix.md) they are in: "precision: bf16-mixed (auto: this CPU multiplies
+    bf16 in hardware (AVX512-BF16))", or "precision: fp32 (set)"."""
+    if name != "auto":
+        return f"precision: {name} (set)"
+    chosen, why = choose(device)
+    return f"precision: {chosen} (auto: {why})"
 
 
 def spec(name: str) -> Policy:

@@ -25,6 +25,10 @@ recorder dump on timeout into the stalls folder: `gpu_env`).
     dog.step_time(seconds)         # the loop, after each step (the derived budget)
     dog.fail(exc)                  # the runner, when the run raises: the other ranks stop
     dog.blame(exc)                 # a collective failed here: the rank that is gone, if any
+
+A rank whose run raises keeps its traceback in `<run_dir>/stalls/traceback-rank<N>.txt`
+(`save_traceback`); the launcher's one line names that file, and the rank itself prints nothing
+more (cli.py), so the user reads one line instead of a traceback per rank.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ from pathlib import Path
 
 from workbench.core import heartbeat
 from workbench.core.errors import UserError
+from workbench.core.secrets import redact, scrub_text
+from workbench.train.distributed import launched_here
 
 STALLED_EXIT = 3  # a rank stalled, or another rank failed: the run stopped (cli.py lists the statuses)
 # A step phase is never called stalled sooner than FLOOR_S when the budget is derived from the step
@@ -55,6 +61,21 @@ WAITING = ("/torch/distributed/", "/deepspeed/comm/", "/megatron/core/parallel_s
 # the order of phases inside one step: of two ranks on the same step, the earlier phase is behind
 ORDER = ("step", "data", "rollout", "reward function", "forward", "backward", "optimizer", "checkpoint", "evaluation",
          "export")
+
+
+def traceback_path(run_dir, rank: int) -> Path:
+    return Path(run_dir) / "stalls" / f"traceback-rank{rank}.txt"
+
+
+def save_traceback(run_dir, rank: int, exc: BaseException, extra_secrets=()) -> Path:
+    """Write `exc`'s traceback where the failure line points, scrubbed by the one rule
+    (workbench/core/secrets.py; `extra_secrets`: the config's secret values); returns the path."""
+    import traceback
+
+    path = traceback_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(scrub_text("".join(traceback.format_exception(exc)), extra_secrets))
+    return path
 
 
 class RankFailure(UserError):
@@ -87,8 +108,10 @@ def _process_runs(pid: int) -> bool:
 
 class Watchdog:
     def __init__(self, run_dir: Path, rank: int, world: int, stall_timeout_s: float = 0.0,
-                 long_budget_s: float = 1800.0, last_checkpoint=lambda: None, interval_s: float | None = None):
+                 long_budget_s: float = 1800.0, last_checkpoint=lambda: None, interval_s: float | None = None,
+                 secrets=()):
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world
+        self.secrets = tuple(secrets)  # the config's secret values (core/secrets.py), kept out of every file here
         self.fixed = float(stall_timeout_s or 0.0)
         self.long_budget = float(long_budget_s)
         self.last_checkpoint = last_checkpoint  # -> path of the newest intact checkpoint, or None
@@ -133,8 +156,10 @@ class Watchdog:
         """This rank's run raised: tell the others (first failure wins), so they stop now."""
         if self.store is None:
             return
-        error = f"{type(exc).__name__}: {exc}"[:500]
-        record = json.dumps({"rank": self.rank, "where": heartbeat.where(), "error": error})
+        if not isinstance(exc, RankFailure):
+            save_traceback(self.run_dir, self.rank, exc, self.secrets)
+        error = scrub_text(f"{type(exc).__name__}: {exc}", self.secrets)[:500]  # scrubbed before it is cut
+        record = json.dumps(redact({"rank": self.rank, "where": heartbeat.where(), "error": error}, self.secrets))
         try:
             first = self.store.compare_set("error", "", record).decode() == record
         except Exception:  # noqa: BLE001 - the store itself is gone: nothing to tell
@@ -142,8 +167,10 @@ class Watchdog:
         if first and not isinstance(exc, RankFailure):  # the launcher repeats this line (launch/torchrun.py)
             folder = self.run_dir / "stalls"
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / "failure.json").write_text(json.dumps(
-                {"rank": self.rank, "message": f"rank {self.rank} failed in {heartbeat.where()}: {error}"}))
+            (folder / "failure.json").write_text(json.dumps(redact(
+                {"rank": self.rank, "message": f"rank {self.rank} failed in {heartbeat.where()}: {error} "
+                                               f"(traceback: {traceback_path(self.run_dir, self.rank)})"},
+                self.secrets)))
 
     def blame(self, exc: BaseException) -> BaseException:
         """A collective raised here (a peer's connection closed, a timeout): when a peer is gone,
@@ -174,7 +201,7 @@ class Watchdog:
             try:
                 self._tick()
             except Exception as exc:  # noqa: BLE001 - the watchdog must never take the run down itself
-                print(f"watchdog (rank {self.rank}): {type(exc).__name__}: {exc}", file=sys.stderr)
+                print(scrub_text(f"watchdog (rank {self.rank}): {type(exc).__name__}: {exc}"), file=sys.stderr)
 
     def _tick(self) -> None:
         self._publish()
@@ -182,7 +209,9 @@ class Watchdog:
         if error:
             e = json.loads(error)
             if e["rank"] != self.rank:
-                print(f"rank {self.rank} stops: rank {e['rank']} failed in {e['where']}: {e['error']}", file=sys.stderr)
+                if not launched_here():  # else the launcher's one line says it (launch/torchrun.py)
+                    print(f"rank {self.rank} stops: rank {e['rank']} failed in {e['where']}: {e['error']}",
+                          file=sys.stderr)
                 self._exit()
             return
         stall = self._get("stall")
@@ -273,7 +302,7 @@ class Watchdog:
         msg = (f"rank(s) {', '.join(map(str, named))} stalled ({verdict['reason']}): {what}; stacks: {files}; "
                f"last intact checkpoint: {self.last_checkpoint() or 'none'}")
         self._record({**verdict, "message": msg})
-        print(f"error: {msg}", file=sys.stderr, flush=True)
+        print(f"error: {scrub_text(msg)}", file=sys.stderr, flush=True)
         self._exit()
 
     def _where(self, hb: dict | None) -> str:
@@ -285,7 +314,7 @@ class Watchdog:
         folder = self.run_dir / "stalls"
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / f"rank-{self.rank}.txt", "w") as fh:
-            fh.write(f"rank {self.rank} (pid {os.getpid()}, {self.host}) in {heartbeat.where()}\n{note}\n\n")
+            fh.write(scrub_text(f"rank {self.rank} (pid {os.getpid()}, {self.host}) in {heartbeat.where()}\n{note}\n\n"))
             fh.flush()
             faulthandler.dump_traceback(file=fh, all_threads=True)
 
@@ -293,14 +322,14 @@ class Watchdog:
         folder = self.run_dir / "stalls"
         folder.mkdir(parents=True, exist_ok=True)
         pid = f"pid {hb['pid']}, {hb['host']}" if hb else "never reported"
-        (folder / f"rank-{rank}.txt").write_text(f"rank {rank} ({pid}) in {self._where(hb)}: the process is gone, "
-                                                 "so it left no stack\n")
+        (folder / f"rank-{rank}.txt").write_text(scrub_text(f"rank {rank} ({pid}) in {self._where(hb)}: the process "
+                                                            "is gone, so it left no stack\n"))
 
     def _record(self, verdict: dict) -> None:
         if self.rank == 0 or self.world == 1 or self.store is None:
             folder = self.run_dir / "stalls"
             folder.mkdir(parents=True, exist_ok=True)
-            (folder / "stall.json").write_text(json.dumps(verdict, indent=1, default=str))
+            (folder / "stall.json").write_text(json.dumps(redact(verdict), indent=1, default=str))
 
     def _exit(self) -> None:
         sys.stderr.flush()
