@@ -154,6 +154,12 @@ def torchrun(script: Path, args: list[str], timeout: int, python_flags: tuple[st
     return proc.stdout
 
 
+def write_jsonl(path, rows):
+    """`rows` as a JSONL file at `path` (a test's own data); returns the path."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def ov(*items: str, steps: int = 3) -> list[str]:
     """Overrides of a short run for tests/distributed/_worker.py jobs."""
     return [*items, f"train.max_steps={steps}", "++hardware.timeout_minutes=4"]

@@ -6,23 +6,18 @@ trained on, and the HH-transcript and question/answer shapes recognised without 
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
 from tests.conftest import compose
+from tests.helpers import write_jsonl
 from workbench.core.errors import UserError
 from workbench.data import chat
 from workbench.data.readers import iter_rows
 from workbench.data.recipes import load_recipe
 
 HH = "\n\nHuman: {q}\n\nAssistant: {a}\n\nHuman: now say {w}\n\nAssistant: {b}"
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture

@@ -11,17 +11,13 @@ import json
 import pytest
 
 from tests.conftest import compose
+from tests.helpers import write_jsonl
 from workbench.core.errors import UserError
 from workbench.data import arith
 from workbench.data.readers import iter_rows
 from workbench.data.recipes import load_recipe, prompt_key
 
 SWAPPED = "workbench.data.arith:row_key"
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture
