@@ -114,10 +114,11 @@ def _quiet_agent():
 
 def _failure(stalls: Path):
     """What the workers' watchdog found (workbench/train/watchdog.py), as one line; else the last
-    line of the first rank's traceback that a worker left (cli.py), naming its file."""
+    line of the first rank's traceback that a worker left (cli.py), naming its file. A rank's own
+    failure comes first: the peers that then find it gone record that as a stall too."""
     from workbench.train.watchdog import RankFailure
 
-    for name in ("stall.json", "failure.json"):
+    for name in ("failure.json", "stall.json"):
         if (stalls / name).exists():
             try:
                 return RankFailure(json.loads((stalls / name).read_text())["message"])
