@@ -93,7 +93,7 @@ def run_job(cfg: DictConfig) -> dict | None:
 
         return preview_rows.preview(cfg, shape)
     facts = preflight.check(cfg)
-    _say_precision(cfg)
+    _say_precision(facts["run"])
     if cfg.dry_run:
         from workbench.plan.make import render, to_json
 
@@ -123,16 +123,18 @@ def run_job(cfg: DictConfig) -> dict | None:
     return Runner(cfg, facts["run"], facts.get("tokenizer")).run()
 
 
-def _say_precision(cfg) -> None:
-    """"precision: bf16-mixed (auto: ...)" once per run: by this process, unless it is a worker of
-    this workbench's launcher (which said it already) or a rank other than 0 of a user's torchrun."""
+def _say_precision(run) -> None:
+    """"precision: bf16-mixed (auto: ...)" once per run, from the resolved run: by this process,
+    unless it is a worker of this workbench's launcher (which said it already) or a rank other than
+    0 of a user's torchrun."""
     from workbench.launch import under_distributed_launcher
     from workbench.train.distributed import launched_here
     from workbench.train.precision import describe
 
     if launched_here() or (under_distributed_launcher() and os.environ.get("RANK", "0") != "0"):
         return
-    print(describe(cfg.precision.name, cfg.hardware.device), file=sys.stderr)
+    summary = run.summary()
+    print(describe(summary["precision"], summary.get("precision_auto")), file=sys.stderr)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="train")

@@ -101,10 +101,11 @@ def test_precision_auto_override_and_the_start_line(tmp_path, monkeypatch, force
     from workbench.train import precision
 
     monkeypatch.setenv("WORKBENCH_CPU_BF16", forced)
-    assert derive(compose(["model=tiny"], tmp_path, base=[])).precision.name == want
-    line = precision.describe("auto", "cpu")
+    summary = derive(compose(["model=tiny"], tmp_path, base=[])).summary()
+    line = precision.describe(summary["precision"], summary.get("precision_auto"))
     assert line.startswith(f"precision: {want} (auto: ") and ("WORKBENCH_CPU_BF16=1" in line) == (forced == "1")
-    assert precision.describe("bf16", "cpu") == "precision: bf16 (set)"
+    summary = derive(compose(["precision=bf16"], tmp_path)).summary()
+    assert precision.describe(summary["precision"], summary.get("precision_auto")) == "precision: bf16 (set)"
 
 
 def test_layout_follows_megatrons_rank_order():

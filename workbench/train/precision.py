@@ -100,14 +100,12 @@ def choose(device: str) -> tuple[str, str]:
     return "bf16-mixed", f"{device} multiplies bf16 in hardware"
 
 
-def describe(name: str, device: str) -> str:
+def describe(chosen: str, auto_why: str | None) -> str:
     """The line a run starts with, so a user knows which column of the precision matrix
     (docs/precision-matrix.md) they are in: "precision: bf16-mixed (auto: this CPU multiplies
-    bf16 in hardware (AVX512-BF16))", or "precision: fp32 (set)"."""
-    if name != "auto":
-        return f"precision: {name} (set)"
-    chosen, why = choose(device)
-    return f"precision: {chosen} (auto: {why})"
+    bf16 in hardware (AVX512-BF16))", or "precision: fp32 (set)". `auto_why`: choose()'s reason
+    when the config said auto (the resolved run's summary), else None."""
+    return f"precision: {chosen} ({'auto: ' + auto_why if auto_why else 'set'})"
 
 
 def spec(name: str) -> Policy:
