@@ -17,7 +17,6 @@ by the rule of workbench/core/secrets.py.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -109,8 +108,9 @@ def run_job(cfg: DictConfig) -> dict | None:
             print(facts["resume"])
         from workbench.launch import torchrun_reason
 
-        if torchrun_reason(cfg):
-            print(f"launch: torchrun ({torchrun_reason(cfg)})")
+        reason = torchrun_reason(cfg)
+        if reason:
+            print(f"launch: torchrun ({reason})")
         render(facts["plan"])
         return facts
     from workbench.launch import dispatch
@@ -127,11 +127,10 @@ def _say_precision(run) -> None:
     """"precision: bf16-mixed (auto: ...)" once per run, from the resolved run: by this process,
     unless it is a worker of this workbench's launcher (which said it already) or a rank other than
     0 of a user's torchrun."""
-    from workbench.launch import under_distributed_launcher
-    from workbench.train.distributed import launched_here
+    from workbench.train.distributed import is_main_process, launched_here
     from workbench.train.precision import describe
 
-    if launched_here() or (under_distributed_launcher() and os.environ.get("RANK", "0") != "0"):
+    if launched_here() or not is_main_process():
         return
     summary = run.summary()
     print(describe(summary["precision"], summary.get("precision_auto")), file=sys.stderr)
@@ -146,7 +145,7 @@ def _hydra_main(cfg: DictConfig):
             import_without_incidentals("transformers.modeling_utils")  # workbench/core/imports.py
         results = run_job(cfg)
     except Exception as exc:
-        from workbench.train.distributed import launched_here
+        from workbench.train.distributed import launched_here, launched_rank
 
         if launched_here():
             # A worker of this workbench's own launcher: its traceback goes to the run directory
@@ -154,11 +153,8 @@ def _hydra_main(cfg: DictConfig):
             # prints the one line that names it, instead of Hydra's block or an error line per rank.
             from workbench.train.watchdog import save_traceback, traceback_path
 
-            rank = int(os.environ.get("RANK", "0"))
-            path = traceback_path(cfg.output_dir, rank)
-            if path.exists():  # the watchdog wrote it without the config at hand: the config's secrets go now
-                scrub_files([path], secret_values(cfg))
-            else:
+            rank = launched_rank()
+            if not traceback_path(cfg.output_dir, rank).exists():  # the runner's watchdog wrote it already
                 save_traceback(cfg.output_dir, rank, exc, secret_values(cfg))
             sys.exit(getattr(exc, "exit_code", 1))
         if not isinstance(exc, UserError):
@@ -252,10 +248,7 @@ def _groups() -> list[str]:
 def _unset_groups() -> set[str]:
     """Groups that conf/train.yaml leaves unchosen (`- env: null`): `env=null` on the command
     line means "none", which Hydra spells `~env`."""
-    from omegaconf import OmegaConf
-
-    defaults = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "train.yaml")).get("defaults", [])
-    return {k for d in defaults if isinstance(d, dict) for k, v in d.items() if v is None}
+    return {k for k, v in _defaults().items() if v is None}
 
 
 def _nulls_as_deletions(argv: list[str]) -> list[str]:

@@ -8,22 +8,15 @@ proceed in this process.
 
 from __future__ import annotations
 
-import os
-
 LAUNCHERS = ("slurm", "ray", "modal", "runpod")  # besides local; each module has `launch(cfg) -> dict`
 # Backends that only run inside a launched process: DeepSpeed's engine refuses to start without
 # LOCAL_RANK, which torchrun sets, so on one process it is started through torchrun too.
 NEED_LAUNCHER = ("deepspeed",)
 
 
-def under_distributed_launcher() -> bool:
-    """True inside torchrun / accelerate launch / a Ray or Slurm worker that set up ranks."""
-    return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
-
-
 def torchrun_reason(cfg) -> str | None:
     """Why `launcher=local` starts this run under torchrun, or None when it runs in this process."""
-    from workbench.train.distributed import requested_procs
+    from workbench.train.distributed import requested_procs, under_distributed_launcher
 
     name = cfg.launcher.name if cfg.get("launcher") is not None else "local"
     backend = cfg.backend.name if cfg.get("backend") is not None else "single"

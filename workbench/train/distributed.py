@@ -28,10 +28,15 @@ import torch.distributed as dist
 LAUNCHED_BY = "WORKBENCH_LAUNCHED_BY"  # set for its workers by workbench/launch/torchrun.py
 
 
+def under_distributed_launcher() -> bool:
+    """True inside torchrun / accelerate launch / a Ray or Slurm worker that set up ranks."""
+    return "LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def launched_here() -> bool:
     """True in a worker that this workbench's own launcher started: the launcher prints the one
     failure line for every rank, so the worker stays quiet. False under a user's own torchrun."""
-    return bool(os.environ.get(LAUNCHED_BY)) and ("LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ)
+    return bool(os.environ.get(LAUNCHED_BY)) and under_distributed_launcher()
 
 
 def requested_procs(hardware) -> int:
