@@ -1,4 +1,4 @@
-"""Tool-use RL across seeds: the calculator environment's table in the README.
+"""Tool-use RL across seeds: the calculator environment's table in docs/measurements/learning.md.
 
     python scripts/agent_seeds.py --seeds 0 1 2                         # warm start + GRPO, precision fp32
     python scripts/agent_seeds.py --seeds 0 --sft-steps 6 --steps 40 optim.lr=1e-4   # any GRPO override

@@ -99,7 +99,7 @@ class Check:
     def compose(self, overrides: list[str]):
         from hydra import compose, initialize_config_dir
 
-        from workbench.config.validate import validate
+        from workbench.run.validate import validate
 
         self.n += 1
         ov = ["eval=none", "train.export=false", "train.log_every=1000", "optim.warmup_steps=0",
@@ -112,9 +112,9 @@ class Check:
         """Run the shared runner; per-step medians excluding the first (warm-up) step."""
         import torch
 
-        from workbench.config import preflight
         from workbench.core.errors import UserError
-        from workbench.train.runner import Runner
+        from workbench.run import preflight
+        from workbench.run.runner import Runner
 
         cfg = self.compose([f"train.max_steps={steps}", f"train.micro_batch_size={mbs}", *overrides])
         try:
@@ -131,7 +131,7 @@ class Check:
         runner.build()
         from workbench.telemetry.flops import FlopCount
 
-        count = FlopCount.from_model(runner.model, runner.run_facts)
+        count = FlopCount.from_model(runner.model, runner.run)
         rows = []
         for _ in range(steps):
             t = time.perf_counter()
@@ -255,9 +255,9 @@ def rollout(c: Check) -> dict:
         model, tok, convs, new, contract.end_of_turn_id, do_sample=True, temperature=1.0,
         num_return_sequences=gens, autocast=autocast(policy("bf16-mixed"), dev)))
     try:
-        from workbench.config import rules
         from workbench.core.errors import UserError
         from workbench.rollout.vllm_engine import VLLMEngine
+        from workbench.run import rules
 
         vcfg = c.compose(c.model_135m() + ["peft=none", "precision=bf16-mixed", "method=grpo", "method.engine=vllm"])
         try:
@@ -283,7 +283,7 @@ def planner(c: Check) -> dict:
     """Predicted (workbench.plan.make_plan) vs measured peak memory; packed rows so every
     micro-batch holds seq_len tokens, as the planner assumes."""
     try:
-        from workbench.plan.make import make_plan
+        from workbench.run.plan import make_plan
     except ImportError as exc:
         raise Skip(f"the planner is not importable: {exc}") from None
     mbs = 2 if c.dry else 16
@@ -404,9 +404,9 @@ def episodes(c: Check) -> dict:
     out["hf_generate"] = timed(lambda p, first: generate_ids(model, p, new, contract.end_of_turn_id, tok.pad_token_id,
                                                              do_sample=True, autocast=ac))
     try:
-        from workbench.config import rules
         from workbench.core.errors import UserError
         from workbench.rollout.vllm_engine import VLLMEngine
+        from workbench.run import rules
 
         vcfg = c.compose(c.model_135m() + ["peft=none", "precision=bf16-mixed", "method=grpo", "method.engine=vllm",
                                            "env=calc"])

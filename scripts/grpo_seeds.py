@@ -1,4 +1,4 @@
-"""GRPO learning across seeds on the embedded task: the table behind the README's GRPO numbers.
+"""GRPO learning across seeds on the embedded task: the table behind docs/measurements/learning.md's GRPO numbers.
 
     python scripts/grpo_seeds.py --seeds 0 1 2 3 4 5 --from-base      # method=grpo as shipped, from SmolLM2
     python scripts/grpo_seeds.py --seeds 0 1 2 reward=arith_exact      # from a 20-step SFT warm start

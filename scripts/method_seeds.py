@@ -1,4 +1,4 @@
-"""Learning outcomes of the methods beyond SFT/DPO/GRPO across seeds (the README's table).
+"""Learning outcomes of the methods beyond SFT/DPO/GRPO across seeds (docs/measurements/learning.md's table).
 
     python scripts/method_seeds.py kto simpo rm --seeds 0 1 2
     python scripts/method_seeds.py distill grpo_rm --seeds 0 --work /tmp/seeds

@@ -39,7 +39,7 @@ _COMPOSED: dict[tuple[str, ...], object] = {}
 
 
 def compose(overrides: list[str] = (), out: Path | None = None, validate: bool = True, base=TINY):
-    from workbench.config.validate import validate as _validate
+    from workbench.run.validate import validate as _validate
 
     ov = (*base, *overrides)
     if ov not in _COMPOSED:
@@ -52,10 +52,10 @@ def compose(overrides: list[str] = (), out: Path | None = None, validate: bool =
 
 
 def train(overrides: list[str] = (), out: Path | None = None, base=TINY) -> dict:
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
     cfg = compose(overrides, out, base=base)
-    return Runner(cfg).run()
+    return Runner(cfg).train()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -45,7 +45,7 @@ def compose(overrides: list[str], out: Path):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from workbench.config.validate import validate
+    from workbench.run.validate import validate
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = hydra_compose("train", overrides=[*overrides, "eval=none", "train.export=false", "train.resume=never",
@@ -55,9 +55,9 @@ def compose(overrides: list[str], out: Path):
 
 def workbench_rows(overrides: list[str], out: Path) -> list[dict]:
     """Metrics rows (training steps only) of an in-process workbench run."""
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
-    Runner(compose(overrides, out)).run()
+    Runner(compose(overrides, out)).train()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "eval" not in r]
 

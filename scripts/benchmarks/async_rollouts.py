@@ -16,7 +16,7 @@ overlap with), steps/s, and their ratio; the learning curve (mean episode reward
 rollout, and held-out accuracy with the tool before and after on --eval questions); for the
 asynchronous side, how long the training thread waited for rollouts (`waited_s`). On a CPU the
 two threads share the cores, so the overlap can only win what one thread leaves idle; the
-README reports what was measured.
+docs/measurements/throughput.md reports what was measured.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def run(args: list[str]) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     a, overrides = ap.parse_known_args(args)
     from benchmarks._common import compose
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
     model = ["model=tiny", "env.max_new_tokens=8"] if a.model == "tiny" else [f"model.path={_warm(a)}"]
     base = ["method=grpo", "env=calc", *model, f"train.max_steps={a.steps}", f"train.seed={a.seed}",
@@ -62,7 +62,7 @@ def run(args: list[str]) -> dict:
                     OmegaConf.set_readonly(cfg, True)
                 runner = Runner(cfg)
                 t = time.perf_counter()
-                res = runner.run()
+                res = runner.train()
                 wall = time.perf_counter() - t
                 rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
                 steps = [x for x in rows if "eval" not in x]

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    from workbench.config.validate import validate
+    from workbench.run.validate import validate
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return validate(compose(config_name="train", overrides=overrides))
@@ -44,7 +44,7 @@ def run(args: list[str]) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
     runners = {}
     with tempfile.TemporaryDirectory() as tmp:

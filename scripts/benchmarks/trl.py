@@ -47,14 +47,14 @@ def workbench_steps(steps: int, model: str, out: Path, precision: str = "bf16-mi
     """Metrics rows of a workbench run (each with its step's `flops` and `mfu`)."""
     from hydra import compose, initialize_config_dir
 
-    from workbench.config.validate import validate
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
+    from workbench.run.validate import validate
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={model}", f"precision={precision}", "eval=none", "train.export=false",
                                           f"train.max_steps={steps}", "train.resume=never", f"output_dir={out}"])
     runner = Runner(validate(cfg))
-    res = runner.run()
+    res = runner.train()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "eval" not in r]  # training steps only
     assert len(rows) == steps and res["losses"]

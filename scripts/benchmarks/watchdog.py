@@ -42,9 +42,9 @@ def run(args: list[str]) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from hydra import compose, initialize_config_dir
 
-    from workbench.config.validate import validate
     from workbench.core import heartbeat
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
+    from workbench.run.validate import validate
     from workbench.train.watchdog import Watchdog
 
     total = a.steps * a.rounds * 2 + 1

@@ -71,7 +71,7 @@ def observe() -> None:
 
 def main(spec_path: str) -> None:
     from tests.conftest import compose
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
     torch.use_deterministic_algorithms(True, warn_only=True)
     observe()
@@ -85,7 +85,7 @@ def main(spec_path: str) -> None:
         SAVES.clear()
         try:
             runner = Runner(compose(run["overrides"], out))
-            res = runner.run()
+            res = runner.train()
             result = {"losses": res["losses"], "grad_norms": [r.get("grad_norm") for r in runner.tracker.rows]
                       if runner.is_main else [], "bytes": held_bytes(runner.backend),
                       "resumed_from": res["resumed_from"], "export": res.get("export"),

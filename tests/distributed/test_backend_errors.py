@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from tests.conftest import compose
-from workbench.config import rules
-from workbench.config.resolved import resolve
 from workbench.core.errors import UserError
+from workbench.run import rules
+from workbench.run.resolved import resolve
 
 # what the rules see on a machine with every engine installed (tests pass their own Env)
 ENGINES = rules.Env(packages=frozenset({"deepspeed", "megatron", "bitsandbytes"}))
@@ -21,7 +21,7 @@ ENGINES = rules.Env(packages=frozenset({"deepspeed", "megatron", "bitsandbytes"}
 
 def test_deepspeed_missing_names_the_install_hint(monkeypatch, tmp_path):
     from workbench.cli import run_job
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed -> ImportError
     cfg = compose(["backend=deepspeed", "hardware.procs=2"], tmp_path, validate=False)

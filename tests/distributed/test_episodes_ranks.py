@@ -32,9 +32,9 @@ def _episodes_rank(rank: int, port: int, out: str) -> None:
     from tests.unit.test_episodes import ROW
     from workbench.data.chat import setup_tokenizer
     from workbench.envs.registry import load
+    from workbench.envs.tools import ToolCall
     from workbench.models.load import load_tokenizer
     from workbench.rollout import episodes
-    from workbench.rollout.tools import ToolCall
     from workbench.rollout.turns import Turns
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

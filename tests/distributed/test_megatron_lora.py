@@ -36,11 +36,11 @@ MIXTRAL = ["model.arch.family=mixtral", "model.arch.experts=4", "model.arch.expe
 
 def single(tmp_path: Path, overrides: list[str]):
     """The reference run in this process: (results, trainable tensors by name, run dir)."""
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
     out = tmp_path / "single"
     runner = Runner(compose([*overrides, "backend=single"], out))
-    res = runner.run()
+    res = runner.train()
     weights = {k: v.detach().clone() for k, v in runner.model.named_parameters() if v.requires_grad}
     return res, weights, out
 

@@ -36,10 +36,10 @@ pytestmark = pytest.mark.distributed
 
 
 def single(out, overrides_: list[str]):
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
     runner = Runner(compose([*overrides_, "backend=single", "train.grad_accum=2"], out))
-    res = runner.run()
+    res = runner.train()
     return res, {k: v.detach().clone() for k, v in runner.model.named_parameters() if v.requires_grad}, out
 
 

@@ -42,10 +42,10 @@ def launch(out: Path, overrides: list[str], timeout: int = 300) -> dict:
 def run_here(out: Path, overrides: list[str]):
     """Run in this process; (results, the HF model's final weights)."""
     from tests.conftest import compose
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
     runner = Runner(compose(overrides, out))
-    res = runner.run()
+    res = runner.train()
     return res, {k: v.detach().clone() for k, v in runner.model.state_dict().items()}
 
 

@@ -35,10 +35,10 @@ def test_fp8_trains_close_to_bf16(tmp_path):
     pytest.importorskip("torchao")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability >= 8.9")
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
     r = Runner(compose(CUDA + ["precision=fp8", "peft=none"], tmp_path / "fp8"))
-    res = r.run()
+    res = r.train()
     assert sum(type(m).__name__ == "Float8Linear" for m in r.model.modules()) > 0
     ref = train(CUDA + ["precision=bf16-mixed", "peft=none"], tmp_path / "bf16")
     assert abs(_final(res) - _final(ref)) < 0.3

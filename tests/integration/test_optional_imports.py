@@ -23,10 +23,10 @@ ENGINES = ("deepspeed", "megatron", "ray", "vllm", "unsloth", "liger_kernel", "w
 DRIVER = """
 import json, sys
 from tests.conftest import compose
-from workbench.train.runner import Runner
+from workbench.run.runner import Runner
 cfg = compose(["eval=arith", "eval.num_samples=4", "eval.batch_size=4", "train.max_steps=2", "train.export=true",
                "train.resume=never"], out=sys.argv[1])
-res = Runner(cfg).run()
+res = Runner(cfg).train()
 assert "merged" in res["export"], res.get("export")
 json.dump(sorted(m for m in sys.modules if m.split(".")[0] in sys.argv[3].split(",")), open(sys.argv[2], "w"))
 """

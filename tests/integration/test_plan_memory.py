@@ -91,10 +91,10 @@ def measure(overrides, tmp_path, steps: int = 2) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from workbench.plan.counts import count, probe
-    from workbench.plan.make import from_cfg
     from workbench.plan.memory import estimate
+    from workbench.run.plan import from_cfg
+    from workbench.run.runner import Runner
     from workbench.telemetry.metrics import Tracker
-    from workbench.train.runner import Runner
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = compose(overrides, tmp_path)

@@ -102,8 +102,8 @@ def test_push_uploads_the_export_and_no_file_holds_the_token(tmp_path, hub):
 
 def test_push_without_a_token_is_refused_before_training(tmp_path, monkeypatch):
     from tests.conftest import compose
-    from workbench.config import preflight
     from workbench.core.errors import UserError
+    from workbench.run import preflight
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)

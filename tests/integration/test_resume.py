@@ -71,7 +71,7 @@ def test_every_resume_is_certified_and_a_changed_weight_fails(written, tmp_path)
 
 def test_a_lora_checkpoint_into_full_fine_tuning_is_refused_before_weights_load(tmp_path, monkeypatch):
     train(["peft=lora", "train.max_steps=1"], tmp_path)
-    from workbench.train import runner
+    from workbench.run import runner
 
     def no_weights(*a, **k):
         raise AssertionError("weights loaded before the refusal")
@@ -82,7 +82,7 @@ def test_a_lora_checkpoint_into_full_fine_tuning_is_refused_before_weights_load(
 
 
 def test_dry_run_plans_the_move(written, tmp_path):
-    from workbench.config import preflight
+    from workbench.run import preflight
 
     facts = preflight.check(compose([*FULL, "dry_run=true", "backend=fsdp2", "hardware.procs=2"], written))
     assert facts["resume"] == ("resume: step-00000002 (step 2, 8 samples, written by single) -> fsdp2x2: micro-batch "

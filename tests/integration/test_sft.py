@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from tests.conftest import compose, train
 from tests.tolerances import LOSS_RTOL, scale_atol
-from workbench.train.runner import Runner
+from workbench.run.runner import Runner
 
 
 def _params(runner):
@@ -21,7 +21,7 @@ def test_lora_trains_adapters_and_leaves_base_bit_identical(tmp_path):
     runner = Runner(compose(["peft=lora", "train.max_steps=3"], tmp_path))
     runner.build()
     before = _params(runner)
-    runner.run()
+    runner.train()
     after = _params(runner)
     adapters = [n for n in before if "lora_" in n]
     base = [n for n in before if "lora_" not in n]

@@ -88,6 +88,7 @@ DATA_CASES = [
     ("message-not-dict", T({"messages": ["hi", {"role": A, "content": "a"}]}), [],
      r"rows.jsonl:1: messages\[0\] needs 'role' and 'content'"),
     ("no-assistant-turn", T(chat((U, "q"), (U, "again"))), [], r"rows.jsonl:1: no assistant turn"),
+    ("empty-assistant-turn", T(GOOD, chat((U, "q"), (A, "  "))), [], r"rows.jsonl:2: assistant turn 2 is empty"),
     ("tool-call-bad-content", T(msg(tool_calls=[{"type": "function"}], content=5)), [],
      r"rows.jsonl:1: messages\[1\]\.content must be a string"),
     ("mixed-shapes-declared", T(GOOD, {"instruction": "q", "output": "a"}), ["data.recipe_format=messages"],
@@ -151,6 +152,22 @@ def test_bad_data(tmp_path, rows, extra, match):
         r = write_recipe(tmp_path, body, fmt, name)
     with pytest.raises(UserError, match=match):
         run([f"data.recipe={r}", *extra], tmp_path)
+
+
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_on_bad_row_skip_passes_over_malformed_lines_and_counts_them(tmp_path, method):
+    good = GOOD if method == "sft" else PAIR
+    body = T(good, '{"messages": [', good, chat((U, "q"), (A, "")) if method == "sft" else 7, good)
+    r = write_recipe(tmp_path, body)
+    with pytest.raises(UserError, match=r"rows.jsonl:2: malformed JSON"):
+        run([f"data.recipe={r}", f"method={method}", "eval=none"], tmp_path)
+    # skip: the malformed line and the bad row are counted and named, the three good rows remain
+    res = run([f"data.recipe={r}", f"method={method}", "eval=none", "data.on_bad_row=skip", "data.preview=true"],
+              tmp_path)
+    report = res["sources"]["rows"]
+    assert report["skipped"] == 2 and report.get("rows", report.get("pairs")) == 3, report
+    if method == "sft":  # the pipeline keeps the first bad rows' messages
+        assert "rows.jsonl:2: malformed JSON" in report["bad_rows"][0], report
 
 
 def test_identical_pairs_are_counted_and_skipped(tmp_path, capsys):

@@ -25,11 +25,11 @@ from omegaconf import OmegaConf
 from tests.conftest import compose, train
 from tests.helpers import DPO_PAIRS
 from tests.tolerances import F64_FUNC_RTOL, LOSS_RTOL, difference_atol, grad_atol
-from workbench.config.run import derive
 from workbench.core.errors import UserError
 from workbench.data.chat import prompt_ids
 from workbench.data.preference import Pair, preference_row, tokenise_completion
 from workbench.methods import cpo, orpo
+from workbench.run.derive import derive
 
 
 def _features(pairs) -> list[dict]:
@@ -166,7 +166,7 @@ def test_orpo_nll_on_completion_only(tiny, tree):
     and the odds-ratio part of the loss is the same as with the prompt included."""
     from transformers import AutoModelForCausalLM
 
-    from workbench.methods.dpo import collate, sequence_logps
+    from workbench.methods.logps import collate, sequence_logps
     from workbench.models.head import SelectiveLM
 
     pairs = _mixed_lengths(tiny)

@@ -56,7 +56,7 @@ def test_every_rank_draws_the_global_batch_and_keeps_its_slice():
     """rank_share: the data-parallel rank and size come from the layout (4 processes at tp=2 are 2
     data-parallel ranks; tensor-parallel peers get the same rows), the slices partition the global
     batch, and every rank's mixture ends in the same position (what a checkpoint holds)."""
-    from workbench.config.run import Layout
+    from workbench.train.layout import Layout
 
     whole = Mixture([11, 5, 23], [0.2, 0.5, 0.3], seed=9).take(12)
     slices, states = [], []

@@ -74,7 +74,7 @@ def test_split_file_and_list_of_files(chat_file, tmp_path):
 
 
 def test_eval_rows_never_reach_training_batches(chat_file, tmp_path):
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
     cfg = compose([f"data.path={chat_file}", "data.eval_split=0.25", "train.micro_batch_size=8"], tmp_path)
     held = set(ids_of(load_recipe(cfg.data.recipe).eval_sources[0]))
@@ -124,16 +124,16 @@ def test_hh_transcripts_dpo_prompt_is_the_shared_prefix(tmp_path):
 
 
 def test_dpo_trains_on_hh_and_sft_on_question_answer(tmp_path):
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
     hh = write_jsonl(tmp_path / "hh.jsonl", [{"chosen": HH.format(q=f"q{i}", a="a", w="w", b=f"yes {i}"),
                                               "rejected": HH.format(q=f"q{i}", a="a", w="w", b="no")}
                                              for i in range(8)])
-    res = Runner(compose([f"data.path={hh}", "method=dpo", "train.max_steps=1"], tmp_path / "dpo")).run()
+    res = Runner(compose([f"data.path={hh}", "method=dpo", "train.max_steps=1"], tmp_path / "dpo")).train()
     assert len(res["losses"]) == 1
     qa = write_jsonl(tmp_path / "gsm.jsonl", [{"question": f"{i} plus 2?", "answer": f"{i}+2={i + 2}\n#### {i + 2}"}
                                               for i in range(8)])
-    res = Runner(compose([f"data.path={qa}", "train.max_steps=1"], tmp_path / "sft")).run()
+    res = Runner(compose([f"data.path={qa}", "train.max_steps=1"], tmp_path / "sft")).train()
     assert len(res["losses"]) == 1
 
 

@@ -15,10 +15,10 @@ import torch
 
 from tests.conftest import ROOT, compose, train
 from tests.tolerances import LOSS_RTOL, SELF_DIVERGENCE_ATOL, binomial_band, grad_atol
-from workbench.config.run import derive
 from workbench.core.errors import UserError
 from workbench.data.chat import tokenize_chat
 from workbench.methods import distill
+from workbench.run.derive import derive
 
 ROWS = ROOT / "data_recipes" / "data" / "arith_add2_train.jsonl"
 TEMPERATURE = 0.7  # not 1, so the test sees where the temperature enters

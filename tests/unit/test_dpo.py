@@ -16,11 +16,11 @@ from omegaconf import OmegaConf
 from tests.conftest import ROOT, train
 from tests.helpers import DPO_PAIRS, dpo_pairs
 from tests.tolerances import LOSS_RTOL, difference_atol, grad_atol
-from workbench.config.run import derive
 from workbench.core.errors import UserError
 from workbench.data.preference import tokenise_preferences
 from workbench.data.recipes import Source
-from workbench.methods import dpo
+from workbench.methods import dpo, logps
+from workbench.run.derive import derive
 
 # loss_type -> (our method options, TRL's loss_type and loss_weights for the same loss).
 # rpo: sigmoid plus rpo_alpha x the chosen NLL, which TRL spells loss_type=[sigmoid, sft].
@@ -86,7 +86,7 @@ def test_loss_grads_and_metrics_equal_trl(tiny, tmp_path, loss_type, trl_on_cpu)
     policy = SelectiveLM(model).train()
     method.attach(SimpleNamespace(unwrapped=lambda: policy))
     method.ref = Reference.frozen(SelectiveLM(ref_model).eval())
-    micro = dpo.collate(pairs, tiny.tok.pad_token_id)
+    micro = logps.collate(pairs, tiny.tok.pad_token_id)
     method._pairs_in_step = float(len(pairs))
     loss_sum, metrics = method.loss(policy, micro)
     loss = loss_sum / len(pairs)
@@ -117,9 +117,9 @@ def test_accuracies_count_the_pairs_whose_chosen_reward_is_higher(tiny):
 
     pairs = dpo_pairs(tiny, n=4)
     policy = SelectiveLM(AutoModelForCausalLM.from_pretrained(tiny.path, dtype=torch.float32)).train()
-    micro = dpo.collate(pairs, tiny.tok.pad_token_id)
+    micro = logps.collate(pairs, tiny.tok.pad_token_id)
     with torch.no_grad():
-        pi_c, pi_r = dpo.pair_logps(policy, micro).chunk(2)
+        pi_c, pi_r = logps.pair_logps(policy, micro).chunk(2)
     # reference log-probs such that beta (pi - ref) is +1 / -1 for chosen / rejected, except pair 2 flipped
     sign = torch.tensor([1.0, 1.0, -1.0, 1.0])
     micro["ref_chosen"], micro["ref_rejected"] = pi_c - sign / 0.5, pi_r + sign / 0.5

@@ -18,9 +18,9 @@ from workbench.core.errors import UserError
 from workbench.data.chat import IGNORE, setup_tokenizer
 from workbench.envs.base import Reply, ToolEnv, check_node
 from workbench.envs.registry import load
+from workbench.envs.tools import ToolCall
 from workbench.models.load import load_tokenizer
 from workbench.rollout import episodes
-from workbench.rollout.tools import ToolCall
 from workbench.rollout.turns import Turns
 
 QUESTION = [{"role": "user", "content": "What is 347 + 589? Answer with the number only."}]

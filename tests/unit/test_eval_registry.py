@@ -62,7 +62,7 @@ def test_unknown_and_unimportable_tasks_are_one_line(hook_module):
 
 
 def test_builtins_check_the_run_before_weights_load(chat_file):
-    from workbench.config import preflight
+    from workbench.run import preflight
 
     with pytest.raises(UserError, match="needs held-out rows; set data.eval_split"):
         preflight.check(compose(["eval.tasks=[loss]"]))  # a named recipe has no split unless asked
@@ -189,7 +189,7 @@ def test_keep_best_keeps_the_best_evaluated_checkpoint_apart_and_exports_it(tmp_
 
 
 def test_keep_best_is_checked_before_training(chat_file):
-    from workbench.config import preflight
+    from workbench.run import preflight
 
     base = [f"data.path={chat_file}", "data.eval_split=4", "eval.tasks=[loss]"]
     with pytest.raises(UserError, match=r"train.keep_best='acc/x'.*eval.tasks=\['loss'\]"):

@@ -8,7 +8,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.conftest import compose, train
-from workbench.config.run import reference
+from workbench.run.derive import reference
 from workbench.telemetry.flops import FlopCount, _reference_weights
 
 # model=tiny (conf/model/tiny.yaml): 2 layers, hidden 64, 4 heads x 16, 2 kv heads, MLP 128,
@@ -45,7 +45,7 @@ def hand_count(peft: str, rows: int, seq: int, selected: int) -> float:
 
 
 def _built(peft: str, tmp_path):
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
     from workbench.train.state import TrainState
 
     cfg = compose([f"peft={peft}"], tmp_path / peft)
@@ -57,7 +57,7 @@ def _built(peft: str, tmp_path):
 @pytest.mark.parametrize("peft", ["lora", "none"])
 def test_step_flops_equal_a_count_by_hand_and_torch_flop_counter(peft, tmp_path):
     cfg, runner, batch = _built(peft, tmp_path)
-    count = FlopCount.from_model(runner.model, runner.run_facts)
+    count = FlopCount.from_model(runner.model, runner.run)
     assert count.block_weights == W + (LORA if peft == "lora" else 0)
     by_hand = sum(hand_count(peft, m["input_ids"].shape[0], m["input_ids"].shape[1], int(m["select"].sum()))
                   for m in batch.micro)
@@ -79,14 +79,14 @@ def test_kto_step_counts_its_reference_and_kl_passes(tmp_path):
     count is what PyTorch's counter sees in the loss plus the attention of those three no-grad
     passes, which run SDPA's CPU flash kernel, a kernel the counter has no formula for (the
     training pass runs the math kernel, which it counts)."""
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
     from workbench.train.state import TrainState
 
     runner = Runner(compose(["method=kto", "peft=lora"], tmp_path))
     runner.build()
     batch = runner.method.next_batch(TrainState(), runner.backend)
     assert "kl_input_ids" in batch.micro[0]
-    count = FlopCount.from_model(runner.model, runner.run_facts)
+    count = FlopCount.from_model(runner.model, runner.run)
     with FlopCounterMode(display=False) as counter:
         for m in batch.micro:
             loss, _ = runner.method.loss(runner.train_module, m)
@@ -100,7 +100,7 @@ def test_kto_step_counts_its_reference_and_kl_passes(tmp_path):
 
 def test_per_token_matches_step_count_and_a_reference_pass_is_counted(tmp_path):
     cfg, runner, _ = _built("lora", tmp_path)
-    count = FlopCount.from_model(runner.model, runner.run_facts)
+    count = FlopCount.from_model(runner.model, runner.run)
     ids = torch.zeros(3, 40, dtype=torch.long)
     sel = torch.zeros(3, 40, dtype=torch.bool)
     sel[:, 30:] = True
@@ -128,14 +128,14 @@ def test_tiny_run_never_logs_mfu_above_100_percent(tmp_path):
 @pytest.mark.slow
 def test_smollm2_step_flops_equal_torch_flop_counter(tmp_path):
     """The same check on SmolLM2-135M (GQA, 30 layers, tied 49k head), LoRA, answer-only batch."""
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
     from workbench.train.state import TrainState
 
     cfg = compose(["model=smollm2-135m", "train.micro_batch_size=2"], tmp_path)
     runner = Runner(cfg)
     runner.build()
     batch = runner.method.next_batch(TrainState(), runner.backend)
-    count = FlopCount.from_model(runner.model, runner.run_facts)
+    count = FlopCount.from_model(runner.model, runner.run)
     with FlopCounterMode(display=False) as counter:
         for m in batch.micro:
             loss, _ = runner.method.loss(runner.train_module, m)
@@ -178,7 +178,7 @@ def test_rollout_forward_passes_equal_torch_flop_counter(dedup):
 def test_grpo_step_counts_its_rollout_once_per_generation(tmp_path):
     """A GRPO step's FLOPs include its rollout's passes; with num_iterations=2 the second
     optimisation step on the same rollout adds only its training."""
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
     from workbench.train.state import TrainState
 
     runner = Runner(compose(["method=grpo", "method.num_iterations=2", "method.dynamic_sampling=false"], tmp_path))
@@ -192,5 +192,5 @@ def test_grpo_step_counts_its_rollout_once_per_generation(tmp_path):
     # num_iterations > 1: old log-probs, one forward per micro-batch, after the rollout
     olds = first.forward_passes[-len(first.micro):]
     assert [(f.rows, f.seq) for f in olds] == [tuple(m["input_ids"].shape) for m in first.micro]
-    count = FlopCount.from_model(runner.model, runner.run_facts)
+    count = FlopCount.from_model(runner.model, runner.run)
     assert count.step(first.micro, first.forward_passes) > count.step(second.micro, second.forward_passes) > 0

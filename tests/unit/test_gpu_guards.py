@@ -17,12 +17,12 @@ import torch
 
 from tests.conftest import ROOT, compose
 from tests.tolerances import LOSS_RTOL, VLLM_PROBE_DELTA, scale_atol
-from workbench.config import preflight, rules
-from workbench.config.run import derive
 from workbench.core.errors import UserError
 from workbench.models import unsloth_loader
 from workbench.models.load import attention_for, load_model, load_tokenizer
 from workbench.rollout import vllm_engine
+from workbench.run import preflight, rules
+from workbench.run.derive import derive
 
 
 # -- refusals on CPU ------------------------------------------------------------------------------
@@ -41,7 +41,7 @@ def test_gpu_options_refused_on_cpu(overrides, needle, tmp_path):
 
 
 def test_runner_refuses_fp8_before_loading(tmp_path):
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
     with pytest.raises(UserError, match="fp8"):
         Runner(compose(["precision=fp8"], tmp_path))

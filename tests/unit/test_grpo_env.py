@@ -12,11 +12,11 @@ from tests.conftest import compose, train
 from tests.unit.test_episodes import ROW, scripted
 from workbench.data.chat import IGNORE, setup_tokenizer
 from workbench.envs.registry import load
+from workbench.envs.tools import ToolCall
 from workbench.methods import grpo
 from workbench.models.head import SelectiveLM
 from workbench.models.load import load_model, load_tokenizer
 from workbench.rollout import episodes
-from workbench.rollout.tools import ToolCall
 from workbench.rollout.turns import Turns
 
 ENV = ["method=grpo", "env=calc", "env.max_new_tokens=8", "method.num_generations=4", "train.micro_batch_size=8",
@@ -59,7 +59,7 @@ def test_logps_are_taken_at_sampled_tokens_only_in_both_layouts():
 
 
 def build(tmp_path, extra=()):
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
     from workbench.train.state import TrainState
 
     runner = Runner(compose([*ENV, "train.max_steps=3", *extra], tmp_path))

@@ -111,3 +111,22 @@ def _png_is(path, saved_figures) -> None:
     pixels = png_pixels(path)
     assert pixels.shape[:2] == saved_figures[path.name]["pixels"]
     assert len({tuple(p) for p in pixels.reshape(-1, pixels.shape[2])[::7].tolist()}) > 10  # not one colour
+
+
+def test_a_failed_job_is_listed_with_its_error(tmp_path):
+    """The CLI records a failed multirun job in error.json (workbench/cli.py); the summary marks it
+    FAILED with its error, and a clean sweep's table has no error column."""
+    _job(tmp_path, 0, ["optim.lr=1e-4"], [3.0, 2.0])
+    _job(tmp_path, 1, ["optim.lr=-1"], None)
+    sweep.record_error(tmp_path / "1", "optim.lr=-1: must be > 0\n(the learning rate)")
+    out = sweep.summarize(tmp_path, plot=False)
+    assert (out["best_job"], out["failed"]) == (0, [1])
+    rows = list(csv.DictReader((tmp_path / "sweep_summary.csv").open()))
+    assert [(r["status"], r["error"]) for r in rows] == [
+        ("COMPLETED", ""), ("FAILED", "optim.lr=-1: must be > 0 (the learning rate)")]
+    md = (tmp_path / "sweep_summary.md").read_text()
+    assert "2 jobs, 1 failed" in md and "- job 1 (optim.lr=-1): optim.lr=-1: must be > 0 (the learning rate)" in md
+    (tmp_path / "1" / sweep.ERROR_FILE).unlink()
+    (tmp_path / "1" / sweep.JOB_FILE).write_text(json.dumps({"overrides": ["optim.lr=-1"], "status": "COMPLETED"}))
+    sweep.summarize(tmp_path, plot=False)
+    assert "error" not in next(csv.reader((tmp_path / "sweep_summary.csv").open()))

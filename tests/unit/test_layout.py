@@ -25,8 +25,8 @@ MODULES = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__
 # lower ones. Entries are module prefixes; the longest matching prefix places a module.
 LAYERS = [
     # foundation: nothing from the workbench but itself
-    ["workbench.core", "workbench.config.schema", "workbench.config.files", "workbench.train.batch",
-     "workbench.train.state", "workbench.train.distributed", "workbench.train.signal", "workbench.train.noise"],
+    ["workbench.core", "workbench.config", "workbench.train.batch", "workbench.train.state",
+     "workbench.train.distributed", "workbench.train.layout", "workbench.train.signal", "workbench.train.noise"],
     # parts: tensors, data, models, the arithmetic of precision and FLOPs
     ["workbench.train.precision", "workbench.train.optim", "workbench.train.kernels", "workbench.data",
      "workbench.models", "workbench.peft", "workbench.megatron", "workbench.rollout", "workbench.envs",
@@ -37,17 +37,18 @@ LAYERS = [
      "workbench.train.keep_best", "workbench.train.watchdog", "workbench.telemetry", "workbench.plan",
      "workbench.export.parity", "workbench.export.hub"],
     # the resolved run: validation, the rule table and the decisions derived from a config
-    ["workbench.config.validate", "workbench.config.run", "workbench.config.rules", "workbench.config.resolved",
-     "workbench.plan.make"],
-    # products: preflight, the export, the report
-    ["workbench.config.preflight", "workbench.export", "workbench.telemetry.report"],
+    ["workbench.run.validate", "workbench.run.derive", "workbench.run.rules", "workbench.run.resolved",
+     "workbench.run.plan"],
+    # products: preflight, the previews, the export, the report
+    ["workbench.run.preflight", "workbench.run.preview", "workbench.run.preview_rows", "workbench.run.finish", "workbench.export",
+     "workbench.telemetry.report"],
     # the loop
-    ["workbench.train.runner"],
+    ["workbench.run.runner", "workbench.run.loop", "workbench.run.checkpoints", "workbench.run.evaluation"],
     # entry points
     ["workbench.cli", "workbench.__main__", "workbench.report", "workbench.launch", "workbench.export.__main__"],
 ]
 UNLAYERED = {"workbench", "workbench.config", "workbench.train", "workbench.telemetry", "workbench.export",
-             "workbench.plan"}  # package docstrings, nothing imported
+             "workbench.plan", "workbench.run"}  # package docstrings, nothing imported
 
 
 def layer(module: str) -> int:
@@ -135,6 +136,29 @@ def test_no_import_cycle_lazy_imports_and_package_inits_included():
     assert cycles(graph) == []
 
 
+def package(module: str) -> str:
+    """workbench.run.runner -> run; a top-level module (workbench.cli) is its own package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def two_way_pairs(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    edges = {(package(m), package(t)) for m, targets in graph.items() for t in targets if package(m) != package(t)}
+    return sorted({tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges})
+
+
+def test_packages_form_layers_no_two_import_each_other():
+    # a module cycle is refused above; this is the same rule one level up: if methods/ imports
+    # train/, nothing in train/ imports methods/, lazily or not
+    graph = {m: {t for t, _ in edges} for m, edges in imports().items()}
+    assert two_way_pairs(graph) == []
+
+
+def test_the_pair_finder_finds_a_two_way_pair():
+    graph = {"workbench.a.x": {"workbench.b.y"}, "workbench.b.z": {"workbench.a.w"}, "workbench.c.q": {"workbench.a.x"}}
+    assert two_way_pairs(graph) == [("a", "b")]
+
+
 def test_the_cycle_finder_finds_a_lazy_cycle():
     # the check above is only as good as this: a cycle closed by an import inside a function
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
@@ -170,3 +194,91 @@ def test_readme_layout_names_every_package_and_top_module():
     tops = sorted(p.name for p in PKG.glob("*.py") if p.name != "__init__.py")
     missing = [n for n in packages + tops if not re.search(rf"\b{re.escape(n)}\b", layout)]
     assert missing == []
+
+
+METHOD_NAMES = {"sft", "dpo", "kto", "cpo", "orpo", "rm", "grpo", "distill"}
+BACKEND_NAMES = {"single", "fsdp2", "deepspeed", "megatron"}
+
+
+def _strings(node: ast.AST) -> set[str]:
+    """The string constants of a comparison's side: alone, or in a tuple, list or set."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {s for e in node.elts for s in _strings(e)}
+    return set()
+
+
+def name_comparisons(modules: dict | None = None) -> list[str]:
+    """Where a module compares against a method's name outside workbench/methods/, or a backend's
+    outside workbench/backends/ (`== "grpo"`, `in ("fsdp2", "deepspeed")`). A method's data shape
+    (`facts.data == "sft"`) is a shape, not a method, and is left out."""
+    found = []
+    for path in (modules or MODULES).values():
+        rel = path.relative_to(ROOT).as_posix()
+        owned = (set() if rel.startswith("workbench/methods/") else METHOD_NAMES) | \
+            (set() if rel.startswith("workbench/backends/") else BACKEND_NAMES)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Attribute) and s.attr == "data" for s in sides):
+                continue
+            hits = sorted(set().union(*map(_strings, sides)) & owned)
+            if hits:
+                found.append(f"{rel}:{node.lineno} compares with {', '.join(hits)}")
+    return found
+
+
+def test_specs_carry_their_facts_no_name_is_compared_outside_its_package():
+    # what a method or backend is (sharding, accumulation, episodes, a reference) is a fact of its
+    # spec (workbench/methods/spec.py, workbench/backends/spec.py); comparing names elsewhere
+    # spreads that knowledge over modules that a new method or backend would have to find
+    assert name_comparisons() == []
+
+
+def test_the_name_finder_finds_a_comparison(tmp_path):
+    planted = ROOT / "workbench" / "plan" / "_planted_for_the_test.py"
+    try:
+        planted.write_text('def f(cfg):\n    return cfg.backend.name in ("fsdp2", "x") or cfg.method.name != "dpo"\n')
+        found = name_comparisons({"planted": planted})
+    finally:
+        planted.unlink()
+    assert found == ["workbench/plan/_planted_for_the_test.py:2 compares with fsdp2",
+                     "workbench/plan/_planted_for_the_test.py:2 compares with dpo"] or \
+        found == ["workbench/plan/_planted_for_the_test.py:2 compares with dpo, fsdp2"]
+
+
+# The command line defers the run's modules until its import guards are set (bitsandbytes skipped
+# when unused, transformers' incidental imports held back: workbench/core/imports.py), so
+# `python -m workbench` stays light until a run needs them; launch/ imports each launcher when
+# chosen. Everywhere else a module's workbench
+# imports sit at its top: packages form layers, so no import has to hide in a function to break a
+# cycle. Optional engines (deepspeed, megatron-core, ray, vllm, unsloth, trackers) are third-party
+# packages, imported where chosen (tests/integration/test_optional_imports.py).
+DEFERS_IMPORTS = {"workbench.cli", "workbench.launch"}
+
+
+def function_level_imports() -> list[str]:
+    """Imports of workbench modules inside functions: outside DEFERS_IMPORTS any, inside it one
+    without a comment (on its line or the line above) saying why."""
+    found = []
+    for name, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                mod = node.module if isinstance(node, ast.ImportFrom) and node.level == 0 else \
+                    node.names[0].name if isinstance(node, ast.Import) else None
+                if not (mod or "").startswith("workbench"):
+                    continue
+                said = "#" in lines[node.lineno - 1] or lines[node.lineno - 2].strip().startswith("#")
+                if name not in DEFERS_IMPORTS or not said:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {mod} inside {fn.name}()")
+    return sorted(set(found))
+
+
+def test_workbench_imports_sit_at_the_top_of_modules():
+    assert function_level_imports() == []

@@ -51,7 +51,7 @@ def _loaded_numel(d) -> int:
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "gemma2"])
 def test_model_path_trains_and_dry_run_counts_exactly(model_dirs, family, tmp_path, capsys):
     from workbench.cli import run_job
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
     d = model_dirs[family]
     cfg = compose([f"model.path={d}", "train.max_steps=2", "dry_run=true"], tmp_path / "plan", base=BASE)
@@ -65,7 +65,7 @@ def test_model_path_trains_and_dry_run_counts_exactly(model_dirs, family, tmp_pa
     assert facts["model_source"] == "local"
 
     cfg = compose([f"model.path={d}", "train.max_steps=2"], tmp_path / "run", base=BASE)
-    res = Runner(cfg).run()
+    res = Runner(cfg).train()
     assert len(res["losses"]) == 2 and all(math.isfinite(x) for x in res["losses"])
     assert res["n_params"] - res["n_trainable"] == expected  # LoRA adds its adapter on top
 
@@ -125,7 +125,7 @@ def test_hub_id_without_a_local_config_says_what_to_do():
 
 
 def test_megatron_refuses_an_unmapped_family_clearly(model_dirs):
-    from workbench.config.resolved import resolve
+    from workbench.run.resolved import resolve
 
     cfg = compose([f"model.path={model_dirs['gemma2']}", "backend=megatron", "peft=none"], base=BASE)
     with pytest.raises(UserError, match=r"\[megatron-family\].*no HF<->Megatron mapping.*gemma2"):

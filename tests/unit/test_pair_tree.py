@@ -21,14 +21,14 @@ from tests.tolerances import LOSS_RTOL, grad_atol
 from workbench.data.chat import prompt_ids
 from workbench.data.pair_tree import shared_prefix, tree_batch, tree_unsupported
 from workbench.data.preference import Pair
-from workbench.methods import dpo
+from workbench.methods import logps
 
 
 def _policy(peft: str):
-    from workbench.config.run import derive
     from workbench.models.head import SelectiveLM
     from workbench.models.load import load_model
     from workbench.peft import lora
+    from workbench.run.derive import derive
 
     cfg = compose(["method=dpo", f"peft={peft}"])
     model = lora.apply(load_model(cfg.model), derive(cfg))
@@ -55,9 +55,9 @@ def test_tree_equals_two_rows(tiny, peft):
     lm = _policy(peft)
     assert tree_unsupported(lm, 256) is None
     pad = tiny.tok.pad_token_id
-    two, tree = dpo.collate(pairs, pad), tree_batch(pairs, pad)
-    want, want_g = _logps_and_grads(lm, two, dpo.sequence_logps)
-    got, got_g = _logps_and_grads(lm, tree, dpo.tree_logps)
+    two, tree = logps.collate(pairs, pad), tree_batch(pairs, pad)
+    want, want_g = _logps_and_grads(lm, two, logps.sequence_logps)
+    got, got_g = _logps_and_grads(lm, tree, logps.tree_logps)
     torch.testing.assert_close(got, want, rtol=LOSS_RTOL, atol=0.0)
     assert torch.equal(tree["n_tokens"], two["n_tokens"])  # ipo divides by these
     assert set(got_g) == set(want_g) and len(got_g) > 4
@@ -68,7 +68,7 @@ def test_tree_equals_two_rows(tiny, peft):
 def test_tree_is_smaller(tiny):
     pairs = varied_pairs(tiny)
     pad = tiny.tok.pad_token_id
-    two, tree = dpo.collate(pairs, pad), tree_batch(pairs, pad)
+    two, tree = logps.collate(pairs, pad), tree_batch(pairs, pad)
     n = len(pairs)
     assert tree["input_ids"].shape[0] == n and two["input_ids"].shape[0] == 2 * n
     assert tree["input_ids"].numel() < two["input_ids"].numel()
@@ -96,7 +96,7 @@ def test_branches_do_not_see_each_other(tiny):
     pairs = varied_pairs(tiny)
     lm = _policy("none").eval()
     pad = tiny.tok.pad_token_id
-    base = dpo.tree_logps(lm, tree_batch(pairs, pad))
+    base = logps.tree_logps(lm, tree_batch(pairs, pad))
     n = len(pairs)
     for side in (0, 1):
         changed = []
@@ -106,7 +106,7 @@ def test_branches_do_not_see_each_other(tiny):
             token = next(t for t in range(100, 200) if t not in (p.chosen[0][s], p.rejected[0][s]))
             seqs[side] = _replace(seqs[side], s, token)  # the branch's first own token: the prefix stays
             changed.append(Pair(seqs[0], seqs[1], p.prompt_len))
-        lp = dpo.tree_logps(lm, tree_batch(changed, pad))
+        lp = logps.tree_logps(lm, tree_batch(changed, pad))
         mine, other = slice(side * n, (side + 1) * n), slice((1 - side) * n, (2 - side) * n)
         # moved far beyond rounding: 10x the tolerance within which equal sums agree
         assert ((lp[mine] - base[mine]).abs() > 10 * LOSS_RTOL * base[mine].abs()).all()

@@ -18,10 +18,10 @@ from workbench.models.load import zoo_entry
 from workbench.plan import catalog
 from workbench.plan.counts import build_full, count, probe
 from workbench.plan.fit import verdict
-from workbench.plan.make import make_plan, refusal
 from workbench.plan.memory import estimate, nf4_bytes_per_param
 from workbench.plan.setup import Setup
 from workbench.plan.speed import cost_per_million_tokens, speed, train_flops_per_token
+from workbench.run.plan import make_plan, refusal
 from workbench.telemetry.metrics import Tracker, usd_per_million_tokens
 
 
@@ -258,7 +258,7 @@ def measured_forward_share() -> float:
 
 
 def setup_from(overrides):
-    from workbench.plan.make import from_cfg
+    from workbench.run.plan import from_cfg
 
     extra = ["method.teacher=tiny"] if "method=distill" in overrides else []
     return from_cfg(compose([*overrides, *extra]))

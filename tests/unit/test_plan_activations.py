@@ -21,10 +21,10 @@ from tests.tolerances import DORA_ACTIVATION_RTOL
 from workbench.peft.lora import base_model
 from workbench.plan.activations import block_bytes, block_cast_bytes
 from workbench.plan.counts import count, probe
-from workbench.plan.make import from_cfg
+from workbench.run.plan import from_cfg
+from workbench.run.runner import Runner
 from workbench.telemetry.metrics import Tracker
 from workbench.train import precision
-from workbench.train.runner import Runner
 
 BATCH, SEQ = 4, 50
 

@@ -11,7 +11,7 @@ import statistics
 import pytest
 
 from tests.conftest import compose, train
-from workbench.plan.make import make_plan
+from workbench.run.plan import make_plan
 from workbench.telemetry import plan_check
 
 

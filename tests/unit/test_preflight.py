@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,9 +19,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import ROOT, compose
-from workbench.backends import megatron  # noqa: F401  registers its rules (rules.register)
-from workbench.config import preflight, rules
 from workbench.core.errors import UserError
+from workbench.run import preflight, rules
 
 ALL = frozenset({"bitsandbytes", "deepspeed", "megatron", "torchao", "vllm", "unsloth"})
 CPU = rules.Env(cuda=False, gpus=0, packages=ALL)
@@ -176,7 +176,7 @@ CASES = [
      GPU8, "method.async_rollouts=false"),
     ("async-rollouts-kl-in-reward", {**GRPO, "method": {**GRPO["method"], "async_rollouts": True, "beta": 0.1,
                                                         "kl_in_reward": True}}, CPU, "method.async_rollouts=false"),
-    # registered by workbench/backends/megatron.py (rules.register)
+    # workbench/backends/megatron.py's own rules (its SPEC.rules)
     ("megatron-family", {"backend": {"name": "megatron"}, "peft.kind": "none", "model.arch.family": "gemma2"}, CPU,
      "backend=fsdp2"),
 ]
@@ -216,6 +216,25 @@ def test_dry_run_plans_past_machine_rules_and_renders_a_sample(base):
     assert facts["plan"]["here"]["fits"]
     assert facts["sample"]["trained"] > 0 and facts["sample"]["tokens"] > facts["sample"]["trained"]
     assert facts["n_params"] == facts["plan"]["params"]["total"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["method=dpo", "method.beta=0"], "method.beta must be > 0"),
+    (["method=grpo", "method.advantage=loo", "method.scale_rewards=none"], "method.advantage='loo' is not one of"),
+])
+def test_a_dry_run_refuses_a_bad_method_option_before_any_weights(monkeypatch, overrides, message):
+    """A method's own option checks (its SPEC.check) run when the run resolves, so preflight and
+    dry_run=true refuse what the run would, before a model or its weights are read."""
+    import workbench.models.build as build
+    import workbench.models.load as load
+
+    def no_weights(*a, **k):
+        raise AssertionError("a model was loaded before the option error")
+
+    monkeypatch.setattr(build, "load_model", no_weights)
+    monkeypatch.setattr(load, "load_model", no_weights)
+    with pytest.raises(UserError, match=re.escape(message)):
+        preflight.check(compose([*overrides, "dry_run=true"]), env=CPU)
 
 
 def test_a_remote_launcher_skips_this_machines_rules(base):
@@ -266,8 +285,29 @@ def test_cli_70b_dpo_refuses_then_plans_without_download(tmp_path):
     assert "error: model=llama3-70b method=dpo" in refused.stderr and "GiB per device" in refused.stderr
     planned = subprocess.run(cmd + ["dry_run=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert planned.returncode == 0, planned.stderr[-2000:]
-    assert "where it runs" in planned.stdout and "8xh100" in planned.stdout
+    assert "where it runs" in planned.stdout and "it fits on 8" in " ".join(planned.stdout.split())
     assert not any(Path(tmp_path / "hf").rglob("*.safetensors"))  # nothing was downloaded
     cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
     print(f"70B refusal: {wall:.1f} s wall, {cpu:.1f} s CPU")
     assert cpu < 30
+
+
+def test_keep_best_is_checked_against_the_metrics_the_tasks_report():
+    """evals/hooks.py says what each task reports; keep_best checks the name against it, with the
+    closest one; a task whose metrics are known only when it runs (a hook, lm_eval) takes any."""
+    from workbench.evals import hooks
+    from workbench.train import keep_best
+
+    tasks = ["loss", "arith_add2", "mypkg.evals:exact", "lm_eval:hellaswag"]
+    reported = hooks.metrics(tasks)
+    assert reported["loss"][:2] == ("loss", "perplexity") and "seconds" in reported["arith_add2"]
+    assert reported["exact"] is None and reported["lm_eval"] is None
+    for ok in ("loss/loss", "eval/arith_add2/accuracy", "exact/anything", "lm_eval/hellaswag/acc"):
+        keep_best.check_metric(ok, tasks, reported)
+    with pytest.raises(UserError, match=r"train.keep_best='loss/los'.*did you mean loss/loss\? they report: loss/loss, "
+                                        r".*exact/<metric>"):
+        keep_best.check_metric("loss/los", tasks, reported)
+    with pytest.raises(UserError, match="eval.tasks=\\[\\] evaluates nothing"):
+        keep_best.check_metric("loss/loss", [], {})
+    reward = hooks.metrics(["reward"], compose(["method=grpo", "reward=arith_format"]))["reward"]
+    assert {"mean", "n", "seconds"} < set(reward) and len(reward) > 3  # one mean per reward function

@@ -1,4 +1,4 @@
-"""The resolved run (workbench/config/resolved.py) is the one place run-wide decisions are made, and the
+"""The resolved run (workbench/run/resolved.py) is the one place run-wide decisions are made, and the
 code is held to that: grep-level checks over workbench/, the import layers the README's Layout
 names, a read-only config after validation, and the defects the resolved run replaced.
 
@@ -16,15 +16,18 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ReadonlyConfigError
 
 from tests.conftest import ROOT, compose, train
-from workbench.config.resolved import resolve
-from workbench.config.run import Layout, derive
 from workbench.core.errors import UserError
+from workbench.run.derive import derive
+from workbench.run.resolved import resolve
+from workbench.train.layout import Layout
 
 PKG = ROOT / "workbench"
 SOURCES = {p.relative_to(ROOT).as_posix(): p.read_text() for p in sorted(PKG.rglob("*.py"))}
-# validate.py checks the fields, rules.py refuses combinations before a run is resolved, and
-# run.py derives from them: only these read the raw fields.
-READERS = {"workbench/config/validate.py", "workbench/config/rules.py", "workbench/config/run.py"}
+# validate.py checks the fields, rules.py refuses combinations before a run is resolved (the rules
+# of one backend or method read them through config/rule.py), and derive.py derives from them:
+# only these read the raw fields.
+READERS = {"workbench/run/validate.py", "workbench/run/rules.py", "workbench/run/derive.py",
+           "workbench/config/rule.py"}
 
 def test_only_the_resolved_run_reads_peft_kind_and_precision_name():
     pattern = re.compile(r"\bcfg\.(peft\.kind|precision\.name)\b|\bc\.(peft\.kind|precision\.name)\b")
@@ -34,7 +37,7 @@ def test_only_the_resolved_run_reads_peft_kind_and_precision_name():
 
 
 def test_only_the_resolved_run_builds_a_precision_policy():
-    calls = [f"{p}:{i}" for p, text in SOURCES.items() if p not in ("workbench/config/run.py",
+    calls = [f"{p}:{i}" for p, text in SOURCES.items() if p not in ("workbench/run/derive.py",
                                                                      "workbench/train/precision.py")
              for i, line in enumerate(text.splitlines(), 1) if re.search(r"\bpolicy\(", line)]
     assert calls == []
@@ -42,7 +45,7 @@ def test_only_the_resolved_run_builds_a_precision_policy():
 
 def test_the_runner_never_probes_methods_or_backends():
     # where Method and Backend objects (and their modules) are held
-    holders = {"workbench/train/runner.py", "workbench/train/faults.py", "workbench/config/preflight.py",
+    holders = {"workbench/run/runner.py", "workbench/train/faults.py", "workbench/run/preflight.py",
                "workbench/export/write.py", "workbench/launch/torchrun.py"}
     holders |= {p for p in SOURCES if p.startswith(("workbench/methods/", "workbench/backends/"))}
     probe = re.compile(r"\b(hasattr|getattr)\((self\.)?(ctx\.)?(backend|method|backend_module|module)\b")

@@ -17,9 +17,10 @@ import torch
 
 from tests.conftest import compose
 from tests.tolerances import LOSS_RTOL, PROBE_RTOL_HALF
-from workbench.config.run import Layout, derive
 from workbench.core.errors import UserError
+from workbench.run.derive import derive
 from workbench.train import canonical, checkpoint, replay, resume
+from workbench.train.layout import Layout
 
 
 # -- names ------------------------------------------------------------------------------------

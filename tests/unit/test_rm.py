@@ -123,13 +123,13 @@ def test_pool_is_the_last_non_pad_token():
 @pytest.fixture(scope="module")
 def rm_run(tmp_path_factory):
     """A 2-step method=rm run on the tiny model with LoRA, exported, evaluated on 8 held-out pairs."""
-    from workbench.train.runner import Runner
+    from workbench.run.runner import Runner
 
     out = tmp_path_factory.mktemp("rm_run")
     cfg = compose(["method=rm", "peft=lora", "train.max_steps=2", "train.export=true", "train.resume=never",
                    "eval=heldout", "eval.tasks=[reward_accuracy]", "data.eval_split=8", "optim.lr=1e-2"], out)
     runner = Runner(cfg)
-    results = runner.run()
+    results = runner.train()
     return SimpleNamespace(dir=out, results=results, runner=runner, cfg=cfg)
 
 
@@ -335,12 +335,12 @@ def test_grpo_reward_layouts_agree_across_classifier_families(tiny, family):
 
 
 def test_reward_path_errors_before_the_policy_loads(tmp_path, tiny, monkeypatch):
-    import workbench.train.runner
+    import workbench.run.runner
 
     def no_weights(*_a, **_k):
         raise AssertionError("the policy's weights were loaded before the reward path was checked")
 
-    monkeypatch.setattr(workbench.train.runner, "build_model", no_weights)
+    monkeypatch.setattr(workbench.run.runner, "build_model", no_weights)
     base = ["method=grpo", "reward=model", "train.max_steps=1"]
     with pytest.raises(UserError, match="reward=model needs reward.path"):
         train(base, tmp_path / "a")
@@ -389,10 +389,10 @@ def test_shared_prompt_rows_equal_two_rows(tiny, peft):
     each reward agrees to LOSS_RTOL relative (rewards near zero: scale_atol, LOSS_RTOL of the
     batch's largest reward, the scale of the products each reward sums) and gradients to grad_atol."""
     from tests.helpers import varied_pairs
-    from workbench.config.run import derive
     from workbench.models.head import SelectiveLM
     from workbench.models.load import load_model
     from workbench.peft import lora
+    from workbench.run.derive import derive
 
     pairs = varied_pairs(tiny)  # prompts and completions of several lengths
     pairs[1] = replace(pairs[1], margin=0.75)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from workbench.core.errors import UserError
+from workbench.envs import tools
 from workbench.envs.calculator import TOOL, CalcError, evaluate
-from workbench.rollout import tools
-from workbench.rollout.tools import Hermes, Llama3, ToolCall
+from workbench.envs.tools import Hermes, Llama3, ToolCall
 
 CALC = ToolCall("calc", {"expression": "347 + 589"})
 

@@ -14,22 +14,19 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from workbench import cli
+from workbench.config import commandline
 
 
 def refusal(argv: list[str], capsys) -> str:
-    """The one line `python -m workbench <argv>` stops with (the CLI's own composition check)."""
-    with pytest.raises(SystemExit) as stop:
-        cli._precheck(argv)
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
+    """The one line `python -m workbench <argv>` stops with (the CLI's own composition check;
+    the command line prints it as `error: ...` and exits 2: test_cli_stops_before_the_run_with_one_line)."""
+    mistake = commandline.precheck(argv)
+    assert mistake is not None and "\n" not in mistake and "Traceback" not in mistake, mistake
+    return f"error: {mistake}"
 
 
 def composes(argv: list[str]) -> None:
-    cli._precheck(argv)  # no SystemExit
+    assert commandline.precheck(argv) is None
 
 
 @pytest.mark.parametrize("typo, choices, closest", [
@@ -52,10 +49,10 @@ def test_unknown_choice_is_refused_with_the_options(typo, choices, closest, caps
 
 def test_every_group_refuses_an_unknown_choice(capsys):
     """No group is optional: an `optional` group in conf/train.yaml would compose without a word."""
-    for group in cli._groups():
+    for group in commandline.groups():
         line = refusal([f"{group}=no_such_choice"], capsys)
         assert f"{group}=no_such_choice: no such choice" in line
-        assert ", ".join(cli._choices(group)) in line, line
+        assert ", ".join(commandline.choices(group)) in line, line
 
 
 @pytest.mark.parametrize("typo, fix", [
@@ -84,10 +81,10 @@ def test_unknown_key_without_a_close_one_lists_the_section(capsys):
 
 @pytest.mark.parametrize("group", ["env", "debug", "experiment", "reward"])
 def test_null_unsets_a_group(group, capsys):
-    argv = cli._nulls_as_deletions(["method=grpo", f"{group}=null"])
+    argv = commandline.nulls_as_deletions(["method=grpo", f"{group}=null"])
     assert argv[-1] == f"~{group}"
     composes(argv)
-    assert cli._nulls_as_deletions(["train.keep_best=null"]) == ["train.keep_best=null"]  # a value, not a group
+    assert commandline.nulls_as_deletions(["train.keep_best=null"]) == ["train.keep_best=null"]  # a value, not a group
 
 
 def test_a_sweep_is_checked_at_every_value_before_the_first_job(capsys):

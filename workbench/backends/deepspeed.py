@@ -29,10 +29,16 @@ import torch
 import torch.distributed as dist
 
 from workbench.backends.base import Backend
+from workbench.backends.spec import BackendFacts, BackendSpec
 from workbench.backends.step import all_sum
+from workbench.config import rule
+from workbench.config.rule import Rule
+from workbench.config.schema import pick
 from workbench.core.errors import missing_package
+from workbench.models.build import rebuild_plain
 from workbench.train import canonical
 from workbench.train.batch import StepBatch
+from workbench.train.distributed import ensure_process_group
 from workbench.train.optim import build_optimizer, build_scheduler
 
 TAG = "zero"  # DeepSpeed's own checkpoint tag in step directories from before the canonical format
@@ -86,7 +92,7 @@ def ds_config(cfg, tcfg, pol, max_grad_norm: float, n_params: int = 1 << 62, acc
     Buckets are buffers of that many elements; one larger than the model only wastes memory
     (DeepSpeed allocates them whole), so they are capped at the number of parameters. `accum`:
     the resolved run's micro-batches per step (a resume at another world size keeps the global
-    batch by changing it; workbench/config/run.py), else train.grad_accum.
+    batch by changing it; workbench/run/derive.py), else train.grad_accum.
     """
     cap = max(int(n_params), 1)
     zero: dict = {
@@ -133,7 +139,6 @@ class DeepSpeedBackend(Backend):
     # -- setup ---------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, ctx) -> None:
         deepspeed = _import()
-        from workbench.train.distributed import ensure_process_group
 
         ensure_process_group(ctx.device)
         deepspeed.init_distributed(dist_backend="nccl" if ctx.device == "cuda" else "gloo")
@@ -325,7 +330,6 @@ class DeepSpeedBackend(Backend):
         """Collective: a plain copy of the trained model with full weights on rank 0, None elsewhere."""
         import deepspeed
 
-        from workbench.models.build import rebuild_plain
 
         names = set(self.trainable) if self.ctx.run.peft.adapter else None
         params = [p for n, p in self.model.named_parameters() if names is None or n in names]
@@ -355,3 +359,43 @@ def _chunks(named: list, stage: int, elements: int):
 
 def build(cfg, ctx) -> DeepSpeedBackend:
     return DeepSpeedBackend(cfg, ctx)
+
+
+def _offloads(c) -> tuple[str, str]:
+    return pick(c, "backend.offload_optimizer", "none"), pick(c, "backend.offload_param", "none")
+
+
+RULES = (
+    Rule("qlora-zero3-checkpointing", {"peft": "qlora", "backend": "deepspeed stage 3",
+                                       "other": "gradient checkpointing"},
+         lambda c, e: rule.peft(c) == "qlora" and rule.stage(c) == 3 and c.model.gradient_checkpointing,
+         "peft=qlora with ZeRO-3 and model.gradient_checkpointing is not supported; use backend=fsdp2 with "
+         "backend.activation_checkpointing=full"),
+    Rule("deepspeed-fp8", {"backend": "deepspeed", "precision": "fp8"},
+         lambda c, e: rule.precision(c) == "fp8",
+         "precision=fp8 is not supported with backend=deepspeed; use precision=bf16-mixed, or backend=fsdp2 for fp8"),
+    Rule("deepspeed-stage", {"backend": "deepspeed"},
+         lambda c, e: rule.stage(c) not in (1, 2, 3),
+         lambda c, e: f"backend.stage={rule.stage(c)}: ZeRO stages are 1, 2 or 3; for plain data parallelism "
+                      f"use backend=single"),
+    Rule("deepspeed-offload-choice", {"backend": "deepspeed", "offload": "optimizer, params"},
+         lambda c, e: any(o not in ("none", "cpu", "nvme") for o in _offloads(c)),
+         lambda c, e: f"config fields 'backend.offload_optimizer' / 'backend.offload_param' must be none, cpu or nvme "
+                      f"(got {pick(c, 'backend.offload_optimizer', 'none')!r} / {pick(c, 'backend.offload_param', 'none')!r})"),
+    Rule("param-offload-needs-zero3", {"backend": "deepspeed stage < 3", "offload": "params"},
+         lambda c, e: _offloads(c)[1] != "none" and rule.stage(c) != 3,
+         "backend.offload_param needs parameters partitioned: set backend.stage=3 (stages 1-2 keep full "
+         "parameters on every rank)"),
+    Rule("nvme-offload-needs-path", {"backend": "deepspeed", "offload": "nvme"},
+         lambda c, e: "nvme" in _offloads(c) and not os.path.isdir(str(pick(c, "backend.nvme_path", "") or "")),
+         lambda c, e: "backend.offload_*=nvme needs an existing directory on local NVMe: set backend.nvme_path "
+                      f"(got {pick(c, 'backend.nvme_path', '')!r})", machine=True),
+    Rule("deepspeed-needs-package", {"backend": "deepspeed"},
+         lambda c, e: not e.has("deepspeed"),
+         "backend=deepspeed needs deepspeed: pip install -e '.[deepspeed]' (or use backend=fsdp2)", machine=True),
+)
+
+SPEC = BackendSpec(name="deepspeed", config=Config, build=build, rules=RULES,
+                   facts=BackendFacts(shards_from_stage=3, own_accumulation=True, needs_launcher=True, half_compute=True,
+                                      master_weights=True, fused_optimizer=True,
+                                      optimizer_offload="offload_optimizer", loads_4bit=True))

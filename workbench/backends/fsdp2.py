@@ -24,7 +24,12 @@ import torch
 import torch.distributed as dist
 
 from workbench.backends.base import Backend
+from workbench.backends.spec import BackendFacts, BackendSpec
 from workbench.backends.step import accumulate, clip_and_step, forward_only
+from workbench.config import rule
+from workbench.config.rule import Rule
+from workbench.config.schema import pick
+from workbench.models.build import rebuild_plain
 from workbench.peft.lora import base_model
 from workbench.train import canonical
 from workbench.train.batch import StepBatch
@@ -227,10 +232,33 @@ class FSDP2Backend(Backend):
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
-        from workbench.models.build import rebuild_plain
 
         return rebuild_plain(self.ctx.run, full, only=set(self.trainable))
 
 
 def build(cfg, ctx) -> FSDP2Backend:
     return FSDP2Backend(cfg, ctx)
+
+
+RULES = (
+    Rule("fsdp2-model-checkpointing", {"backend": "fsdp2", "other": "model.gradient_checkpointing"},
+         lambda c, e: c.model.gradient_checkpointing,
+         "under backend=fsdp2 use backend.activation_checkpointing=full instead of model.gradient_checkpointing=true"),
+    Rule("fsdp2-checkpointing-choice", {"backend": "fsdp2", "other": "activation checkpointing"},
+         lambda c, e: pick(c, "backend.activation_checkpointing", "none") not in ("none", "full", "selective")
+         or int(pick(c, "backend.selective_every", 2)) < 1,
+         lambda c, e: "config field 'backend.activation_checkpointing' must be none, full or selective, and "
+                      f"'backend.selective_every' >= 1 (got {pick(c, 'backend.activation_checkpointing', 'none')!r}, "
+                      f"{pick(c, 'backend.selective_every', 2)})"),
+    Rule("fsdp2-reduce-dtype", {"backend": "fsdp2", "precision": "reduce dtype"},
+         lambda c, e: pick(c, "backend.reduce_dtype", "float32") not in ("float32", "bfloat16", "float16"),
+         lambda c, e: f"config field 'backend.reduce_dtype' must be float32, bfloat16 or float16 "
+                      f"(got {pick(c, 'backend.reduce_dtype', 'float32')!r})"),
+    Rule("fsdp2-offload-on-cpu", {"backend": "fsdp2", "offload": "cpu_offload", "hardware": "cpu"},
+         lambda c, e: bool(pick(c, "backend.cpu_offload", False)) and rule.device(c) == "cpu",
+         "backend.cpu_offload moves GPU memory to the host; on hardware=cpu set backend.cpu_offload=false"),
+)
+
+SPEC = BackendSpec(name="fsdp2", config=Config, build=build, rules=RULES,
+                   facts=BackendFacts(default_stage=3, shards_from_stage=3, half_compute=True, regathers_root=True,
+                                      checkpointing_field="activation_checkpointing", loads_4bit=True))

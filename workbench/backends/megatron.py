@@ -21,7 +21,7 @@ workbench/megatron/grads.py (data-parallel; experts over expert-data-parallel), 
 mixed precision).
 
 Data: a rank's *data-parallel* rank and size decide its slice of the global batch (TP and PP
-peers train on the same examples); the resolved run's layout (workbench/config/resolved.py) holds them
+peers train on the same examples); the resolved run's layout (workbench/run/resolved.py) holds them
 and `wrap()` checks that Megatron-Core's process groups agree.
 Checkpoints: the canonical format (workbench/train/canonical.py) under Hugging Face names, so
 any layout and backend reads them: base weights by TP block, adapters whole under PEFT's names,
@@ -40,12 +40,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from workbench.backends import megatron_state as state
 from workbench.backends.base import Backend
+from workbench.backends.spec import BackendFacts, BackendSpec
 from workbench.backends.step import forward_only
+from workbench.config import rule
+from workbench.config.rule import Rule
+from workbench.config.schema import pick
+from workbench.megatron import bridge, grads, lora
+from workbench.megatron.cpu_shim import cpu_device
+from workbench.megatron.lm import LogitsView, MegatronLM, pad_micro, stage_forward
+from workbench.megatron.lora import TARGETS
+from workbench.megatron.model import FAMILIES, Parallel, build_gpt, check_parallel, require_megatron
+from workbench.megatron.optimizer import DistributedOptimizer
+from workbench.models.build import rebuild_plain
+from workbench.peft.lora import base_model
 from workbench.train import canonical
 from workbench.train import precision as prec
 from workbench.train.batch import StepBatch
-from workbench.train.distributed import all_max, ensure_process_group
+from workbench.train.distributed import all_max, ensure_process_group, reduce_scalar
+from workbench.train.layout import layout
 from workbench.train.optim import build_optimizer, build_scheduler, lr_factor
 
 
@@ -63,17 +77,13 @@ class Config:
 
 
 def parallel(cfg):
-    from workbench.megatron.model import Parallel
-
     return Parallel(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep, sequence_parallel=cfg.sequence_parallel,
                     recompute=cfg.recompute)
 
 
 def check(cfg, hf_config, world_size: int) -> None:
     """The loaded model against the parallel sizes (its config.json is the truth: a hub model's
-    intermediate size is not in model.arch). Combinations of options are rules (workbench/config/rules.py)."""
-    from workbench.megatron.model import check_parallel, require_megatron
-
+    intermediate size is not in model.arch). Combinations of options are rules (workbench/run/rules.py)."""
     require_megatron()
     check_parallel(hf_config, parallel(cfg), world_size)
 
@@ -107,10 +117,6 @@ class MegatronBackend(Backend):
     def wrap(self, train_module: nn.Module, ctx) -> None:
         from megatron.core import parallel_state as ps
 
-        from workbench.megatron import bridge, lora
-        from workbench.megatron.lm import MegatronLM
-        from workbench.megatron.model import build_gpt
-        from workbench.peft.lora import base_model
 
         self.train_module = train_module
         inner = train_module.inner
@@ -159,8 +165,6 @@ class MegatronBackend(Backend):
         self.max_grad_norm = ctx.cfg.optim.max_grad_norm
         self.optimizer = self.scheduler = self.mopt = None
         if self.distopt:
-            from workbench.megatron.optimizer import DistributedOptimizer
-
             self.mopt = DistributedOptimizer(self.gpt, ctx.cfg.optim, dtype)
             self.chunk = self.mopt.ddp
         else:
@@ -196,7 +200,6 @@ class MegatronBackend(Backend):
             return module.inner
         if dist.get_rank() != 0:
             return None
-        from workbench.models.build import rebuild_plain
 
         trainable = {f"inner.{n}": p.detach() for n, p in module.inner.named_parameters() if p.requires_grad}
         return rebuild_plain(self.ctx.run, trainable, only=set(trainable))
@@ -206,8 +209,6 @@ class MegatronBackend(Backend):
 
     def _sync_hf(self) -> None:
         """Bridge the current trainable weights back into the HF model (collective over all ranks)."""
-        from workbench.megatron import bridge, lora
-
         with torch.no_grad():
             if self.adapter:
                 full = lora.to_hf(self.gpt, self.hf_config, self.layout)
@@ -226,26 +227,17 @@ class MegatronBackend(Backend):
                         target[k].copy_(v)
 
     # -- step ----------------------------------------------------------------------------
-    def _sum(self, value: float, group) -> float:
-        if dist.get_world_size(group) == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, group=group)
-        return float(t.item())
-
     def forward_backward(self, batch: StepBatch, loss_fn) -> dict[str, float]:
-        from workbench.megatron import grads
-
         if self.mopt is not None:
             self.mopt.zero_grad()
-        denom = self._sum(batch.denom, self.dp_group)
+        denom = reduce_scalar(batch.denom, group=self.dp_group)
         sums = self._schedule(list(batch.micro), loss_fn, 1.0 / max(denom, 1e-12), forward_only=False,
                               seeds=batch.micro_seeds)
         if self.mopt is not None:
             self.mopt.finalize()
         else:
             grads.reduce(self.gpt, self.tied, self.par.sequence_parallel)
-        out = {k: self._sum(v, self.dp_group) for k, v in sums.items()}
+        out = {k: reduce_scalar(v, group=self.dp_group) for k, v in sums.items()}
         loss = out.pop("loss_sum") / max(denom, 1e-12)
         return {"loss": loss, **out}
 
@@ -256,8 +248,6 @@ class MegatronBackend(Backend):
         self.module.head = "gather" if head == "shard" else head
         try:
             if self.par.pp == 1:
-                from workbench.megatron.cpu_shim import cpu_device
-
                 with cpu_device():  # the TP gather of the logits asks torch.cuda for a device
                     return forward_only(self.module, micro, loss_fn, self.pol, self.device)
             self.chunk.eval()
@@ -275,9 +265,6 @@ class MegatronBackend(Backend):
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from workbench.megatron import lora
-        from workbench.megatron.cpu_shim import cpu_device
-        from workbench.megatron.lm import LogitsView, pad_micro, stage_forward
 
         if not forward_only:
             self.chunk.train()
@@ -285,9 +272,7 @@ class MegatronBackend(Backend):
         if self.par.ep > 1:
             # the MoE token dispatcher all-gathers tokens over the expert-parallel ranks, which hold
             # other examples: every rank's micro-batches get the longest length of all of them
-            t = torch.tensor([length])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            length = int(t)
+            length = reduce_scalar(length, "max", dtype=torch.int64)
         if self.par.sequence_parallel:
             length = -(-length // self.par.tp) * self.par.tp
         if self.par.pp > 1 or self.par.sequence_parallel or self.par.ep > 1:
@@ -332,11 +317,9 @@ class MegatronBackend(Backend):
         pp_group = ps.get_pipeline_model_parallel_group()
         if self.par.pp > 1:
             dist.broadcast_object_list(names, src=ps.get_pipeline_model_parallel_last_rank(), group=pp_group)
-        return {k: self._sum(sums.get(k, 0.0), pp_group) for k in names[0]}
+        return {k: reduce_scalar(sums.get(k, 0.0), group=pp_group) for k in names[0]}
 
     def optimizer_step(self) -> dict[str, float]:
-        from workbench.megatron import grads
-
         if self.mopt is not None:
             o = self.ctx.cfg.optim
             lr = o.lr * lr_factor(self.steps, o, self.max_steps)
@@ -371,18 +354,12 @@ class MegatronBackend(Backend):
 
     # -- state (workbench/backends/megatron_state.py) ---------------------------------------------
     def canonical_state(self) -> dict:
-        from workbench.backends import megatron_state as state
-
         return state.canonical_state(self)
 
     def load_canonical(self, read) -> None:
-        from workbench.backends import megatron_state as state
-
         state.load_canonical(self, read)
 
     def load_legacy(self, path, rank: int) -> None:
-        from workbench.backends import megatron_state as state
-
         state.load_legacy(self, path, rank)
 
     def schedule_state(self) -> dict:
@@ -408,7 +385,106 @@ def _release_base(model: nn.Module) -> None:
 
 
 def build(cfg, ctx) -> MegatronBackend:
-    from workbench.megatron.model import require_megatron
-
     require_megatron()
     return MegatronBackend(cfg, ctx)
+
+
+def _unmapped_targets(c) -> list[str]:
+    """peft.target_modules that name no Megatron linear (workbench/megatron/lora.py TARGETS)."""
+    wanted = c.peft.target_modules
+    if wanted in ("all-linear", None):
+        return []
+    wanted = [wanted] if isinstance(wanted, str) else list(wanted)
+    return [t for t in wanted if t not in TARGETS]
+
+
+def _distopt(c) -> bool:
+    return bool(pick(c, "backend.distributed_optimizer", False))
+
+
+RULES = (
+    Rule("qlora-megatron", {"peft": "qlora", "backend": "megatron"},
+         lambda c, e: rule.peft(c) == "qlora",
+         "peft=qlora is not supported on backend=megatron (no 4-bit Megatron layers); use peft=lora there, "
+         "or peft=qlora with backend=fsdp2"),
+    Rule("dora-megatron", {"peft": "dora", "backend": "megatron"},
+         lambda c, e: rule.peft(c) == "dora",
+         "peft=dora is not built for backend=megatron (a row-parallel layer's weight norms would need a TP "
+         "all-reduce per step); use peft=lora there, or peft=dora with backend=fsdp2"),
+    Rule("megatron-needs-package", {"backend": "megatron"},
+         lambda c, e: not e.has("megatron"),
+         "backend=megatron needs megatron-core: pip install -e '.[megatron]' (or use backend=fsdp2)", machine=True),
+    # the parallel sizes first: when several rules apply, the sizes are what to fix first
+    Rule("tp-divides-heads", {"backend": "megatron (tp)"},
+         lambda c, e: rule.par(c, "tp") > 1 and (c.model.arch.heads % rule.par(c, "tp")
+                                                 or c.model.arch.kv_heads % rule.par(c, "tp")),
+         lambda c, e: f"backend.tp={rule.par(c, 'tp')} must divide the attention heads ({c.model.arch.heads}) and KV "
+                      f"heads ({c.model.arch.kv_heads}) of model={c.model.name}; choose a divisor of "
+                      f"{c.model.arch.kv_heads}"),
+    Rule("pp-divides-layers", {"backend": "megatron (pp)"},
+         lambda c, e: rule.par(c, "pp") > 1 and c.model.arch.layers % rule.par(c, "pp"),
+         lambda c, e: f"backend.pp={rule.par(c, 'pp')} must divide the {c.model.arch.layers} layers of "
+                      f"model={c.model.name}; choose a divisor of {c.model.arch.layers}"),
+    Rule("parallel-divides-world", {"backend": "megatron (tp x pp x cp)", "hardware": "devices"},
+         lambda c, e: layout(c).world % (rule.par(c, "tp") * rule.par(c, "pp") * rule.par(c, "cp")) != 0,
+         lambda c, e: f"backend.tp x pp x cp = {rule.par(c, 'tp') * rule.par(c, 'pp') * rule.par(c, 'cp')} must "
+                      f"divide the {layout(c).world} devices (hardware.procs x hardware.nodes); change the parallel "
+                      "sizes or the devices"),
+    Rule("ep-needs-experts", {"backend": "megatron (ep)", "model": "dense or experts not divisible"},
+         lambda c, e: rule.par(c, "ep") > 1 and (not c.model.arch.experts or c.model.arch.experts % rule.par(c, "ep")),
+         lambda c, e: f"backend.ep={rule.par(c, 'ep')} needs a MoE model whose experts ({c.model.arch.experts}) it "
+                      f"divides; use backend.ep=1 for model={c.model.name}"),
+    Rule("cp-divides-seq", {"backend": "megatron (cp)", "data": "seq_len"},
+         lambda c, e: rule.par(c, "cp") > 1 and c.data.seq_len % (2 * rule.par(c, "cp")),
+         lambda c, e: f"backend.cp={rule.par(c, 'cp')} splits each sequence in 2 x cp chunks: make data.seq_len a "
+                      f"multiple of {2 * rule.par(c, 'cp')}"),
+    Rule("megatron-fp8", {"backend": "megatron", "precision": "backend.fp8"},
+         lambda c, e: pick(c, "backend.fp8", None) is not None,
+         "backend.fp8 needs Transformer Engine layer specs, which backend=megatron does not build yet: set backend.fp8=null"),
+    Rule("megatron-distopt-fp16", {"backend": "megatron (distributed optimizer)", "precision": "fp16"},
+         lambda c, e: _distopt(c) and rule.precision(c) == "fp16",
+         "backend.distributed_optimizer=true keeps fp16 weights only with Megatron's loss scaler, which the "
+         "backend's schedule does not apply: use precision=bf16-mixed (or fp32)"),
+    Rule("megatron-distopt-adam", {"backend": "megatron (distributed optimizer)", "other": "optim.name=sgd"},
+         lambda c, e: _distopt(c) and c.optim.name != "adamw",
+         lambda c, e: f"backend.distributed_optimizer=true shards Adam's state; Megatron-Core 0.16's distributed "
+                      f"optimizer steps Adam only (distrib_optimizer.py:516): use optim.name=adamw, or "
+                      f"backend.distributed_optimizer=false for optim.name={c.optim.name}"),
+    Rule("megatron-moe-tp-needs-sp", {"backend": "megatron (tp > 1)", "model": "mixture of experts"},
+         lambda c, e: bool(c.model.arch.experts) and rule.par(c, "tp") > 1
+         and not bool(pick(c, "backend.sequence_parallel", False)),
+         lambda c, e: f"model={c.model.name} has experts: Megatron-Core's MoE layer refuses to train with "
+                      f"backend.tp={rule.par(c, 'tp')} and no sequence parallelism (without it every TP rank routes "
+                      "the same tokens and expert gradients come out tp times too large): set "
+                      "backend.sequence_parallel=true (GPU, Transformer Engine or Apex), or backend.tp=1 with "
+                      "backend.ep for the experts"),
+    Rule("megatron-sequence-parallel", {"backend": "megatron (sp)"},
+         lambda c, e: bool(pick(c, "backend.sequence_parallel", False))
+         and (rule.par(c, "tp") < 2 or not (e.has("transformer_engine") or e.has("apex"))),
+         "backend.sequence_parallel=true needs backend.tp > 1 and Transformer Engine or Apex norms (GPU)", machine=True),
+    Rule("megatron-cp-needs-gpu", {"backend": "megatron (cp)", "hardware": "cpu"},
+         lambda c, e: rule.par(c, "cp") > 1 and rule.device(c) != "cuda",
+         "backend.cp > 1 needs Transformer Engine's attention on a GPU", machine=True),
+    Rule("megatron-recompute-choice", {"backend": "megatron"},
+         lambda c, e: pick(c, "backend.recompute", "none") not in ("none", "selective", "full"),
+         lambda c, e: f"backend.recompute={pick(c, 'backend.recompute', 'none')!r} is not one of none, selective, full"),
+    # after the parallel sizes, which report first when several apply
+    Rule("lora-megatron-dropout", {"peft": "lora (dropout > 0)", "backend": "megatron"},
+         lambda c, e: rule.peft(c) == "lora" and float(c.peft.dropout) > 0,
+         lambda c, e: f"peft.dropout={c.peft.dropout}: LoRA on Megatron layers draws no dropout mask (the "
+                      "column adapters' input is replicated over TP, so masks would have to agree across ranks); "
+                      "set peft.dropout=0"),
+    Rule("lora-megatron-targets", {"peft": "lora (target_modules)", "backend": "megatron"},
+         lambda c, e: rule.peft(c) == "lora" and bool(_unmapped_targets(c)),
+         lambda c, e: f"peft.target_modules: {_unmapped_targets(c)} have no Megatron linear to adapt; backend=megatron "
+                      f"maps {sorted(TARGETS)} (or all-linear)"),
+    Rule("megatron-family", {"backend": "megatron", "model": "a family without an HF<->Megatron mapping"},
+         lambda c, e: c.model.arch.family not in FAMILIES,
+         lambda c, e: f"backend=megatron has no HF<->Megatron mapping for model family {c.model.arch.family!r} "
+                      f"(model={c.model.name}); use backend=fsdp2 for it"),
+)
+
+SPEC = BackendSpec(name="megatron", config=Config, build=build, rules=RULES,
+                   facts=BackendFacts(model_parallel=True, half_compute=True, checkpointing_field="recompute",
+                                      head_every_position=True, gathers_logits=True, bridges_hf_model=True,
+                                      fixed_positions=True))

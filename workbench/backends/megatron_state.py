@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from workbench.core.errors import UserError
+from workbench.megatron import bridge, lora
 from workbench.train import canonical
 
 
@@ -56,8 +57,6 @@ def base_pieces(b, pairs, prefix: str) -> dict:
     """{prefix + HF name: this rank's block} for (Megatron name, tensor) pairs of base weights:
     a DTensor shard over the TP group where the bridge splits the tensor, a plain tensor where it
     is replicated (DCP writes one copy). Vocabulary rows lose the TP padding (an uneven last shard)."""
-    from workbench.megatron import bridge
-
     out, experts = {}, []
     vocab = b.hf_config.vocab_size
     for name, key, dim, t in bridge.pieces(pairs, b.hf_config, b.layout):
@@ -77,8 +76,6 @@ def base_pieces(b, pairs, prefix: str) -> dict:
 def adapter_pieces(b, pairs, prefix: str) -> dict:
     """Whole PEFT tensors of the adapters in (adapter parameter name, tensor) pairs, gathered
     over every rank (adapters are small); every rank writes them alike, DCP keeps one copy."""
-    from workbench.megatron import lora
-
     mine = lora.pieces(pairs, b.hf_config, b.layout)
     everyone = [mine]
     if dist.get_world_size() > 1:
@@ -87,8 +84,6 @@ def adapter_pieces(b, pairs, prefix: str) -> dict:
     return {prefix + peft_name(k): v for k, v in lora.assemble(everyone).items()}
 
 def pieces(b, tensors: dict, prefix: str) -> dict:
-    from workbench.megatron import lora
-
     base = [(n, t) for n, t in tensors.items() if not lora.is_adapter(n)]
     out = base_pieces(b, base, prefix) if base else {}
     if b.adapter:  # collective: every rank joins
@@ -111,8 +106,6 @@ def tp_shard(b, t: torch.Tensor, dim: int, full: int):
                               stride=torch.empty(size, device="meta").stride())
 
 def gathered_experts(b, experts: list) -> dict:
-    from workbench.megatron import bridge
-
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, experts)  # in-process tensors, never from files
     by_name: dict = {}
@@ -137,8 +130,6 @@ def canonical_state(b) -> dict:
 
 def stage_names(b) -> dict[str, torch.Size]:
     """HF names (and full shapes) of what this rank's PP stage holds (full fine-tuning)."""
-    from workbench.megatron import bridge
-
     cfg, lay = b.hf_config, b.layout
     layers = {f"model.layers.{i}." for i in bridge.stage_layers(cfg.num_hidden_layers, lay.pp, lay.pp_rank)}
     first, last = lay.pp_rank == 0, lay.pp_rank == lay.pp - 1
@@ -153,8 +144,6 @@ def stage_names(b) -> dict[str, torch.Size]:
     return out
 
 def load_canonical(b, read) -> None:
-    from workbench.megatron import bridge, lora
-
     params = trainable(b)
     base = [n for n in params if not lora.is_adapter(n)]
     adapters = [n for n in params if lora.is_adapter(n)]
@@ -218,7 +207,6 @@ def load_legacy(b, path, rank: int) -> None:
     (the format before the canonical one: full fine-tuning with a torch optimizer only)."""
     from safetensors.torch import load_file
 
-    from workbench.megatron import bridge
 
     sfx = "" if rank == 0 else f".rank{rank}"
     state = torch.load(path / f"optim{sfx}.pt", weights_only=True)

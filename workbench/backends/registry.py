@@ -1,4 +1,4 @@
-"""The one list of backends: `backend.name` -> (options dataclass, builder).
+"""The one list of backends: `backend.name` -> BackendSpec (workbench/backends/spec.py).
 
     from workbench.backends import registry
     registry.spec("fsdp2").build(cfg.backend, ctx)
@@ -10,22 +10,11 @@ optional package.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 from workbench.backends import deepspeed, fsdp2, megatron, single
+from workbench.backends.spec import BackendSpec
 from workbench.core.errors import UserError
 
-
-@dataclass(frozen=True)
-class BackendSpec:
-    name: str
-    config: type  # the options dataclass; conf/backend/<name>.yaml composes onto it
-    build: Callable  # (backend config, Context) -> a Backend (workbench/backends/base.py)
-
-
-SPECS: dict[str, BackendSpec] = {m.Config().name: BackendSpec(m.Config().name, m.Config, m.build)
-                                 for m in (single, fsdp2, deepspeed, megatron)}
+SPECS: dict[str, BackendSpec] = {m.SPEC.name: m.SPEC for m in (single, fsdp2, deepspeed, megatron)}
 
 
 def spec(name: str | None) -> BackendSpec:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.backends.base import Backend
+from workbench.backends.spec import BackendFacts, BackendSpec
 from workbench.backends.step import accumulate, clip_and_step, forward_only
 from workbench.train import canonical
 from workbench.train.batch import StepBatch
@@ -105,3 +106,7 @@ class SingleBackend(Backend):
 
 def build(cfg, ctx) -> SingleBackend:
     return SingleBackend(cfg, ctx)
+
+
+SPEC = BackendSpec(name="single", config=Config, build=build,
+                   facts=BackendFacts(loads_unsloth=True, loads_4bit=True))

@@ -16,20 +16,17 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from workbench.core import heartbeat
 from workbench.peft import lora
 from workbench.train import precision as prec
 from workbench.train.batch import StepBatch
+from workbench.train.distributed import reduce_scalar
 
 
 def all_sum(value: float) -> float:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t.item())
+    """`value` summed over every rank in float64 (the value itself on one process)."""
+    return reduce_scalar(value)
 
 
 def accumulate(net, batch: StepBatch, loss_fn, pol, device: str, world: int, scaler=None,

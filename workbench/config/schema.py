@@ -5,7 +5,7 @@ Hydra composes it onto the dataclass here; an unknown key (`optim.lrr`) or a wro
 (`optim.lr=abc`) fails while it composes. Method and backend options live beside their code
 (`workbench/methods/<name>.py`, `workbench/backends/<name>.py`, each with a `Config` dataclass,
 registered in `workbench/methods/registry.py` and `workbench/backends/registry.py`).
-`workbench/config/validate.py` applies all of them to a composed config.
+`workbench/run/validate.py` applies all of them to a composed config.
 
 Run `python -m workbench --cfg job` to see the composed config.
 
@@ -257,7 +257,8 @@ class PlanConfig:
     tokens: float = 0.0  # tokens the run trains on; 0 = max_steps x global batch x seq_len
     select_fraction: float = 1.0  # share of positions with a loss (answer-only SFT needs fewer)
     teacher_scale: float = 1.0  # method=distill: teacher parameters / student parameters (its frozen copy's memory)
-    hardware: list[str] = field(default_factory=list)  # profiles to compare; empty = all
+    compare: bool = False  # the "where it runs" table lists every profile (plan.hardware), not just this one
+    hardware: list[str] = field(default_factory=list)  # profiles plan.compare lists; empty = all
     enforce: bool = True  # refuse a real run whose plan does not fit the configured hardware
     # after this many steps compare measured memory, step time and tokens/s with the plan
     # (workbench/telemetry/plan_check.py); 0: never
@@ -288,6 +289,10 @@ class DebugConfig:
     hang_phase: str | None = None
     hang_at_step: int = -1
     hang_rank: int = 0
+    # smoke runs (debug=fast sets 8): every sampled completion and episode turn at most this many
+    # tokens, at most 2 turns an episode, no refill rounds (workbench/run/validate.py), so a method
+    # that generates finishes in seconds on a random model, which never stops on its own
+    max_new_tokens: int | None = None
 
 
 # -- trackers (workbench/telemetry/trackers.py; a chosen tracker's node is not None) --------------------

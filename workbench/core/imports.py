@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 
+from workbench.core.errors import UserError
+
 
 @contextmanager
 def hidden(*names: str):
@@ -57,7 +59,7 @@ def import_without_incidentals(module: str):
 def skip_bitsandbytes(needed: bool) -> None:
     """peft imports bitsandbytes whenever it is installed, and bitsandbytes imports
     torch._inductor: about a second before the first step of a run that quantises nothing.
-    A single command-line job that is not QLoRA (`needed`: workbench/config/run.py
+    A single command-line job that is not QLoRA (`needed`: workbench/run/derive.py
     needs_bitsandbytes) hides it for the rest of the process; a multirun may still reach QLoRA
     in this process, and run_job called from Python leaves the process as it is (only the CLI
     calls this)."""
@@ -75,7 +77,6 @@ def user_function(spec: str, field: str):
     """The callable `package.module:function` names; a UserError naming `field` otherwise."""
     import importlib
 
-    from workbench.core.errors import UserError
 
     mod_name, _, fn_name = spec.partition(":")
     try:

@@ -19,7 +19,7 @@ Every text path applies the environment's secret values by itself, so a caller p
 config's (`secret_values(cfg)`).
 
 Every writer of a run directory goes through here: config.yaml and manifest.json
-(workbench/train/runner.py), Hydra's `.hydra/` and `multirun.yaml` (workbench/cli.py), the
+(workbench/run/runner.py), Hydra's `.hydra/` and `multirun.yaml` (workbench/cli.py), the
 remote job (workbench/launch/remote.py), the sweep files (workbench/launch/sweep.py), the
 model card (workbench/export/card.py), the trackers (workbench/telemetry/trackers.py),
 metrics.jsonl and console lines (workbench/telemetry/metrics.py), report.md and results.json,

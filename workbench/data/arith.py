@@ -8,7 +8,7 @@ Splits are made on the meaning of a question, not its wording. `canonical(text)`
 `*` are commutative: "What is 27 + 64?" and "What is 64 + 27?" are one question. Each task's
 unordered operand pairs are shuffled with a fixed seed and dealt into three roles, by file name:
 
-- test (`*_eval.jsonl`): what the README reports (`eval.tasks=[arith_add2]`), used for nothing else;
+- test (`*_eval.jsonl`): what the docs report (docs/measurements/learning.md) (`eval.tasks=[arith_add2]`), used for nothing else;
 - validation (`*_validation.jsonl`): what defaults and sweeps are chosen on (`eval.tasks=[arith_add2_val]`);
 - train (every other file): the SFT rows, the DPO/KTO/ORPO/RM pairs and the GRPO prompts together,
   in either operand order. A preference row belongs to the question it is about.

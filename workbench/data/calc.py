@@ -29,7 +29,7 @@ import random
 
 from workbench.data.arith import INSTRUCTION, answer
 from workbench.envs.calculator import TOOL, evaluate
-from workbench.rollout.tools import Hermes, ToolCall, describe
+from workbench.envs.tools import Hermes, ToolCall, describe
 
 KINDS = {"add3": ((100, 999), "+"), "mul2": ((10, 99), "*")}
 N_EVAL, N_GRPO, N_SFT, N_VAL = 100, 1000, 500, 50  # per kind

@@ -131,4 +131,10 @@ def to_messages(row: dict, fmt: str, where: str) -> list[dict] | str:
         raise UserError(f"{where}: unknown format {fmt!r}; choose one of {', '.join(FORMATS)} or auto")
     if not any(m["role"] == "assistant" for m in msgs):
         raise UserError(f"{where}: no assistant turn to train on")
+    for j, m in enumerate(msgs):
+        # an empty reply trains on the end-of-turn token alone: the model learns to say nothing
+        if m["role"] == "assistant" and isinstance(m.get("content"), str) and not m["content"].strip() \
+                and not m.get("tool_calls"):
+            raise UserError(f"{where}: assistant turn {j + 1} is empty (it would train the model to end its turn "
+                            "at once); fill it, drop the row, or set data.on_bad_row=skip")
     return msgs

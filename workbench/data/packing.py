@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import bisect
 
+from workbench.data.collate import pack_rows
+
 # Pool tokens drawn per step, relative to the step's capacity: the surplus is what lets
 # best-fit fill the tail of every row; it is carried over, never dropped.
 POOL_SLACK = 1.15
@@ -123,8 +125,6 @@ def pad_free(examples: list[tuple[list[int], list[int]]], pad_id: int, layout: s
     as the longest of them allows, best-fit-decreasing, with no cross-example attention: the
     same targets and loss as the padded batch. None when that saves under 1 - PAD_FREE_SHARE of
     the positions (uniform lengths)."""
-    from workbench.data.collate import pack_rows
-
     lengths = [len(ids) for ids, _ in examples]
     width = max(lengths)
     padded = len(examples) * width
@@ -151,8 +151,6 @@ def packed_micro_batches(rows, example_of, micro_size: int, pad_id: int, layout:
                          ) -> tuple[list[dict], int]:
     """This rank's packed rows (its slice of the global batch, mixing.rank_share), collated into
     micro-batches of `micro_size` rows; and their real tokens."""
-    from workbench.data.collate import pack_rows
-
     micro, real = [], 0
     for i in range(0, len(rows), micro_size):
         m = pack_rows([[example_of(x) for x in row] for row in rows[i:i + micro_size]], pad_id, layout, mask)

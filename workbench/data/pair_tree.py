@@ -4,7 +4,7 @@
     reason = tree_unsupported(lm, seq_len)   # None, or why a model must keep two rows per pair
     takes_pairs(lm, pairs)                   # whether these pairs can be scored as tree rows
 
-`dpo.collate` makes 2N rows (every chosen, then every rejected), so the decoder reads each
+`collate` (workbench/methods/logps.py) makes 2N rows (every chosen, then every rejected), so the decoder reads each
 prompt twice and every row is padded to the longest of the 2N. Here a pair is one row:
 
     tokens     p0 .. p(P-1) | c(P) .. c(Lc-1) | r(P) .. r(Lr-1) | pad
@@ -23,7 +23,7 @@ The head runs once per position some branch reads (`select`, a boolean mask, as 
 takes it). The last shared position predicts both the first chosen and the first rejected
 token: its one log-softmax row is read twice, through `head_slot` (which selected position
 each target reads) and `targets`. `logp_rows` says which of the 2N sums (chosen 0..N-1, then
-rejected 0..N-1) each target goes to, in the order dpo.collate's rows produce them, so the
+rejected 0..N-1) each target goes to, in the order logps.collate's rows produce them, so the
 sums add the same terms in the same order as the two-row layout.
 """
 
@@ -34,6 +34,9 @@ from collections.abc import Sequence
 import torch
 
 from workbench.data.chat import IGNORE
+from workbench.models.head import SelectiveLM
+from workbench.peft.lora import base_model
+from workbench.train.distributed import is_main_process
 
 # Attention kernels that apply a boolean 4-D mask as given (eager adds the mask to the scores,
 # flash-attention takes no mask at all).
@@ -146,7 +149,6 @@ def tree_fits(module, seq_len: int, fallback: str) -> bool:
     does instead (`fallback`)."""
     import sys
 
-    from workbench.train.distributed import is_main_process
 
     reason = tree_unsupported(module, seq_len)
     if reason and is_main_process():
@@ -169,9 +171,6 @@ def tree_unsupported(module, seq_len: int) -> str | None:
     applies a custom 4-D mask as is on every layer, so a window shorter than `seq_len` (the
     longest sequence a pair can have) would be dropped.
     """
-    from workbench.models.head import SelectiveLM
-    from workbench.peft.lora import base_model
-
     if not isinstance(module, SelectiveLM):
         return f"the backend's model is a {type(module).__name__}, not a SelectiveLM"
     if not module._split:

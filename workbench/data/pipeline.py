@@ -196,7 +196,7 @@ def tokenise_source(source: Source, tokenizer, contract, data_cfg, loss_on="assi
         chunk.clear()
 
     tell = _Ticker(source.label)
-    for where, row in readers.iter_rows(source):
+    for where, row in readers.iter_rows(source, on_bad=run.bad):  # on_bad_row=skip: malformed lines too
         out.rows_read += 1
         try:
             if fmt is None:

@@ -28,9 +28,11 @@ from pathlib import Path
 
 from workbench.core.errors import UserError
 from workbench.data import cache, chat, formats, pipeline
+from workbench.data.chat import prompt_ids
+from workbench.data.mixing import Mixture
 from workbench.data.pair_tree import shared_prefix
 from workbench.data.readers import fingerprint_parts, iter_rows
-from workbench.data.recipes import Source
+from workbench.data.recipes import Source, load_recipe
 from workbench.train.distributed import is_main_process
 
 PREFERENCE_SCHEMAS = (
@@ -126,14 +128,17 @@ def _check_format(source: Source, wanted: str, schemas: str) -> None:
 def checked_rows(source: Source, parse, out, data_cfg):
     """parse(row, where) for each row of `source`; a row whose parse raises a UserError stops the
     run, or with data.on_bad_row=skip is counted in out.skipped / out.bad."""
-    for where, row in iter_rows(source):
+    def skip(exc: UserError) -> None:
+        if data_cfg.on_bad_row != "skip":
+            raise exc
+        out.skipped += 1
+        out.bad.append(str(exc))
+
+    for where, row in iter_rows(source, on_bad=skip):  # malformed lines as rows of the wrong shape
         try:
             parsed = parse(row, where)
         except UserError as exc:
-            if data_cfg.on_bad_row != "skip":
-                raise
-            out.skipped += 1
-            out.bad.append(str(exc))
+            skip(exc)
             continue
         yield parsed
 
@@ -237,8 +242,6 @@ def read_prompts(source: Source, tokenizer, contract, data_cfg) -> PromptSource:
 
 def pairs_from_rows(rows: list[dict], tokenizer, contract) -> list[Pair]:
     """Pairs of in-memory preference rows (the embedded held-out pairs), tokenised as in training."""
-    from workbench.data.chat import prompt_ids
-
     out = []
     for i, row in enumerate(rows):
         p, c, r = preference_row(row, f"row {i}")
@@ -251,9 +254,6 @@ def pairs_from_rows(rows: list[dict], tokenizer, contract) -> list[Pair]:
 def read_pairs(tokenizer, contract, data_cfg) -> tuple[list[PreferenceSource], object]:
     """The run's recipe (data.recipe) tokenised as pairs, and the Mixture over its sources:
     what DPO and the reference-free pair methods (methods/pairs.py) train on."""
-    from workbench.data.mixing import Mixture
-    from workbench.data.recipes import load_recipe
-
     digest = pipeline.tokenizer_digest(tokenizer)
     sources = [tokenise_preferences(s, tokenizer, contract, data_cfg, digest)
                for s in load_recipe(data_cfg.recipe).sources]

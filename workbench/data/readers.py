@@ -28,7 +28,7 @@ import csv
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from workbench.core.errors import UserError, missing_package
@@ -65,9 +65,13 @@ def map_columns(row: dict, columns: dict, where: str) -> dict:
     return out
 
 
-def iter_rows(source, columns: dict | None = None, split: str | None = None) -> Iterator[tuple[str, dict]]:
+def iter_rows(source, columns: dict | None = None, split: str | None = None,
+              on_bad: Callable[[UserError], None] | None = None) -> Iterator[tuple[str, dict]]:
     """Yield (where, row) for a recipe `Source` (or a plain path), column mapping applied.
 
+    `on_bad`: called with the UserError of a JSON-lines row that cannot be read (malformed, not an
+    object) instead of raising it, and the reading goes on: data.on_bad_row=skip counts and skips
+    such lines as it skips rows of the wrong shape (the callback raises under on_bad_row=error).
     An empty source is a UserError: a silent zero-row source would otherwise only show up as
     a mixture with a missing component.
     """
@@ -84,8 +88,9 @@ def iter_rows(source, columns: dict | None = None, split: str | None = None) -> 
     reader = {"jsonl": read_jsonl, "json": _json, "parquet": _parquet, "csv": _csv,
               "hf_dir": _hf_dir, "hub": _hub}[kind]
     label = hub if kind == "hub" else path
+    rows = read_jsonl(label, split, on_bad) if kind == "jsonl" else reader(label, split)
     n = 0
-    for ordinal, (where, row) in enumerate(reader(label, split)):
+    for ordinal, (where, row) in enumerate(rows):
         if held is not None and (ordinal in held) != (role == "eval"):
             continue  # the other side of the held-out split
         n += 1
@@ -97,6 +102,12 @@ def iter_rows(source, columns: dict | None = None, split: str | None = None) -> 
 
 
 HH_TURN = re.compile(r"\n\n(Human|Assistant):[ \t]?")
+
+
+def skip_bad(data_cfg) -> Callable[[UserError], None] | None:
+    """iter_rows' `on_bad` for readers outside the data pipeline (evaluations, previews): under
+    data.on_bad_row=skip an unreadable line is passed over there too (the pipeline counts it)."""
+    return (lambda exc: None) if data_cfg.on_bad_row == "skip" else None
 
 
 def hh_messages(text: str) -> list[dict] | None:
@@ -137,10 +148,21 @@ def _decode(raw: bytes, path, lineno: int) -> str:
                         "re-save the file as UTF-8") from None
 
 
-def read_jsonl(path, split=None) -> Iterator[tuple[str, dict]]:
+def read_jsonl(path, split=None, on_bad: Callable[[UserError], None] | None = None) -> Iterator[tuple[str, dict]]:
     """(file:line, row) of every non-blank line of a JSON-lines file: a byte-order mark on the
     first line is skipped, and a malformed line, a truncated last line or a line that is not an
-    object is a UserError naming file:line. `split` is unused (the iter_rows reader signature)."""
+    object is a UserError naming file:line, raised, or handed to `on_bad` and skipped. `split` is
+    unused (the iter_rows reader signature)."""
+    for where, row in _jsonl_lines(path):
+        if isinstance(row, UserError):
+            if on_bad is None:
+                raise row
+            on_bad(row)
+            continue
+        yield where, row
+
+
+def _jsonl_lines(path) -> Iterator[tuple[str, dict | UserError]]:
     size = os.path.getsize(path)
     with open(path, "rb") as fh:
         offset = 0
@@ -153,13 +175,16 @@ def read_jsonl(path, split=None) -> Iterator[tuple[str, dict]]:
                 row = json.loads(text)
             except json.JSONDecodeError as exc:
                 if offset == size and not raw.endswith(b"\n"):
-                    raise UserError(f"{path}:{lineno}: the last line is truncated (invalid JSON and no final "
-                                    f"newline: {exc.msg} at column {exc.colno}); was the file cut off while "
-                                    "being written?") from None
-                raise UserError(f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno}); expected "
-                                "one JSON object per line") from None
+                    yield "", UserError(f"{path}:{lineno}: the last line is truncated (invalid JSON and no final "
+                                        f"newline: {exc.msg} at column {exc.colno}); was the file cut off while "
+                                        "being written?")
+                else:
+                    yield "", UserError(f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno}); "
+                                        "expected one JSON object per line")
+                continue
             if not isinstance(row, dict):
-                raise UserError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
+                yield "", UserError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
+                continue
             yield f"{path}:{lineno}", row
 
 

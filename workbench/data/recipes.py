@@ -18,7 +18,7 @@
 Every key is checked: a typo names the field and the recipe file.
 
 One file needs no recipe: `data.path=FILE` (or a list of files) with `data.eval_split=0.05 | 200 |
-eval.jsonl`. `workbench.config.validate` turns those into an inline recipe (`data.recipe` holds it
+eval.jsonl`. `workbench.run.validate` turns those into an inline recipe (`data.recipe` holds it
 as JSON, so the run's config.yaml records exactly what was read), and `load_recipe` reads it like
 a file. The held-out rows are chosen deterministically (a fixed-seed permutation of row numbers,
 the same for the same file and size) and are removed from the training view of every source;
@@ -40,6 +40,10 @@ from pathlib import Path
 import yaml
 
 from workbench.core.errors import UserError
+from workbench.core.imports import user_function
+from workbench.data.formats import FORMATS, detect_format, to_messages
+from workbench.data.readers import iter_rows
+from workbench.train.distributed import is_main_process
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "data_recipes"
 
@@ -93,7 +97,6 @@ def inline_recipe(data_cfg, eval_tasks=()) -> str | None:
     split = data_cfg.eval_split
     if paths is not None and split is None and any(t in HELD_OUT_TASKS for t in eval_tasks or ()):
         split = DEFAULT_SPLIT
-        from workbench.train.distributed import is_main_process
 
         if is_main_process():
             print(f"data: holding out {DEFAULT_SPLIT:.0%} of data.path's rows for eval.tasks={list(eval_tasks)} "
@@ -107,7 +110,6 @@ def inline_recipe(data_cfg, eval_tasks=()) -> str | None:
     if paths is None and (split is None or str(data_cfg.recipe).lstrip().startswith("{")):
         return None  # nothing to do, or validated before (a launched job re-validates its config)
     spec: dict = {"name": "data.path"}
-    from workbench.data.formats import FORMATS
 
     if data_cfg.format != "auto" and data_cfg.format not in FORMATS:
         raise UserError(f"data.format={data_cfg.format!r} is not one of auto, {', '.join(FORMATS)}")
@@ -195,8 +197,6 @@ def load_recipe(name: str) -> Recipe:
 def prompt_key(row: dict) -> str:
     """What a row asks, exactly: its prompt, or the conversation before its last assistant turn
     (a lone user message as its text, so a chat row and a prompt row asking the same match)."""
-    from workbench.data.formats import detect_format, to_messages
-
     if "prompt" in row:
         p = row["prompt"]
     elif "text" in row and not {"messages", "conversations", "instruction"} & set(row):
@@ -220,7 +220,6 @@ def key_function(spec: str | None):
     """The function rows are keyed by for a split: data.dedup_key's `module:function`, or prompt_key."""
     if spec is None:
         return prompt_key
-    from workbench.core.imports import user_function
 
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise UserError(f"data.dedup_key={spec!r}: name a function as 'package.module:function' (row -> key)")
@@ -236,14 +235,15 @@ def _row_keys(source: Source, dedup_key: str | None) -> list[bytes]:
     tasks all load the recipe."""
     import hashlib
 
-    from workbench.data.readers import iter_rows
 
     st = source.path.stat() if source.path is not None and source.path.is_file() else None
     memo = (str(source.path), source.hub, source.split, tuple(sorted(source.columns.items())),
             (st.st_size, st.st_mtime_ns) if st else None, dedup_key)
     if memo not in _KEYS or st is None:
         fn, out = key_function(dedup_key), []
-        for where, row in iter_rows(source):
+        # unreadable lines are not keyed: under data.on_bad_row=skip every reader passes them over,
+        # so the held-out split's row ordinals agree; under error the data pipeline refuses them
+        for where, row in iter_rows(source, on_bad=lambda exc: None):
             try:
                 k = fn(row)
             except Exception as exc:  # noqa: BLE001 - the user's function fails in its own ways; name it and the row
@@ -257,8 +257,6 @@ _TOLD: set = set()
 
 
 def _tell_dropped(n: int, recipe: Recipe, dedup_key: str | None) -> None:
-    from workbench.train.distributed import is_main_process
-
     what = f"the same data.dedup_key ({dedup_key})" if dedup_key else "the same prompt"
     note = f"data: {n} training row(s) of {recipe.name} ask what a held-out row asks ({what}); left out of training"
     if n and note not in _TOLD and is_main_process():
@@ -341,7 +339,6 @@ def _source(s, i: int, path: Path) -> Source:
     columns = s.get("columns") or {}
     if not isinstance(columns, dict) or not all(isinstance(v, str) for v in columns.values()):
         raise UserError(f"{where}.columns must map our field names to your column names, e.g. {{messages: chat}}")
-    from workbench.data.formats import FORMATS
 
     fmt = s.get("format", "auto")
     if fmt != "auto" and fmt not in FORMATS:

@@ -30,7 +30,7 @@ of your own) is the constructor's one argument. `max_turns` bounds the model's t
 still calling tools then ends there, cut.
 
 Tools are JSON schemas in the Hugging Face `tools=` convention, checked when the environment
-loads (workbench/rollout/tools.py), so a bad schema stops the run before any weights load.
+loads (workbench/envs/tools.py), so a bad schema stops the run before any weights load.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workbench.core.errors import UserError
-from workbench.rollout import tools as tool_fmt
+from workbench.envs import tools as tool_fmt
 
 # the keys every env node has (conf/env/*.yaml); the rest go to the environment as they are
 COMMON = {"name": str, "max_turns": int, "max_new_tokens": int, "recipe": (str, type(None)),

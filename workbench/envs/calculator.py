@@ -19,7 +19,7 @@ import operator
 import re
 
 from workbench.envs.base import ToolEnv, Turn, final_answer
-from workbench.rollout.tools import ToolCall
+from workbench.envs.tools import ToolCall
 
 MAX_CHARS = 200
 MAX_MAGNITUDE = 10**18

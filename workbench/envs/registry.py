@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from workbench.core.errors import UserError
+from workbench.core.imports import user_function
 from workbench.envs.base import Environment, check_node
 from workbench.envs.calculator import Calculator
 
@@ -22,8 +23,6 @@ def load(node) -> Environment:
     if name in known:
         cls = known[name]
     elif ":" in name:
-        from workbench.core.imports import user_function
-
         cls = user_function(name, "env.name")
     else:
         raise UserError(f"env.name={name!r}: unknown environment; shipped ones are {sorted(known)} (conf/env/), "

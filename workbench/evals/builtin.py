@@ -37,7 +37,18 @@ import torch
 
 from workbench.config.schema import pick
 from workbench.core.errors import UserError
+from workbench.data.collate import pad_batch
+from workbench.data.pipeline import tokenise_source
+from workbench.data.preference import read_prompts, tokenise_preferences
+from workbench.data.readers import iter_rows, read_jsonl, skip_bad
+from workbench.data.recipes import load_recipe
+from workbench.data.unpaired import tokenise_unpaired, unpaired_rows
 from workbench.methods import registry
+from workbench.methods.logps import collate, sequence_logps
+from workbench.methods.rm import pair_rewards
+from workbench.models import value_head
+from workbench.models.head import SelectiveLM
+from workbench.rollout import rewards
 
 # the built-ins that read held-out rows of the run's own data; each fits the methods whose
 # default evaluation (workbench/methods/spec.py `eval`) it is
@@ -46,8 +57,6 @@ NEEDS_SPLIT = ("loss", "preference", "reward", "reward_accuracy")
 
 def eval_recipe(cfg):
     """The recipe the run trains on, with its held-out view (Recipe.eval_sources)."""
-    from workbench.data.recipes import load_recipe
-
     return load_recipe(cfg.data.recipe)
 
 
@@ -68,10 +77,8 @@ def check(task: str, cfg) -> None:
         if task == "reward":  # the held-out prompt rows it reads carry what the reward functions read
             import itertools
 
-            from workbench.data.readers import iter_rows
-            from workbench.rollout import rewards
 
-            rows = (item for s in eval_recipe(cfg).eval_sources for item in iter_rows(s))
+            rows = (item for s in eval_recipe(cfg).eval_sources for item in iter_rows(s, on_bad=skip_bad(cfg.data)))
             rewards.check_columns(rewards.resolve(cfg.reward), itertools.islice(rows, cfg.eval.num_samples))
     if task == "generate":
         prompts(cfg.eval)
@@ -87,8 +94,6 @@ def prompts(eval_cfg) -> list[list[dict]]:
         if not f.exists():
             raise UserError(f"eval.prompts={spec!r}: file not found (for a single prompt write eval.prompts='[...]')")
         if f.suffix == ".jsonl":
-            from workbench.data.readers import read_jsonl
-
             out = []
             for where, row in read_jsonl(f):
                 p = row.get("messages") or row.get("prompt")
@@ -104,12 +109,9 @@ def _held_out_labels(cfg) -> list[bool]:
     """The labels of the unpaired held-out examples `preference` will read (the first
     eval.num_samples), from the rows alone: preflight knows them before any weights load. A row
     that does not parse is left to the data pipeline, which names it."""
-    from workbench.data.readers import iter_rows
-    from workbench.data.unpaired import unpaired_rows
-
     labels: list[bool] = []
     for source in eval_recipe(cfg).eval_sources:
-        for where, row in iter_rows(source):
+        for where, row in iter_rows(source, on_bad=skip_bad(cfg.data)):
             try:
                 labels += [label for _prompt, _completion, label in unpaired_rows(row, where)]
             except UserError:
@@ -140,9 +142,8 @@ def _held_out(ctx, read) -> list:
 def _beta(ctx) -> float:
     """beta of the implicit rewards beta x (policy - reference): the method's, or DPO's default
     for a method without one (an SFT run's held-out pairs)."""
-    from workbench.methods.dpo import Config
-
-    return float(pick(ctx.cfg, "method.beta", Config.beta) or Config.beta)
+    default = registry.spec("dpo").config.beta
+    return float(pick(ctx.cfg, "method.beta", default) or default)
 
 
 @contextlib.contextmanager
@@ -164,9 +165,6 @@ def loss(ctx) -> dict:
     """Held-out mean token loss and perplexity (SFT)."""
     import torch.nn.functional as F
 
-    from workbench.data.collate import pad_batch
-    from workbench.data.pipeline import tokenise_source
-    from workbench.models.head import SelectiveLM
 
     def examples():
         loss_on = getattr(ctx.cfg.method, "loss_on", "assistant")
@@ -194,8 +192,6 @@ def loss(ctx) -> dict:
 def preference(ctx) -> dict:
     """Held-out reward accuracy and margins (DPO)."""
 
-    from workbench.data.preference import tokenise_preferences
-    from workbench.methods.dpo import collate
 
     if registry.spec(ctx.cfg.method.name).facts.data == "unpaired" and _unpaired_held_out(ctx):
         return _unpaired_preference(ctx)
@@ -215,10 +211,8 @@ def preference(ctx) -> dict:
 
 def _unpaired_held_out(ctx) -> bool:
     """Whether the held-out rows are KTO's unpaired ones (a row of pairs is read as pairs)."""
-    from workbench.data.readers import iter_rows
-
     for s in eval_recipe(ctx.cfg).eval_sources:
-        for _where, row in iter_rows(s, s.columns or None, s.split):
+        for _where, row in iter_rows(s, s.columns or None, s.split, on_bad=skip_bad(ctx.cfg.data)):
             return "chosen" not in row
     return False
 
@@ -228,9 +222,6 @@ def _policy_and_reference(ctx, batches: list[dict], combine, key: str):
     reference, each put together by `combine` (the list of per-batch results): the model with
     its adapter off (peft), else the policy's at the first evaluation, cached under `key`
     (None after it when there was none)."""
-    from workbench.methods.dpo import sequence_logps
-    from workbench.models.head import SelectiveLM
-
     model, device = ctx.model, _device(ctx.model)
     lm = SelectiveLM(model)
 
@@ -252,8 +243,6 @@ def _policy_and_reference(ctx, batches: list[dict], combine, key: str):
 def _unpaired_preference(ctx) -> dict:
     """`preference` on unpaired held-out rows (KTO): see the module docstring."""
 
-    from workbench.data.collate import pad_batch
-    from workbench.data.unpaired import tokenise_unpaired
 
     rows = ctx.cached("preference/unpaired", lambda: _held_out(ctx, lambda s, *a: tokenise_unpaired(s, *a).examples))
     labels = torch.tensor([e.label for e in rows])
@@ -274,9 +263,6 @@ def _unpaired_preference(ctx) -> dict:
 
 def reward(ctx) -> dict:
     """Mean reward of greedy completions of held-out prompts, with the run's reward functions (GRPO)."""
-    from workbench.data.preference import read_prompts
-    from workbench.rollout import rewards
-
     items = ctx.cached("reward/rows", lambda: _held_out(ctx, lambda s, *a: read_prompts(s, *a).rows))
     fns = rewards.resolve(ctx.cfg.reward)
     max_new = int(pick(ctx.cfg, "method.max_new_tokens", None) or ctx.eval_cfg.max_new_tokens)
@@ -302,10 +288,6 @@ def reward(ctx) -> dict:
 
 def reward_accuracy(ctx) -> dict:
     """Held-out pair accuracy of the reward model (method=rm): chosen scored above rejected."""
-    from workbench.data.preference import tokenise_preferences
-    from workbench.methods.rm import pair_rewards
-    from workbench.models import value_head
-
     if not value_head.is_attached(ctx.model):
         raise UserError("eval.tasks: 'reward_accuracy' needs a reward model (method=rm); this model has no scalar head")
     rows = ctx.cached("reward_accuracy/pairs", lambda: _held_out(ctx, lambda s, *a: tokenise_preferences(s, *a).pairs))

@@ -25,11 +25,16 @@ import json
 from pathlib import Path
 
 from workbench.core.errors import UserError
+from workbench.data.preference import messages
+from workbench.data.recipes import RECIPES_DIR
+from workbench.envs.base import check_node
+from workbench.envs.registry import load
+from workbench.rollout import episodes, rewards
+from workbench.rollout.generate import generate_ids
+from workbench.rollout.turns import Turns
 
 
 def _path(node) -> Path:
-    from workbench.data.recipes import RECIPES_DIR
-
     if not node.get("eval_path"):
         raise UserError("eval.tasks: 'env' needs held-out prompt rows: set env.eval_path (a jsonl of "
                         '{"prompt": [...], ...} rows, relative to data_recipes/)')
@@ -39,8 +44,6 @@ def _path(node) -> Path:
 
 def check(cfg) -> None:
     """Preflight: an environment is chosen and its held-out rows exist."""
-    from workbench.envs.base import check_node
-
     if cfg.get("env") is None:
         raise UserError("eval.tasks: 'env' evaluates episodes of an environment; choose one (env=calc)")
     path = _path(check_node(cfg.env))
@@ -49,8 +52,6 @@ def check(cfg) -> None:
 
 
 def rows(node, n: int) -> list[dict]:
-    from workbench.data.preference import messages
-
     out = []
     path = _path(node)
     for i, line in enumerate(path.read_text().splitlines()):
@@ -67,12 +68,6 @@ def rows(node, n: int) -> list[dict]:
 
 
 def run(ctx) -> dict:
-    from workbench.envs.base import check_node
-    from workbench.envs.registry import load
-    from workbench.rollout import episodes, rewards
-    from workbench.rollout.generate import generate_ids
-    from workbench.rollout.turns import Turns
-
     node = check_node(ctx.cfg.env)
     env = load(ctx.cfg.env)
     turns = Turns(ctx.tokenizer, ctx.contract, env.tools, node["tool_format"])

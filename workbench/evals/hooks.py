@@ -26,7 +26,8 @@ A registry, like the reward functions (workbench/rollout/rewards.py). A task is 
   interval, `eval/<task>/accuracy_ci95: [lo, hi]`: workbench/evals/stats.py). A hook that raises
   stops the run with one line naming the hook and the step; the runner keeps the step's checkpoint first.
 
-Every name is checked by preflight (`check_tasks`) before any weights load.
+Every name is checked by preflight (`check_tasks`) before any weights load; `metrics` says which
+`<task>/<metric>` names the tasks report, for preflight to check train.keep_best against.
 """
 
 from __future__ import annotations
@@ -40,14 +41,36 @@ from pathlib import Path
 from typing import Any
 
 from workbench.core.errors import UserError
+from workbench.core.imports import user_function
 from workbench.core.limits import UserCodeTimeout, call_with_limit
 from workbench.data import arith
+from workbench.data.preference import pairs_from_rows
 from workbench.data.recipes import RECIPES_DIR
+from workbench.evals import builtin, episodes, lm_eval_task
+from workbench.methods.logps import preference_accuracy
+from workbench.methods.rm import pair_rewards
+from workbench.rollout import episodes as episode_rollouts
 from workbench.rollout.generate import generate
 
 ARITH = ("arith_add2", "arith_add3", "arith_mul1", "arith_pref", "arith_rm",
          "arith_add2_val", "arith_add3_val", "arith_mul1_val", "arith_pref_val")
 TASKS = ARITH + ("loss", "preference", "reward", "reward_accuracy", "generate", "env")
+
+# What each task reports (`eval/<task>/<metric>`; run() adds `seconds` to every task). A task may
+# leave one out (`preference` without a reference reports no `accuracy`), never add another;
+# `reward` adds one metric per reward function, and `env` the episode summary.
+METRICS = {
+    "loss": ("loss", "perplexity", "tokens", "n"),
+    # paired rows; KTO's unpaired ones report desirable_reward / undesirable_reward instead
+    "preference": ("accuracy", "margin", "chosen_reward", "rejected_reward", "desirable_reward",
+                   "undesirable_reward", "logp_accuracy", "n"),
+    "reward": ("mean", "n"),
+    "reward_accuracy": ("accuracy", "margin", "chosen_reward", "rejected_reward", "n"),
+    "generate": ("n", "mean_tokens"),
+    "env": ("accuracy", "reward", "n"),
+    "arith_rm": ("accuracy", "margin", "n"),
+    **{t: ("accuracy", "n") for t in ARITH if t != "arith_rm"},
+}
 
 
 class EvalHookError(UserError):
@@ -90,7 +113,6 @@ class EvalContext:
 
 def lookup(task: str) -> Callable:
     """The function behind a task name; UserError naming the choices when there is none."""
-    from workbench.evals import builtin, lm_eval_task
 
     if task in builtin.TASKS:
         return builtin.TASKS[task]
@@ -99,13 +121,11 @@ def lookup(task: str) -> Callable:
     if task in ARITH:
         return lambda ctx: _arith(ctx, task)
     if task == "env":  # greedy episodes with the run's environment (workbench/evals/episodes.py)
-        from workbench.evals import episodes
 
         return episodes.run
     if ":" not in task:
         raise UserError(f"eval.tasks: unknown task {task!r}; built-ins are {list(TASKS)}, or name your own "
                         "hook as 'package.module:function'")
-    from workbench.core.imports import user_function
 
     return user_function(task, "eval.tasks")
 
@@ -119,7 +139,6 @@ def eval_rows(task: str, n: int) -> list[dict]:
 
 def check_tasks(tasks, cfg=None) -> None:
     """Preflight: every task exists (user hooks import) and, given the run config, fits the run."""
-    from workbench.evals import builtin, lm_eval_task
 
     for t in tasks:
         if lm_eval_task.is_lm_eval(t):
@@ -129,9 +148,35 @@ def check_tasks(tasks, cfg=None) -> None:
         if cfg is not None and t in builtin.TASKS:
             builtin.check(t, cfg)
         if cfg is not None and t == "env":
-            from workbench.evals import episodes
 
             episodes.check(cfg)
+
+
+def key_name(task: str) -> str:
+    """The `<task>` of the metric keys a task reports: lm_eval:<anything> -> lm_eval, a hook
+    package.module:function -> function, a built-in -> itself."""
+    if task.startswith("lm_eval:"):
+        return "lm_eval"
+    return task.rsplit(":", 1)[-1] if ":" in task else task
+
+
+def metrics(tasks, cfg=None) -> dict[str, tuple[str, ...] | None]:
+    """The metric names each task reports, by its key name (`key_name`): {"loss": ("loss", ...)}.
+    None for a task whose metrics are known only when it runs (your own hook, lm_eval)."""
+    out: dict[str, tuple[str, ...] | None] = {}
+    for task in tasks:
+        known = METRICS.get(task)
+        if known is None:
+            out[key_name(task)] = None
+            continue
+        if task == "reward":  # one mean per reward function, by its name (rewards.score)
+            spec = cfg.get("reward") if cfg is not None else None
+            fns = spec.get("functions") if hasattr(spec, "get") else spec
+            known += tuple(str(f if isinstance(f, str) else f.get("name")) for f in fns or ())
+        if task == "env":
+            known += tuple(k.split("/", 1)[1] for k in episode_rollouts.summary([]))
+        out[key_name(task)] = (*known, "seconds")
+    return out
 
 
 def exact_match(model, tokenizer, contract, task: str, cfg_eval, autocast=None) -> dict:
@@ -154,14 +199,10 @@ def exact_match(model, tokenizer, contract, task: str, cfg_eval, autocast=None) 
 
 def _arith(ctx: EvalContext, task: str) -> dict:
     if task in ("arith_pref", "arith_pref_val"):
-        from workbench.methods.dpo import preference_accuracy
-
         rows = eval_rows(task, ctx.eval_cfg.num_samples)
         return {"accuracy": preference_accuracy(ctx.model, ctx.tokenizer, ctx.contract, rows, autocast=ctx.autocast),
                 "n": len(rows)}
     if task == "arith_rm":
-        from workbench.data.preference import pairs_from_rows
-        from workbench.methods.rm import pair_rewards
 
         pairs = pairs_from_rows(eval_rows("arith_pref", ctx.eval_cfg.num_samples), ctx.tokenizer, ctx.contract)
         r = pair_rewards(ctx.model, pairs, ctx.tokenizer.pad_token_id, ctx.eval_cfg.batch_size, autocast=ctx.autocast)
@@ -194,7 +235,7 @@ def run(model, tokenizer, contract, cfg_eval, autocast=None, *, cfg=None, step: 
         if not isinstance(res, dict):
             raise EvalHookError(f"eval hook {task!r} returned {type(res).__name__} at step {step}; "
                                 "expected a dict of {metric: number}")
-        name = "lm_eval" if task.startswith("lm_eval:") else task.rsplit(":", 1)[-1] if ":" in task else task
+        name = key_name(task)
         for key, value in res.items():
             if key == "_samples":
                 out["samples"][name] = value

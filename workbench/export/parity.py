@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from workbench.data.chat import prompt_ids
+from workbench.rollout.generate import generate
+
 # What an export step rounds the weights to decides its tolerance: (max mean KL in nats per
 # position, greedy completions must be equal). Measured on SmolLM2-135M against its fp32
 # weights, 20 held-out arithmetic prompts:
@@ -58,8 +61,6 @@ def compare(reference, candidate, tokenizer, conversations: list, eot_id: int, k
     a serving engine (generation_config.json, GGUF metadata), which must be `eot_id`."""
     import contextlib
 
-    from workbench.data.chat import prompt_ids
-    from workbench.rollout.generate import generate
 
     kl_means, kl_max, max_abs, agree, n_pos = [], 0.0, 0.0, 0, 0
     for conv in conversations:

@@ -13,8 +13,15 @@ from pathlib import Path
 
 import torch
 
+from workbench.data.chat import prompt_ids, setup_tokenizer
+from workbench.data.preference import Pair, preference_row, tokenise_completion
+from workbench.evals.hooks import eval_rows
+from workbench.export import hub
 from workbench.export.card import model_card
 from workbench.export.merge import dtype_name, fp32_copy, merged_model
+from workbench.export.parity import rounding
+from workbench.methods.rm import collate, pair_rewards
+from workbench.models import value_head
 from workbench.peft.lora import base_model
 
 # The reward model's gate: max |score difference| allowed, relative to max(1, largest |score|),
@@ -31,8 +38,6 @@ def export_reward_model(trained, tokenizer, run, out_dir: Path, results: dict) -
     """export/merged/ as a one-label sequence classifier, gated on held-out pair scores."""
     from transformers import AutoModelForSequenceClassification
 
-    from workbench.export.parity import rounding
-    from workbench.models import value_head
 
     cfg, dtype = run.cfg, run.export_dtype
     result: dict = {"parity": {}, "failed": []}
@@ -57,8 +62,6 @@ def export_reward_model(trained, tokenizer, run, out_dir: Path, results: dict) -
         (merged_dir / "README.md").write_text(model_card(run, results, result))
     result["failed"] = [k for k, r in result["parity"].items() if not r["passed"]]
     if cfg.export.push_to_hub and not result["failed"]:
-        from workbench.export import hub
-
         result["hub"] = hub.push(merged_dir, cfg.export.push_to_hub, [], private=cfg.export.private)
     trained.train()
     return result
@@ -66,10 +69,6 @@ def export_reward_model(trained, tokenizer, run, out_dir: Path, results: dict) -
 
 def _parity_pairs(tokenizer, cfg) -> list:
     """Held-out preference pairs (the shipped arithmetic ones, never trained on) for the RM gate."""
-    from workbench.data.chat import prompt_ids, setup_tokenizer
-    from workbench.data.preference import Pair, preference_row, tokenise_completion
-    from workbench.evals.hooks import eval_rows
-
     contract = setup_tokenizer(tokenizer)
     pairs = []
     for i, row in enumerate(eval_rows("arith_pref", cfg.export.parity_prompts)):
@@ -84,8 +83,6 @@ def _parity_pairs(tokenizer, cfg) -> list:
 def compare_scores(trained, classifier, pairs: list, pad_id: int, kind: str) -> dict:
     """Scores of the trained model (scalar head, as in training) against the exported classifier
     read back by transformers, on the same right-padded batch."""
-    from workbench.methods.rm import collate, pair_rewards
-
     ours = pair_rewards(trained, pairs, pad_id, share_prompt=False)  # the same rows the classifier reads
     micro = collate(pairs, pad_id)
     classifier.eval()

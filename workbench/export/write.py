@@ -21,8 +21,13 @@ from pathlib import Path
 
 import torch
 
+from workbench.core.imports import hidden
+from workbench.evals.hooks import eval_rows
+from workbench.export import hub
 from workbench.export.card import model_card
+from workbench.export.gguf import write
 from workbench.export.merge import dtype_name, fp32_copy, merged_model
+from workbench.export.parity import compare, rounding
 from workbench.export.reward_model import export_reward_model
 from workbench.models.load import gguf_metadata
 
@@ -40,9 +45,7 @@ def _save_tokenizer(tokenizer, contract, path: Path) -> None:
 
 
 def export(trained, tokenizer, contract, run, out_dir: Path, results: dict | None = None) -> dict:
-    """`run`: the resolved run (workbench/config/resolved.py) the model was trained under."""
-    from workbench.core.imports import hidden
-
+    """`run`: the resolved run (workbench/run/resolved.py) the model was trained under."""
     with hidden("deepspeed"):  # save_pretrained would import it just to probe (workbench/core/imports.py)
         return _export(trained, tokenizer, contract, run, out_dir, results or {})
 
@@ -50,15 +53,12 @@ def export(trained, tokenizer, contract, run, out_dir: Path, results: dict | Non
 def _parity_prompts(cfg) -> list:
     """Held-out prompts for the parity gate: the run's eval prompts (the shipped held-out
     arithmetic questions by default); never training rows."""
-    from workbench.evals.hooks import eval_rows
-
     return [r["prompt"] for r in eval_rows("arith_add2", cfg.export.parity_prompts)]
 
 
 def _export(trained, tokenizer, contract, run, out_dir: Path, results: dict) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from workbench.export.parity import compare, rounding
 
     cfg = run.cfg
     if run.facts.scalar_head:
@@ -103,7 +103,6 @@ def _export(trained, tokenizer, contract, run, out_dir: Path, results: dict) -> 
         (merged_dir / "README.md").write_text(model_card(run, results, result))
     result["failed"] = [k for k, r in result["parity"].items() if not r["passed"]]
     if cfg.export.push_to_hub and not result["failed"]:  # a failed gate is never published
-        from workbench.export import hub
 
         result["hub"] = hub.push(merged_dir, cfg.export.push_to_hub, [Path(p) for p in result.get("gguf", [])],
                                  private=cfg.export.private)
@@ -116,8 +115,6 @@ def _gguf(merged_dir, out_dir, kind, merged, tokenizer, contract, convs, cfg, me
     from gguf import GGUFReader
     from transformers import AutoModelForCausalLM
 
-    from workbench.export.gguf import write
-    from workbench.export.parity import compare, rounding
 
     path = write(merged_dir, out_dir / "gguf" / f"model-{kind}.gguf", kind, eos_id=contract.end_of_turn_id,
                  pre=gguf_metadata(cfg.model).get("tokenizer.ggml.pre"))

@@ -8,16 +8,17 @@ proceed in this process.
 
 from __future__ import annotations
 
+from workbench.backends import registry as backends
+from workbench.core.errors import UserError
+from workbench.train.distributed import requested_procs, under_distributed_launcher
+
 LAUNCHERS = ("slurm", "ray", "modal", "runpod")  # besides local; each module has `launch(cfg) -> dict`
-# Backends that only run inside a launched process: DeepSpeed's engine refuses to start without
-# LOCAL_RANK, which torchrun sets, so on one process it is started through torchrun too.
-NEED_LAUNCHER = ("deepspeed",)
 
 
 def torchrun_reason(cfg) -> str | None:
-    """Why `launcher=local` starts this run under torchrun, or None when it runs in this process."""
-    from workbench.train.distributed import requested_procs, under_distributed_launcher
-
+    """Why `launcher=local` starts this run under torchrun, or None when it runs in this process.
+    A backend that only runs inside a launched process (its facts: DeepSpeed's engine refuses to
+    start without LOCAL_RANK, which torchrun sets) is started through torchrun on one process too."""
     name = cfg.launcher.name if cfg.get("launcher") is not None else "local"
     backend = cfg.backend.name if cfg.get("backend") is not None else "single"
     if name != "local" or under_distributed_launcher():
@@ -25,7 +26,7 @@ def torchrun_reason(cfg) -> str | None:
     procs = requested_procs(cfg.hardware)
     if procs > 1:
         return f"{procs} processes"
-    if backend in NEED_LAUNCHER:
+    if backends.spec(backend).facts.needs_launcher:
         return f"backend={backend} runs only in a launched process, so its one process is started by torchrun"
     return None
 
@@ -34,11 +35,11 @@ def dispatch(cfg):
     name = cfg.launcher.name if cfg.launcher is not None else "local"
     if name != "local":
         if name not in LAUNCHERS:
-            from workbench.core.errors import UserError
-
             raise UserError(f"launcher={name!r} is not one of {['local', *sorted(LAUNCHERS)]}")
         return _module(name).launch(cfg)
     if torchrun_reason(cfg) is not None:
+        # each launcher module is imported when chosen: torchrun's imports the resolved run, the
+        # others reach their optional engines (submitit, ray, modal, runpod)
         from workbench.launch import torchrun
 
         return torchrun.launch(cfg)
@@ -48,11 +49,11 @@ def dispatch(cfg):
 def _module(name: str):
     """The launcher's module, imported only when chosen (its engine is an optional extra)."""
     if name == "slurm":
-        from workbench.launch import slurm as module
+        from workbench.launch import slurm as module  # submitit
     elif name == "ray":
-        from workbench.launch import ray_train as module
+        from workbench.launch import ray_train as module  # ray
     elif name == "modal":
-        from workbench.launch import modal_app as module
+        from workbench.launch import modal_app as module  # modal
     else:
-        from workbench.launch import runpod_pod as module
+        from workbench.launch import runpod_pod as module  # runpod
     return module

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from workbench.core.errors import UserError, missing_package
 from workbench.launch import remote
+from workbench.run.runner import Runner
+from workbench.run.validate import validate
 from workbench.train.distributed import requested_procs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,8 +68,6 @@ def worker(loop_cfg: dict) -> None:
     import ray.train
     from omegaconf import OmegaConf
 
-    from workbench.config.validate import validate
-    from workbench.train.runner import Runner
 
     os.environ.update(loop_cfg["env"])
     ctx = ray.train.get_context()
@@ -77,7 +77,7 @@ def worker(loop_cfg: dict) -> None:
     if attempt > 0:
         config["debug"] = {**config["debug"], "crash_at_step": -1}
     cfg = validate(OmegaConf.create(config))
-    results = Runner(cfg).run()
+    results = Runner(cfg).train()
     losses = results.get("losses") or []
     ray.train.report({"attempt": attempt, "final_loss": losses[-1] if losses else None,
                       "resumed_from": results.get("resumed_from") or ""})

@@ -23,6 +23,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from workbench.core.secrets import redact, redact_overrides, secret_values
+from workbench.run.validate import _merge
 from workbench.telemetry import manifest
 
 CONFIG_NAME = "job_config"
@@ -97,7 +98,5 @@ def read_results(run_dir: str | Path) -> dict:
 
 def launcher_config(schema, cfg: DictConfig):
     """`cfg.launcher` checked against a launcher module's `Config` dataclass (UserError names the field)."""
-    from workbench.config.validate import _merge
-
     node = OmegaConf.to_container(cfg.launcher, resolve=True) if cfg.launcher is not None else {}
     return _merge(schema, OmegaConf.create(node), "launcher")

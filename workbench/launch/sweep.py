@@ -13,6 +13,10 @@ callback registered in conf/train.yaml) writes into the sweep dir:
 
 Each job also leaves `sweep_job.json` in its Hydra job dir (where its results live, its status),
 so the summary finds jobs that wrote their run dir elsewhere or ran on another machine.
+
+A job that fails does not end the sweep: the CLI (workbench/cli.py) writes its one error line
+to `error.json` in the job dir (`record_error`) and returns; the job is FAILED in the summary,
+its error beside it, and the command exits 2 after the summary.
 """
 
 from __future__ import annotations
@@ -26,10 +30,35 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from workbench.core.secrets import redact, redact_overrides, secret_values
 from workbench.telemetry import compare, plots
 
 log = logging.getLogger(__name__)
 JOB_FILE = "sweep_job.json"
+ERROR_FILE = "error.json"  # a failed job's error line, beside JOB_FILE
+
+
+def record_error(job_dir, line: str) -> None:
+    """A failed job's error, one line (scrubbed by the caller), where on_job_end and the summary read it."""
+    job_dir = Path(job_dir)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    (job_dir / ERROR_FILE).write_text(json.dumps({"error": " ".join(line.split())}))
+
+
+def recorded_error(job_dir) -> str | None:
+    path = Path(job_dir) / ERROR_FILE
+    try:
+        return json.loads(path.read_text()).get("error") if path.is_file() else None
+    except (OSError, ValueError):
+        return "the job failed (its error.json is unreadable)"
+
+
+def _one_line(value) -> str | None:
+    """A failed job's return value (the exception Hydra caught) as one line."""
+    if value is None:
+        return None
+    text = f"{type(value).__name__}: {value}" if isinstance(value, BaseException) else str(value)
+    return " ".join(text.split())[:500]
 
 
 # -- reading jobs -------------------------------------------------------------------------------
@@ -47,8 +76,10 @@ def _load_job(jdir: Path) -> dict | None:
         num = int(jdir.name)
     except ValueError:
         num = jdir.name
+    error = info.get("error") or recorded_error(jdir)
+    status = "FAILED" if error else info.get("status", "COMPLETED" if run.results else "NO_RESULTS")
     return {"num": num, "dir": str(run.dir), "overrides": [str(o) for o in overrides], "run": run,
-            "status": info.get("status", "COMPLETED" if run.results else "NO_RESULTS"), "error": info.get("error")}
+            "status": status, "error": error}
 
 
 def collect(sweep_dir: Path) -> list[dict]:
@@ -93,20 +124,26 @@ def summarize(sweep_dir: Path, metric: str = "auto", mode: str = "auto", plot: b
     for j, m in zip(jobs, measured, strict=True):
         rows.append([j["num"], *(_value(j, k) for k in swept), m.get("steps"), *(m.get(k) for k in mkeys),
                      j["status"], "*" if j["num"] == best else ""])
+    failed = [j for j in jobs if j["error"]]
 
     with (sweep_dir / "sweep_summary.csv").open("w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(header)
-        w.writerows(rows)
+        # an `error` column only when a job failed, so a clean sweep's table is as before
+        w.writerow(header + (["error"] if failed else []))
+        w.writerows(r + ([j["error"] or ""] if failed else []) for r, j in zip(rows, jobs, strict=True))
     title = f"best by {metric} ({'higher' if mode == 'max' else 'lower'} is better): job {best}" if best is not None \
         else "no job reported a metric to rank by"
-    md = [f"# Sweep summary: {sweep_dir}", "", f"{len(jobs)} jobs; {title}.", ""]
+    count = f"{len(jobs)} jobs" + (f", {len(failed)} failed" if failed else "")
+    md = [f"# Sweep summary: {sweep_dir}", "", f"{count}; {title}.", ""]
     md += compare.markdown(header, [[compare.fmt(c) for c in r[:-1]] + ["**best**" if r[-1] else ""] for r in rows])
+    if failed:
+        md += ["", "Failed jobs:", ""] + [f"- job {j['num']} ({' '.join(f'{k}={_value(j, k)}' for k in swept)}): {j['error']}"
+                                         for j in failed]
     md += ["", "Run dirs:", ""] + [f"- job {j['num']}: `{j['dir']}`" for j in jobs]
     (sweep_dir / "sweep_summary.md").write_text("\n".join(md) + "\n")
 
     written = {"markdown": str(sweep_dir / "sweep_summary.md"), "csv": str(sweep_dir / "sweep_summary.csv"),
-               "best_job": best, "metric": metric, "mode": mode}
+               "best_job": best, "metric": metric, "mode": mode, "failed": [j["num"] for j in failed]}
     if plot and any(j["run"].rows for j in jobs):
         panels = [(f"#{j['num']}{' (best)' if j['num'] == best else ''}\n"
                    + (", ".join(f"{k}={_value(j, k)}" for k in swept) or "(no overrides)"),
@@ -124,7 +161,6 @@ class SweepSummary(Callback):
     def on_job_end(self, config: DictConfig, job_return, **kwargs: Any) -> None:
         from hydra.types import RunMode
 
-        from workbench.core.secrets import redact, redact_overrides, secret_values
 
         hc = config.hydra
         if hc.mode != RunMode.MULTIRUN:
@@ -135,9 +171,11 @@ class SweepSummary(Callback):
         except Exception:  # an unresolvable output_dir: the job failed before using it
             out = str(jdir)
         status = getattr(job_return.status, "name", str(job_return.status))
-        error = None
-        if status != "COMPLETED":
-            error = repr(getattr(job_return, "_return_value", None))
+        error = recorded_error(jdir)  # the CLI caught the job's error and returned (record_error)
+        if error:
+            status = "FAILED"
+        elif status != "COMPLETED":  # an exception Hydra caught
+            error = _one_line(getattr(job_return, "_return_value", None))
         info = {"output_dir": out, "overrides": list(hc.overrides.task), "status": status, "error": error}
         try:
             info["return_value"] = job_return.return_value if status == "COMPLETED" else None

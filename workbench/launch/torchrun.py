@@ -21,7 +21,10 @@ import socket
 import sys
 from pathlib import Path
 
+from workbench.config.files import CONF_DIR
+from workbench.run.resolved import resolve
 from workbench.train.distributed import LAUNCHED_BY, requested_procs
+from workbench.train.watchdog import RankFailure
 
 
 def _free_port() -> int:
@@ -43,7 +46,6 @@ def worker_args(cfg) -> list[str]:
         main = [s for s in hc.runtime.config_sources if s.provider == "main"]
         if main and main[0].schema == "file":
             path = Path(main[0].path).resolve()
-            from workbench.config.files import CONF_DIR
 
             if path != CONF_DIR.resolve() or hc.job.config_name != "train":
                 primary = ["--config-path", str(path), "--config-name", hc.job.config_name]
@@ -72,7 +74,6 @@ def launch(cfg) -> dict | None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from workbench.config.resolved import resolve
 
     resolve(cfg)  # the rule table (e.g. deepspeed missing) speaks before any worker starts
     # Presets of the hardware profile (NCCL transport settings and the like) reach every worker;
@@ -116,8 +117,6 @@ def _failure(stalls: Path):
     """What the workers' watchdog found (workbench/train/watchdog.py), as one line; else the last
     line of the first rank's traceback that a worker left (cli.py), naming its file. A rank's own
     failure comes first: the peers that then find it gone record that as a stall too."""
-    from workbench.train.watchdog import RankFailure
-
     for name in ("failure.json", "stall.json"):
         if (stalls / name).exists():
             try:

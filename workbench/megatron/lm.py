@@ -26,6 +26,9 @@ import torch
 from torch import nn
 
 from workbench.megatron import lora
+from workbench.megatron.attention import attention_mask as build_mask
+from workbench.megatron.cpu_shim import cpu_device
+from workbench.megatron.vocab import VocabShard
 
 
 class MegatronLM(nn.Module):
@@ -50,8 +53,6 @@ def head_output(logits, select, vocab: int, head: str):
     if head == "scalar":
         return logits
     if head == "shard":
-        from workbench.megatron.vocab import VocabShard
-
         return VocabShard(logits, vocab)
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -84,9 +85,6 @@ def rope_positions(model: nn.Module, position_ids: torch.Tensor | None):
 
 def stage_forward(model, input_ids, attention_mask, position_ids):
     """One PP stage's output: hidden states [s,b,h], or logits [b,s,V/tp] on the last stage."""
-    from workbench.megatron.attention import attention_mask as build_mask
-    from workbench.megatron.cpu_shim import cpu_device
-
     b, s = input_ids.shape
     arange = torch.arange(s, device=input_ids.device).expand(b, s)
     own = position_ids is not None and not torch.equal(position_ids, arange)

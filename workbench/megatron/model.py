@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from workbench.core.errors import UserError, missing_package
+from workbench.megatron.attention import sdp_attention
+from workbench.megatron.cpu_shim import cpu_device, patch_cpu_autocast, patch_missing_te
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mixtral")
 
@@ -146,7 +148,6 @@ def transformer_config(hf_config, par: Parallel, dtype: torch.dtype, compute_dty
 def layer_spec(hf_config, config):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from workbench.megatron.attention import sdp_attention
 
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
@@ -163,7 +164,6 @@ def build_gpt(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, scal
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from workbench.megatron.cpu_shim import cpu_device, patch_cpu_autocast, patch_missing_te
 
     patch_missing_te()
     patch_cpu_autocast()

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from workbench.core.errors import UserError
 from workbench.data.pair_tree import tree_batch
 from workbench.methods.base import Method
-from workbench.methods.dpo import pair_logps
+from workbench.methods.logps import pair_logps
 from workbench.methods.pairs import PairStream, preference_metrics
 from workbench.methods.spec import MethodFacts, MethodSpec
 from workbench.train.batch import StepBatch
@@ -69,7 +69,7 @@ class Config:
 
 
 def check(cfg) -> None:
-    """Validate the options before any weights load."""
+    """The options (SPEC.check, run when the run resolves, before any weights load)."""
     if cfg.loss_type not in LOSSES:
         raise UserError(f"method.loss_type={cfg.loss_type!r} is not one of {list(LOSSES)}")
     if cfg.beta <= 0:
@@ -101,7 +101,6 @@ class CPO(Method):
     name = "cpo"
 
     def __init__(self, cfg, ctx):
-        check(cfg)
         self.cfg = cfg
         self.ctx = ctx
         self.stream = PairStream(ctx)
@@ -145,5 +144,5 @@ def build(cfg, ctx) -> CPO:
     return CPO(cfg, ctx)
 
 
-SPEC = MethodSpec(name="cpo", config=Config, build=build,
+SPEC = MethodSpec(name="cpo", config=Config, build=build, check=check,
                   facts=MethodFacts(data="preference", sequences=2, eval="preference"))

@@ -49,6 +49,9 @@ from pathlib import Path
 
 import torch
 
+from workbench.config.files import CONF_DIR, load_group_file
+from workbench.config.rule import Rule
+from workbench.config.schema import ModelConfig, pick
 from workbench.core.errors import UserError
 from workbench.data.chat import IGNORE
 from workbench.data.collate import pad_batch
@@ -58,7 +61,11 @@ from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
 from workbench.methods.base import Method
 from workbench.methods.spec import MethodFacts, MethodSpec
+from workbench.models import load
+from workbench.models.auto import adopt
+from workbench.models.head import SelectiveLM
 from workbench.rollout.generate import generate_ids
+from workbench.train import precision
 from workbench.train.batch import StepBatch
 
 
@@ -74,8 +81,8 @@ class Config:
 
 
 def check(cfg) -> None:
-    """Validate the options (before any data or weights are read). A missing teacher and packed
-    rows are rules (workbench/config/rules.py: distill-needs-teacher, distill-packing)."""
+    """The options (SPEC.check, run when the run resolves, before any data or weights are read).
+    A missing teacher and packed rows are the rules distill-needs-teacher and distill-packing below."""
     for field, value in (("beta", cfg.beta), ("lmbda", cfg.lmbda)):
         if not 0.0 <= value <= 1.0:
             raise UserError(f"method.{field} must be in [0, 1] (got {value})")
@@ -90,9 +97,6 @@ def teacher_config(spec: str, student):
     """The teacher as a model config (workbench/config/schema.py ModelConfig), read from files only."""
     from omegaconf import OmegaConf
 
-    from workbench.config.files import CONF_DIR, load_group_file
-    from workbench.config.schema import ModelConfig
-    from workbench.models.auto import adopt
 
     where = f"method.teacher={spec!r}"
     local = Path(spec).expanduser()
@@ -129,10 +133,8 @@ def _label(model_cfg, spec: str | None = None) -> str:
 def check_teacher(spec: str, teacher_cfg, student_cfg, student_tok) -> None:
     """UserError unless the teacher's tokenizer and logit width are the student's. Reads
     tokenizer files and config.json only: it runs before any weights load."""
-    from workbench.models.load import load_tokenizer
-
     try:
-        tok = load_tokenizer(teacher_cfg)
+        tok = load.load_tokenizer(teacher_cfg)
     except UserError as exc:
         raise UserError(f"method.teacher={spec!r}: {exc}") from None
     mine, theirs = student_tok.get_vocab(), tok.get_vocab()
@@ -194,7 +196,6 @@ class Distill(Method):
     def __init__(self, cfg, ctx):
         self.cfg = cfg
         self.ctx = ctx
-        check(cfg)
         self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
         self.teacher_cfg = None
         self.teacher = None
@@ -224,15 +225,11 @@ class Distill(Method):
     # -- teacher -------------------------------------------------------------------------
     def attach(self, backend) -> None:
         """Load the teacher once, frozen, in eval mode, on the run's device."""
-        from workbench.models.head import SelectiveLM
-        from workbench.models.load import load_model
-        from workbench.train import precision
-
         run = self.ctx.run
         try:
             # a random (catalog tiny) teacher seeds its init: the run's RNG must not move
             with torch.random.fork_rng(devices=[]):
-                model = load_model(self.teacher_cfg, dtype=run.precision.load_dtype, device=run.device)
+                model = load.load_model(self.teacher_cfg, dtype=run.precision.load_dtype, device=run.device)
         except OSError as exc:
             raise UserError(f"method.teacher={self.cfg.teacher!r}: cannot load its weights "
                             f"({str(exc).splitlines()[0][:200]})") from None
@@ -254,8 +251,6 @@ class Distill(Method):
     def _student_rows(self, backend, examples: list) -> tuple[list, list[int], list]:
         """(prompt + sampled completion, labels on the completion) for each example, the
         completions' lengths and the generation's forward passes (workbench.train.batch.Forward)."""
-        from workbench.train import precision
-
         c, tok, eot = self.cfg, self.ctx.tokenizer, self.ctx.contract.end_of_turn_id
         prompts = [ids[:prompt_length(labels)] for ids, labels in examples]
         passes = []  # the rollout's forward passes, for the FLOP count
@@ -313,5 +308,16 @@ def build(cfg, ctx) -> Distill:
     return Distill(cfg, ctx)
 
 
-SPEC = MethodSpec(name="distill", config=Config, build=build,
+RULES = (
+    Rule("distill-needs-teacher", {"method": "distill"},
+         lambda c, e: not pick(c, "method.teacher", None),
+         "method=distill needs method.teacher: set it to a model dir, run dir, conf/model name or hub id "
+         "(with model='s tokenizer)"),
+    Rule("distill-packing", {"method": "distill", "data": "packing"},
+         lambda c, e: bool(pick(c, "data.packing", False)),
+         "method=distill compares the teacher's and the student's next-token distributions row by row: set "
+         "data.packing=false"),
+)
+
+SPEC = MethodSpec(name="distill", config=Config, build=build, check=check, rules=RULES,
                   facts=MethodFacts(data="sft", teacher=True, generates=True))  # on-policy on a share (lmbda) of steps

@@ -16,7 +16,7 @@ by the global number of pairs (StepBatch.denom).
 Layout: with `share_prompt` (the default) a pair is one row, the prompt once and the chosen and
 rejected completions as two branches that cannot see each other (workbench/data/pair_tree.py):
 the decoder reads each prompt once and rows are no longer padded to the longest of 2N. The
-log-probs are those of two rows per pair (`collate`, `sequence_logps`) up to rounding. Models
+log-probs (workbench/methods/logps.py) are those of two rows per pair up to rounding. Models
 that cannot take that layout (no split head, an attention kernel without 4-D masks, a short
 sliding window: pair_tree.tree_unsupported) keep two rows per pair, with a note on stderr.
 
@@ -31,7 +31,6 @@ log-ratios), rewards/margins, rewards/accuracies, logps/chosen, logps/rejected, 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
@@ -39,19 +38,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workbench.core import cache
 from workbench.core.errors import UserError
-from workbench.data.collate import pad_batch
 from workbench.data.mixing import rank_share
 from workbench.data.overfit import Overfit
-from workbench.data.pair_tree import takes_pairs, tree_batch, tree_fits
+from workbench.data.pair_tree import tree_batch, tree_fits
 from workbench.data.preference import pairs_report, read_pairs
 from workbench.methods.base import Method
-from workbench.methods.reference import Reference
+from workbench.methods.logps import collate, pair_logps
+from workbench.methods.reference import REFERENCES, Reference
 from workbench.methods.spec import MethodFacts, MethodSpec
+from workbench.train import precision
 from workbench.train.batch import StepBatch
 
 LOSSES = ("sigmoid", "ipo", "hinge")
-REFERENCES = ("auto", "adapter", "copy", "precomputed")
 
 
 @dataclass
@@ -73,7 +73,8 @@ class Config:
 
 
 def check(cfg) -> None:
-    """Validate the options (method.reference=adapter without adapters is rule dpo-adapter-ref-needs-peft)."""
+    """The options (SPEC.check, run when the run resolves, before any weights load); method.reference=adapter
+    without adapters is the rule dpo-adapter-ref-needs-peft (workbench/run/rules.py)."""
     if cfg.loss_type not in LOSSES:
         raise UserError(f"method.loss_type={cfg.loss_type!r} is not one of {list(LOSSES)}")
     if cfg.reference not in REFERENCES:
@@ -86,34 +87,6 @@ def check(cfg) -> None:
         raise UserError(f"method.rpo_alpha must be >= 0 (got {cfg.rpo_alpha})")
     if cfg.label_smoothing and cfg.loss_type != "sigmoid":
         raise UserError("method.label_smoothing applies to loss_type=sigmoid only")
-
-
-def sequence_logps(model, micro: dict) -> torch.Tensor:
-    """Summed log-prob of each row's selected target tokens, shape (rows,)."""
-    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], select=micro["select"])
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
-    rows = micro["select"].nonzero()[:, 0]
-    return torch.zeros(micro["input_ids"].shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
-
-
-def tree_token_logps(model, micro: dict) -> torch.Tensor:
-    """Log-prob of each target of a pair_tree.tree_batch micro-batch (its row: micro["logp_rows"])."""
-    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                   position_ids=micro["position_ids"], select=micro["select"])
-    # The last shared position's row is read twice (first chosen and first rejected token).
-    return torch.log_softmax(logits.float(), dim=-1)[micro["head_slot"], micro["targets"]]
-
-
-def tree_logps(model, micro: dict) -> torch.Tensor:
-    """sequence_logps of a pair_tree.tree_batch micro-batch: shape (2N,), chosen then rejected."""
-    logp = tree_token_logps(model, micro)
-    return torch.zeros(micro["n_tokens"].shape[0], dtype=logp.dtype, device=logp.device).index_add(
-        0, micro["logp_rows"], logp)
-
-
-def pair_logps(model, micro: dict) -> torch.Tensor:
-    """Per-row log-probs (2N,) of either layout: tree rows (tree_batch) or two rows per pair (collate)."""
-    return tree_logps(model, micro) if "head_slot" in micro else sequence_logps(model, micro)
 
 
 def dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg, n_c=None, n_r=None) -> torch.Tensor:
@@ -129,13 +102,6 @@ def dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg, n_c=None, n_r=None) -> torch.Tensor:
     return -(1 - e) * F.logsigmoid(cfg.beta * d) - e * F.logsigmoid(-cfg.beta * d)
 
 
-def collate(pairs: list, pad_id: int) -> dict:
-    """One micro-batch: rows [chosen_0..chosen_n-1, rejected_0..rejected_n-1]."""
-    micro = pad_batch([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id)
-    micro["n_tokens"] = micro["select"].sum(dim=1)
-    return micro
-
-
 class DPO(Method):
     name = "dpo"
 
@@ -143,8 +109,7 @@ class DPO(Method):
         self.cfg = cfg
         self.ctx = ctx
         self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
-        check(cfg)
-        self.reference = ctx.run.reference  # workbench/config/resolved.py
+        self.reference = ctx.run.reference  # workbench/run/resolved.py
         self.ref: Reference | None = None  # adapter / copy (workbench/methods/reference.py)
         self.ref_logps: list[torch.Tensor] | None = None  # per source: (rows, 2) chosen, rejected
         self._pairs_in_step = 1.0
@@ -189,8 +154,6 @@ class DPO(Method):
     def _precompute(self, module) -> list[torch.Tensor]:
         from safetensors.torch import load_file, save_file
 
-        from workbench.core import cache
-        from workbench.train import precision
 
         entry = cache.root() / "ref_logps" / self._fingerprint()
         if cache.problem(entry, ("logps.safetensors",)) is None:
@@ -265,33 +228,10 @@ class DPO(Method):
         self.mixture.load_state_dict(state["mixture"])
 
 
-@torch.no_grad()
-def preference_accuracy(model, tokenizer, contract, rows: list[dict], batch_size: int = 16, autocast=None) -> float:
-    """Share of held-out pairs where the model's log-prob of `chosen` beats `rejected` (model: HF/PEFT)."""
-    from workbench.data.preference import pairs_from_rows
-    from workbench.models.head import SelectiveLM
-
-    pairs = pairs_from_rows(rows, tokenizer, contract)
-    lm = SelectiveLM(model)
-    was = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    tree = takes_pairs(lm, pairs)
-    wins = 0
-    for i in range(0, len(pairs), batch_size):
-        chunk, pad = pairs[i:i + batch_size], tokenizer.pad_token_id
-        micro = tree_batch(chunk, pad) if tree else collate(chunk, pad)
-        micro = {k: v.to(device) for k, v in micro.items() if isinstance(v, torch.Tensor)}
-        with (autocast or contextlib.nullcontext()):
-            c, r = pair_logps(lm, micro).chunk(2)
-        wins += int((c > r).sum())
-    model.train(was)
-    return wins / max(1, len(pairs))
-
-
 def build(cfg, ctx) -> DPO:
     return DPO(cfg, ctx)
 
 
-SPEC = MethodSpec(name="dpo", config=Config, build=build,
-                  facts=MethodFacts(data="preference", sequences=2, reference="method", eval="preference"))
+SPEC = MethodSpec(name="dpo", config=Config, build=build, check=check,
+                  facts=MethodFacts(data="preference", sequences=2, reference="method", precomputed_reference=True,
+                                    eval="preference"))

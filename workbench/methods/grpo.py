@@ -37,14 +37,12 @@ generation go to <run_dir>/samples/grpo.jsonl.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from dataclasses import dataclass, replace
 
 import torch
 
 from workbench.core import heartbeat
-from workbench.core.errors import UserError
 from workbench.core.secrets import redact, secret_values
 from workbench.data.chat import IGNORE, prompt_ids
 from workbench.data.collate import pad_batch
@@ -54,11 +52,18 @@ from workbench.data.pair_tree import branch_batch, tree_fits
 from workbench.data.preference import read_prompts
 from workbench.data.recipes import load_recipe
 from workbench.methods.base import Method
+from workbench.methods.grpo_env import EpisodeRollouts
+from workbench.methods.grpo_rules import RULES, BatchShape, check, step_shape
 from workbench.methods.reference import Reference
 from workbench.methods.spec import MethodFacts, MethodSpec
 from workbench.rollout import advantages, objectives, rewards
+from workbench.rollout.async_rollouts import AsyncRollouts
+from workbench.rollout.generate import generate
+from workbench.rollout.vllm_engine import VLLMEngine
+from workbench.train import precision
 from workbench.train.batch import Forward, StepBatch
-from workbench.train.distributed import all_max
+from workbench.train.distributed import all_max, reduce_scalar
+from workbench.train.signal import StallWatch
 
 
 @dataclass
@@ -116,106 +121,17 @@ class Config:
     vllm_probe_tolerance: float = 0.25
 
 
-def check(cfg, root) -> list:
-    """Validate options and rewards (before any weights load); return the reward functions."""
-    objectives.check(cfg)
-    if cfg.scale_rewards not in advantages.SCALES:
-        raise UserError(f"method.scale_rewards={cfg.scale_rewards!r} is not one of {list(advantages.SCALES)}")
-    if cfg.advantage not in advantages.KINDS:
-        raise UserError(f"method.advantage={cfg.advantage!r} is not one of {list(advantages.KINDS)}")
-    if cfg.advantage == "rloo" and cfg.scale_rewards != "none":  # no option is silently ignored
-        raise UserError("method.scale_rewards applies to method.advantage=group; with advantage=rloo set "
-                        "method.scale_rewards=none (method.normalize_advantages=true scales over the batch)")
-    if cfg.advantage == "group" and cfg.normalize_advantages:
-        raise UserError("method.normalize_advantages applies to method.advantage=rloo; with advantage=group use "
-                        "method.scale_rewards")
-    if cfg.engine not in ("hf", "vllm"):
-        raise UserError(f"method.engine={cfg.engine!r} is not one of ['hf', 'vllm']")
-    if cfg.num_iterations < 1 or cfg.max_new_tokens < 1 or cfg.temperature <= 0:
-        raise UserError("method.num_iterations and method.max_new_tokens must be >= 1, method.temperature > 0")
-    if cfg.beta < 0:
-        raise UserError(f"method.beta must be >= 0 (got {cfg.beta})")
-    if cfg.max_resample_rounds < 0:
-        raise UserError(f"method.max_resample_rounds must be >= 0 (got {cfg.max_resample_rounds})")
-    if cfg.truncated_reward is not None and not math.isfinite(cfg.truncated_reward):
-        raise UserError(f"method.truncated_reward must be a finite number or null (got {cfg.truncated_reward})")
-    # how these options combine with train.* and the rank layout is a rule (workbench/config/rules.py:
-    # grpo-whole-groups, grpo-deepspeed-accum), checked with the rest before anything loads
-    return rewards.resolve(root.reward)
-
-
 def stopped(ids: list[int], max_new_tokens: int) -> bool:
     """Whether a completion ended by itself: the rollout engines drop the end-of-turn token, so
     one that ended is shorter than max_new_tokens and one cut off is exactly that long."""
     return len(ids) < max_new_tokens
 
 
-@dataclass(frozen=True)
-class BatchShape:
-    """The global-batch arithmetic of a GRPO step, decided once from the config."""
-
-    prompts: int  # per optimizer step, all ranks
-    generations: int
-    dp: int  # data-parallel ranks (the resolved layout's)
-    micro_batch_size: int
-    grad_accum: int  # micro-batches per rank per step
-
-    @property
-    def prompts_per_rank(self) -> int:
-        return self.prompts // self.dp
-
-    @property
-    def completions_per_rank(self) -> int:
-        return self.prompts * self.generations // self.dp
-
-    def describe(self) -> str:
-        return (f"grpo batch: {self.prompts} prompts x {self.generations} generations = "
-                f"{self.prompts * self.generations} completions per optimizer step; per rank "
-                f"({self.dp}): {self.completions_per_rank} = {self.grad_accum} micro-batches of "
-                f"{self.micro_batch_size}")
-
-
-def shape_problem(generations: int, prompts_per_step: int | None, micro_batch_size: int, grad_accum: int,
-                  dp: int) -> str | None:
-    """Why method.num_generations / prompts_per_step, train.micro_batch_size x grad_accum and
-    `dp` data-parallel ranks do not make whole groups per rank, naming the fields; None when
-    they do. The rule grpo-whole-groups (workbench/config/rules.py) refuses a run with it."""
-    G, mb = generations, micro_batch_size
-    if prompts_per_step is None:
-        per_rank = mb * grad_accum
-        if per_rank % G:
-            return (f"train.micro_batch_size x train.grad_accum = {per_rank} completions per rank must be "
-                    f"a multiple of method.num_generations={G} (whole groups per rank), or set "
-                    "method.prompts_per_step")
-        return None
-    if prompts_per_step < 1 or prompts_per_step % dp:
-        return (f"method.prompts_per_step={prompts_per_step} must be a positive multiple of the {dp} "
-                "data-parallel rank(s) (whole groups per rank)")
-    per_rank = prompts_per_step * G // dp
-    if per_rank % mb:
-        return (f"method.prompts_per_step x method.num_generations / ranks = {per_rank} completions per "
-                f"rank must be a multiple of train.micro_batch_size={mb}")
-    return None
-
-
-def make_shape(generations: int, prompts_per_step: int | None, micro_batch_size: int, grad_accum: int,
-               dp: int) -> BatchShape:
-    """Prompts per step either from method.prompts_per_step or from the micro-batch settings,
-    over `dp` data-parallel ranks."""
-    problem = shape_problem(generations, prompts_per_step, micro_batch_size, grad_accum, dp)
-    if problem:  # a resolved run was refused by the rule already; this guards other callers
-        raise UserError(problem)
-    G, mb = generations, micro_batch_size
-    if prompts_per_step is None:
-        return BatchShape(mb * grad_accum * dp // G, G, dp, mb, grad_accum)
-    return BatchShape(prompts_per_step, G, dp, mb, prompts_per_step * G // dp // mb)
-
-
 def batch_shape(cfg, batch) -> BatchShape:
     """The step's shape from the method options and the resolved run's batch (ctx.run.batch:
     micro-batch, accumulation, data-parallel ranks; a resume at another world size changes the
     accumulation to keep the global batch, workbench/train/resume.py)."""
-    return make_shape(cfg.num_generations, cfg.prompts_per_step, batch.micro, batch.accum, batch.dp)
+    return step_shape(cfg, batch.micro, batch.accum, batch.dp)
 
 
 def collate(seqs: list[tuple[list[int], list[int]]], G: int, first: int, pad_id: int, tree: bool) -> dict:
@@ -259,7 +175,7 @@ class GRPO(Method):
         self.cfg = cfg
         self.ctx = ctx
         self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
-        self.reward_fns = check(cfg, ctx.cfg)
+        self.reward_fns = rewards.resolve(ctx.cfg.reward)  # options: SPEC.check, when the run resolved
         reward = ctx.cfg.reward
         self.reward_timeout = float(reward.get("timeout_s", rewards.TIMEOUT_S) if hasattr(reward, "get") else
                                     rewards.TIMEOUT_S)
@@ -276,8 +192,6 @@ class GRPO(Method):
         # env=<name>: rollouts are multi-turn episodes (workbench/methods/grpo_env.py)
         self.episodes = None
         if ctx.cfg.get("env") is not None:
-            from workbench.methods.grpo_env import EpisodeRollouts
-
             self.episodes = EpisodeRollouts(self)
         self._turn_tokens = self.episodes.turn_tokens if self.episodes else cfg.max_new_tokens
         self._async = None  # method.async_rollouts (set in attach, once the backend holds the model)
@@ -301,16 +215,12 @@ class GRPO(Method):
         module = backend.unwrapped()
         self.tree = self.cfg.share_prompt and tree_fits(module, self.ctx.cfg.data.seq_len + self.cfg.max_new_tokens,
                                                         "using one row per completion")
-        reference = self.ctx.run.reference  # none (beta=0) | adapter | copy: workbench/config/resolved.py
+        reference = self.ctx.run.reference  # none (beta=0) | adapter | copy: workbench/run/resolved.py
         if reference != "none":
             self.ref = Reference(reference, module)
         if self.cfg.engine == "vllm":
-            from workbench.rollout.vllm_engine import VLLMEngine
-
             self.engine = VLLMEngine(self.ctx.cfg, self.ctx.tokenizer, self.ctx.contract)
         if self.cfg.async_rollouts:
-            from workbench.rollout.async_rollouts import AsyncRollouts
-
             self._async = AsyncRollouts(module, self._rollout, self.mixture.state_dict)
 
     # -- rollouts ------------------------------------------------------------------------
@@ -325,8 +235,6 @@ class GRPO(Method):
                 out = [ids for group in out for ids in group]
             eot, pad = self.ctx.contract.end_of_turn_id, self.ctx.tokenizer.pad_token_id
             return [[t for t in (ids[: ids.index(eot)] if eot in ids else ids) if t != pad] for ids in out]
-        from workbench.rollout.generate import generate
-        from workbench.train import precision
 
         with backend.generation() as (model, synced), heartbeat.phase("rollout"):
             return generate(model, self.ctx.tokenizer, convs, c.max_new_tokens, self.ctx.contract.end_of_turn_id,
@@ -471,8 +379,6 @@ class GRPO(Method):
         return info
 
     def stall_watch(self):
-        from workbench.train.signal import StallWatch
-
         c = self.cfg
         tries = "more refill rounds (method.max_resample_rounds)" if c.dynamic_sampling else "method.dynamic_sampling=true"
         return StallWatch(stop_after=c.stall_stop_steps if c.stop_on_stall else 0, warn_after=c.stall_warn_steps,
@@ -558,12 +464,8 @@ class GRPO(Method):
 
 def _signal_share(with_signal: float, groups: int) -> float:
     """The share of the step's trained groups, over all ranks, whose rewards vary."""
-    import torch.distributed as dist
-
-    t = torch.tensor([with_signal, float(groups)], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return float(t[0] / t[1]) if t[1] else 0.0
+    signal, total = reduce_scalar([float(with_signal), float(groups)])
+    return signal / total if total else 0.0
 
 
 
@@ -572,5 +474,5 @@ def build(cfg, ctx) -> GRPO:
     return GRPO(cfg, ctx)
 
 
-SPEC = MethodSpec(name="grpo", config=Config, build=build,
-                  facts=MethodFacts(data="prompts", reference="kl", generates=True, eval="reward"))
+SPEC = MethodSpec(name="grpo", config=Config, build=build, check=check, rules=RULES, batch=step_shape,
+                  facts=MethodFacts(data="prompts", reference="kl", generates=True, episodes=True, eval="reward"))

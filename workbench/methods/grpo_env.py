@@ -34,7 +34,9 @@ from workbench.core.secrets import redact, secret_values
 from workbench.envs import base as envs
 from workbench.envs import registry as env_registry
 from workbench.rollout import advantages, episodes
+from workbench.rollout.generate import generate_ids
 from workbench.rollout.turns import Turns
+from workbench.train import precision
 
 
 class EpisodeRollouts:
@@ -63,8 +65,6 @@ class EpisodeRollouts:
 
     def sampler(self, model, temperature: float, top_p: float, autocast, synced: bool, passes: list | None,
                 do_sample: bool = True):
-        from workbench.rollout.generate import generate_ids
-
         tok, eot = self.turns.tok, self.turns.contract.end_of_turn_id
 
         def sample(prompts: list[list[int]], first: bool) -> list[list[int]]:
@@ -84,8 +84,6 @@ class EpisodeRollouts:
 
     def groups(self, grpo, backend, rows: list[dict]) -> list[dict]:
         """num_generations episodes per prompt row, scored: one record per group, as GRPO's _groups."""
-        from workbench.train import precision
-
         c, G, ctx = grpo.cfg, grpo.cfg.num_generations, grpo.ctx
         if grpo.engine is not None:
             grpo.engine.sync_weights(backend.unwrapped().inner)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.config.rule import Rule
 from workbench.core.errors import UserError
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture, rank_share
@@ -58,8 +59,8 @@ from workbench.data.pipeline import tokenizer_digest
 from workbench.data.recipes import load_recipe
 from workbench.data.unpaired import Unpaired, tokenise_unpaired
 from workbench.methods.base import Method
-from workbench.methods.dpo import REFERENCES, sequence_logps
-from workbench.methods.reference import Reference
+from workbench.methods.logps import sequence_logps
+from workbench.methods.reference import REFERENCES, Reference
 from workbench.methods.spec import MethodFacts, MethodSpec
 from workbench.train.batch import StepBatch
 
@@ -80,8 +81,8 @@ class Config:
 
 
 def check(cfg) -> None:
-    """Validate the options. That a micro-batch can hold KL pairs (train.micro_batch_size >= 2)
-    is a rule of the combination (workbench/config/rules.py: kto-kl-needs-pairs)."""
+    """The options (SPEC.check, run when the run resolves, before any weights load). That a
+    micro-batch can hold KL pairs (train.micro_batch_size >= 2) is the rule kto-kl-needs-pairs below."""
     if cfg.loss_type not in LOSSES:
         raise UserError(f"method.loss_type={cfg.loss_type!r} is not one of {list(LOSSES)}")
     if cfg.reference == "precomputed":
@@ -131,8 +132,7 @@ class KTO(Method):
         self.cfg = cfg
         self.ctx = ctx
         self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
-        check(cfg)
-        self.reference = ctx.run.reference  # workbench/config/resolved.py (auto -> adapter / copy)
+        self.reference = ctx.run.reference  # workbench/run/resolved.py (auto -> adapter / copy)
         self.ref: Reference | None = None  # adapter / copy (workbench/methods/reference.py)
         self.kl = cfg.loss_type == "kto"
         self._counts = (1.0, 1.0, 1.0)  # examples, desirable, undesirable in this rank's step
@@ -209,5 +209,24 @@ def build(cfg, ctx) -> KTO:
     return KTO(cfg, ctx)
 
 
-SPEC = MethodSpec(name="kto", config=Config, build=build,
+def _kl_rows_on(m) -> bool:
+    return m.get("loss_type", "kto") == "kto"
+
+
+def second_forward(m) -> str | None:
+    """loss_type=kto puts its KL rows (each prompt with another example's completion) through the
+    model besides the batch itself (SPEC.second_forward)."""
+    return "method=kto also runs its KL rows through it (use method.loss_type=apo_zero_unpaired)" \
+        if _kl_rows_on(m) else None
+
+
+RULES = (
+    Rule("kto-kl-needs-pairs", {"method": "kto (loss_type=kto)", "other": "train.micro_batch_size=1"},
+         lambda c, e: _kl_rows_on(c.method) and c.train.micro_batch_size < 2,
+         lambda c, e: "method=kto estimates its KL reference point from pairs within a micro-batch: set "
+                      f"train.micro_batch_size >= 2 (got {c.train.micro_batch_size}), or "
+                      "method.loss_type=apo_zero_unpaired, which has none"),
+)
+
+SPEC = MethodSpec(name="kto", config=Config, build=build, check=check, rules=RULES, second_forward=second_forward,
                   facts=MethodFacts(data="unpaired", sequences=2, reference="method", eval="preference"))

@@ -40,7 +40,7 @@ from workbench.data.chat import IGNORE
 from workbench.data.pair_tree import tree_batch
 from workbench.data.preference import Pair
 from workbench.methods.base import Method
-from workbench.methods.dpo import collate, tree_token_logps
+from workbench.methods.logps import collate, tree_token_logps
 from workbench.methods.pairs import PairStream, completion_tokens, preference_metrics
 from workbench.methods.spec import MethodFacts, MethodSpec
 from workbench.train.batch import StepBatch
@@ -58,7 +58,7 @@ class Config:
 
 
 def check(cfg) -> None:
-    """Validate the options before any weights load."""
+    """The options (SPEC.check, run when the run resolves, before any weights load)."""
     if cfg.beta <= 0:
         raise UserError(f"method.beta must be > 0 (got {cfg.beta})")
 
@@ -79,9 +79,9 @@ def sequence_tokens(pair: Pair) -> int:
 
 
 def collate_whole_chosen(pairs: list, pad_id: int) -> dict:
-    """dpo.collate, with every position of the chosen rows selected (the NLL reads the prompt too).
+    """logps.collate, with every position of the chosen rows selected (the NLL reads the prompt too).
 
-    `completion` marks, per selected position, those the odds ratio reads (dpo.collate's select);
+    `completion` marks, per selected position, those the odds ratio reads (logps.collate's select);
     rejected rows keep their completion-only select.
     """
     micro = collate(pairs, pad_id)
@@ -124,7 +124,6 @@ class ORPO(Method):
     name = "orpo"
 
     def __init__(self, cfg, ctx):
-        check(cfg)
         self.cfg = cfg
         self.ctx = ctx
         if cfg.nll_on_prompt:
@@ -177,5 +176,5 @@ def build(cfg, ctx) -> ORPO:
     return ORPO(cfg, ctx)
 
 
-SPEC = MethodSpec(name="orpo", config=Config, build=build,
+SPEC = MethodSpec(name="orpo", config=Config, build=build, check=check,
                   facts=MethodFacts(data="preference", sequences=2, eval="preference"))

@@ -13,8 +13,9 @@ from collections.abc import Callable
 from workbench.data.chat import IGNORE
 from workbench.data.mixing import rank_share
 from workbench.data.overfit import Overfit
+from workbench.data.pair_tree import tree_fits
 from workbench.data.preference import Pair, pairs_report, read_pairs
-from workbench.methods.dpo import collate
+from workbench.methods.logps import collate
 from workbench.train.batch import StepBatch
 
 
@@ -49,8 +50,6 @@ class PairStream:
         """Collate one row per pair, the prompt shared by both completions (`tree_collate`,
         workbench/data/pair_tree.py), when the method's `share_prompt` asks for it and the model
         takes that layout; otherwise keep two rows per pair (tree_fits says why on stderr)."""
-        from workbench.data.pair_tree import tree_fits
-
         if wanted and tree_fits(module, self.ctx.cfg.data.seq_len, "using two rows per pair"):
             self.collate = tree_collate
 

@@ -45,11 +45,13 @@ import torch
 import torch.nn.functional as F
 
 from workbench.core.errors import UserError
-from workbench.methods import dpo
+from workbench.data.pair_tree import columns, takes_pairs, tree_batch
+from workbench.methods import logps
 from workbench.methods.base import Method
 from workbench.methods.pairs import PairStream
 from workbench.methods.spec import MethodFacts, MethodSpec
 from workbench.models import value_head
+from workbench.models.head import SelectiveLM
 from workbench.train.batch import StepBatch
 
 
@@ -65,6 +67,7 @@ class Config:
 
 
 def check(cfg) -> None:
+    """The options (SPEC.check, run when the run resolves, before any weights load)."""
     if cfg.center_rewards_coefficient < 0:
         raise UserError(f"method.center_rewards_coefficient must be >= 0 (got {cfg.center_rewards_coefficient})")
 
@@ -72,7 +75,7 @@ def check(cfg) -> None:
 def collate(pairs: list, pad_id: int) -> dict:
     """One micro-batch: rows [chosen_0..chosen_n-1, rejected_0..rejected_n-1], `select` at each
     row's scored position, `margin` per pair (0 where the row has none)."""
-    micro = dpo.collate(pairs, pad_id)
+    micro = logps.collate(pairs, pad_id)
     micro["select"] = value_head.pool(micro["input_ids"], pad_id)
     del micro["targets"], micro["n_tokens"]
     micro["margin"] = torch.tensor([p.margin or 0.0 for p in pairs], dtype=torch.float32)
@@ -85,8 +88,6 @@ def tree_collate(pairs: list, pad_id: int) -> dict:
     head's outputs (selected positions in row-major order) is each row of `collate`'s order
     (chosen 0..N-1, then rejected 0..N-1). A micro-batch holding a pair whose two completions are
     the same tokens (both would end on one position) is collated as two rows per pair instead."""
-    from workbench.data.pair_tree import columns, tree_batch
-
     tree = tree_batch(pairs, pad_id)
     # tree_batch keeps branch_batch's per-sequence fields in pair order (chosen, rejected, ...)
     cols = columns(tree, [len(x) - 1 for p in pairs for x in (p.chosen[0], p.rejected[0])]).view(-1, 2)
@@ -119,7 +120,6 @@ class RewardModel(Method):
     def __init__(self, cfg, ctx):
         self.cfg = cfg
         self.ctx = ctx
-        check(cfg)
         self.stream = PairStream(ctx, collate_fn=collate)  # workbench/methods/pairs.py
 
     def prepare(self, ctx) -> None:
@@ -166,8 +166,6 @@ def pair_rewards(model, pairs: list, pad_id: int, batch_size: int = 16, autocast
     as training reads it) where the model takes that layout; otherwise two right-padded rows."""
     import contextlib
 
-    from workbench.data.pair_tree import takes_pairs
-    from workbench.models.head import SelectiveLM
 
     lm = SelectiveLM(model)
     was = model.training
@@ -188,6 +186,6 @@ def build(cfg, ctx) -> RewardModel:
     return RewardModel(cfg, ctx)
 
 
-SPEC = MethodSpec(name="rm", config=Config, build=build,
+SPEC = MethodSpec(name="rm", config=Config, build=build, check=check,
                   facts=MethodFacts(data="preference", sequences=2, scalar_head=True, eval="reward_accuracy",
                                     embedded_eval="arith_rm"))

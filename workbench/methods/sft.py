@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture, rank_share
 from workbench.data.overfit import Overfit
+from workbench.data.packing import Packer, attention_layout, packed_micro_batches, pad_free
 from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
 from workbench.methods.base import Method
@@ -46,7 +47,6 @@ class SFT(Method):
                                seed=ctx.cfg.data.shuffle_seed)
         self.packer = None
         if ctx.cfg.data.packing:  # rows of seq_len tokens, several examples each (workbench/data/packing.py)
-            from workbench.data.packing import Packer
 
             lens = [s.examples.lengths() for s in self.sources]
             self.packer = Packer(self.mixture, lambda x: int(lens[x[0]][x[1]]),
@@ -66,8 +66,6 @@ class SFT(Method):
         return self.sources[src].examples[row]
 
     def _packed_batch(self, state) -> StepBatch:
-        from workbench.data.packing import attention_layout, packed_micro_batches
-
         t = self.ctx.cfg.train
         # the rule of every method (mixing.rank_share): all ranks pack the global batch, each keeps its rows
         _, rows = rank_share(self.ctx.run.layout, self.ctx.run.batch.per_rank,
@@ -94,8 +92,6 @@ class SFT(Method):
         """Padded rows, or the same examples padding-free where that saves enough (data.pad_free)."""
         pad = self.ctx.tokenizer.pad_token_id
         if self.ctx.run.pad_free:
-            from workbench.data.packing import attention_layout, pad_free
-
             m = pad_free(examples, pad, *attention_layout(self.ctx.cfg.model.attn_implementation))
             if m is not None:
                 return m

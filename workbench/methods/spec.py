@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
 
 DATA_SHAPES = ("sft", "preference", "unpaired", "prompts")
+# compare a method's data shape with these, never with a method's name ("sft" is both)
+SFT_ROWS, PREFERENCE_ROWS, UNPAIRED_ROWS, PROMPT_ROWS = DATA_SHAPES
 REFERENCE_NEEDS = ("none", "method", "kl")
 
 
@@ -25,9 +27,13 @@ class MethodFacts:
     # the reference model the loss needs: none | method (method.reference: auto/adapter/copy/precomputed)
     # | kl (only when method.beta > 0: the adapter-free base under peft, a frozen copy without)
     reference: str = "none"
+    # reference=method: method.reference=precomputed (the reference's log-probs computed once,
+    # before training, so no reference model is held) is one of its choices
+    precomputed_reference: bool = False
     generates: bool = False  # samples completions with the policy during training
     teacher: bool = False  # loads a second (teacher) model, frozen
     scalar_head: bool = False  # a value/reward head on the last hidden state instead of the LM head
+    episodes: bool = False  # rolls out multi-turn episodes in an environment (env=...) that rewards can score
     eval: str = "loss"  # the default evaluation on the user's own held-out rows (workbench/evals)
     # the embedded task's evaluation where the default (eval=arith: exact match of generated
     # answers) says nothing about the trained model, as for a reward model, which does not generate
@@ -40,6 +46,16 @@ class MethodSpec:
     config: type  # the options dataclass; conf/method/<name>.yaml composes onto it
     build: Callable  # (method config, Context) -> a Method (workbench/methods/base.py)
     facts: MethodFacts
+    # (method config) -> None, raising a UserError for an option this method refuses; run when the
+    # run resolves (workbench/run/resolved.py), so a dry run sees what the real run would refuse
+    check: Callable | None = None
+    rules: tuple = ()  # workbench/config/rule.py Rules that concern this method alone
+    # (method config) -> why its loss runs the model a second time per micro-batch besides a
+    # reference model (KTO's KL rows), or None; a pipeline-parallel backend runs it once
+    second_forward: Callable | None = None
+    # (method config, micro_batch, grad_accum, dp) -> the step's batch shape, for a method whose
+    # options set it (GRPO's prompts x generations); None: micro_batch x grad_accum rows per rank
+    batch: Callable | None = None
 
     def __post_init__(self):
         """A half-made spec is an error where it is written, at import, not a fallback later."""

@@ -6,7 +6,7 @@
 Catalog entries (`conf/model/*.yaml`) are named shortcuts that carry their architecture
 numbers, so a 70B model can be planned on a laptop without its files. A model given by
 `model.path`, or by a `model.hub_id` that is not the catalog entry's own, brings its numbers
-with it: `adopt()` (called once by `workbench.config.validate`) reads its config.json, fills
+with it: `adopt()` (called once by `workbench.run.validate`) reads its config.json, fills
 `model.arch` from it, names the model after its directory or hub id and drops the catalog
 entry's packaged GGUF, which belongs to a different model. `model.arch_from` records which
 config.json was read; the planner then builds the real model class from it on the meta device,
@@ -24,6 +24,7 @@ import os
 import socket
 from pathlib import Path
 
+from workbench.config.files import CONF_DIR, load_group_file
 from workbench.core.errors import UserError
 
 
@@ -40,8 +41,6 @@ def hub_reachable(timeout: float = 2.0) -> bool:
 
 def _catalog(name: str):
     """conf/model/<name>.yaml, or None when `name` is not a catalog entry."""
-    from workbench.config.files import CONF_DIR, load_group_file
-
     if not name or not (CONF_DIR / "model" / f"{name}.yaml").exists():
         return None
     return load_group_file("model", name)
@@ -170,7 +169,7 @@ def source_name(model_cfg) -> str:
 def adopt(model_node) -> None:
     """Fill model.arch (and name, gguf_package, arch_from) from the model's own config.json.
 
-    Called by workbench.config.validate on the merged config, before it is frozen; a no-op for
+    Called by workbench.run.validate on the merged config, before it is frozen; a no-op for
     catalog entries and the tiny model.
     """
     if not own_source(model_node):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from workbench.models import value_head
 from workbench.models.load import load_model
 from workbench.peft import lora
 from workbench.train import kernels, precision
@@ -27,7 +28,6 @@ def build_model(run, train: bool = True) -> torch.nn.Module:
                 model.enable_input_require_grads()
     model = lora.apply(model, run)
     if run.facts.scalar_head:  # method=rm: a one-output head replaces lm_head
-        from workbench.models import value_head
 
         value_head.attach(model)
     precision.cast_params(model, run.precision)

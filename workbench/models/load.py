@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
+from workbench.config.files import load_group_file
 from workbench.core import cache
 from workbench.core.errors import UserError
-from workbench.models.auto import hub_reachable
+from workbench.models.auto import hub_reachable, meta_model
 from workbench.models.convert import METADATA
 
 # What a converted model directory must hold besides its seal (workbench/core/cache.py).
@@ -43,8 +44,6 @@ class Resolved:
 
 def zoo_entry(name: str):
     """The model config `conf/model/<name>.yaml`, following alias files."""
-    from workbench.config.files import load_group_file
-
     return load_group_file("model", name)
 
 
@@ -221,8 +220,6 @@ def build_meta(model_cfg):
     from transformers import AutoModelForCausalLM
 
     if getattr(model_cfg, "arch_from", None):
-        from workbench.models.auto import meta_model
-
         return meta_model(model_cfg)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(hf_config(model_cfg.arch))
@@ -238,7 +235,7 @@ def cast_weights(model, dtype: torch.dtype) -> None:
 
 def attention_for(impl: str, device: str) -> str:
     """The attention kernel to build with. Whether this machine can run the choice is a rule
-    (workbench/config/rules.py: attention-choice, flash-attn-*).
+    (workbench/run/rules.py: attention-choice, flash-attn-*).
 
     `auto` picks flash-attention 2 on a CUDA GPU when `flash-attn` is installed (its varlen
     kernel runs padded and packed batches without attending across sequences), else SDPA."""

@@ -18,6 +18,8 @@ import importlib.util
 from pathlib import Path
 
 from workbench.core.errors import UserError
+from workbench.models.load import load_model, materialise, resolve
+from workbench.peft.lora import target_names
 
 # What unsloth 2026.10.9 declares for the libraries around it.
 PINS = {"transformers": "<=5.17.0", "trl": "<=1.15.0", "datasets": "<5"}
@@ -40,7 +42,7 @@ def pin_problems(versions: dict[str, str | None]) -> list[str]:
 
 def check_versions() -> None:
     """The installed versions against unsloth's pins (which combinations are refused is a rule:
-    workbench/config/rules.py, unsloth-*)."""
+    workbench/run/rules.py, unsloth-*)."""
     bad = pin_problems({p: _version(p) for p in PINS})
     if bad:
         raise UserError("model.loader=unsloth: installed versions break unsloth's pins: " + ", ".join(bad)
@@ -49,8 +51,6 @@ def check_versions() -> None:
 
 def _weights_dir(cfg, run_dir: Path) -> str:
     """A directory FastLanguageModel can load: the resolved weights, or the tiny model saved once."""
-    from workbench.models.load import load_model, materialise, resolve
-
     res = materialise(cfg.model, resolve(cfg.model))
     if res.kind != "tiny":
         return res.path
@@ -65,7 +65,6 @@ def load(run, run_dir: Path):
     check_versions()
     from unsloth import FastLanguageModel
 
-    from workbench.peft.lora import target_names
 
     cfg, p = run.cfg, run.cfg.peft
     model, _tokenizer = FastLanguageModel.from_pretrained(

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from workbench.core.errors import UserError
+from workbench.models.load import cast_weights
 from workbench.peft.lora import base_model
 
 
@@ -109,8 +110,6 @@ def to_sequence_classifier(decoder_lm: nn.Module, head_weight: torch.Tensor, pad
                            dtype: torch.dtype) -> nn.Module:
     """A transformers *ForSequenceClassification with `decoder_lm`'s decoder (a plain causal LM,
     adapters merged) and `head_weight` (1 x hidden) as `score`, in `dtype`."""
-    from workbench.models.load import cast_weights
-
     config, cls = sequence_classifier_config(decoder_lm.config, pad_token_id)
     with torch.device("meta"):
         seq = cls(config)

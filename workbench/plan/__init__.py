@@ -3,9 +3,12 @@
     python -m workbench dry_run=true method=dpo model=70b                 # rich table
     python -m workbench dry_run=true model=70b plan.json=true             # JSON for tools
     python -m workbench dry_run=true model=70b plan.mfu=0.35 plan.tokens=1e9
+    python -m workbench dry_run=true model=70b plan.compare=true          # every profile in the table
 
-`make.make_plan(cfg)` counts parameters exactly on a meta-device probe (counts.py), estimates
+`workbench/run/plan.py` (`make_plan(cfg)`) counts parameters exactly on a meta-device probe (counts.py), estimates
 per-device memory term by term (memory.py), gives a verdict for the configured hardware and
 every profile in conf/hardware/ with the smallest change that fits (fit.py), and the time and
-cost of the run's tokens at plan.mfu (speed.py).
+cost of the whole job on all of a profile's devices at plan.mfu, with a rollout method's
+generation timed apart (speed.py). The table shows the configured hardware; plan.compare=true
+lists the other profiles too.
 """

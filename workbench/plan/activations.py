@@ -34,7 +34,7 @@ def weight_mode(s: Setup) -> str:
     """fp32 | autocast | half: how the block's matmuls see their weights (see the module docstring)."""
     if s.precision == "fp32":
         return "fp32"
-    if s.precision == "bf16" or s.backend in ("deepspeed", "megatron", "fsdp2"):
+    if s.precision == "bf16" or s.facts.half_compute:
         return "half"
     return "autocast"
 

@@ -38,6 +38,18 @@ def profiles() -> dict:
     return {p.stem: _load(p.stem) for p in sorted(HW_DIR.glob("*.yaml"))}
 
 
+# Memory bandwidth per device, TB/s, from the vendors' datasheets, by the profile's accelerator
+# (conf/hardware/*.yaml `accelerator`): what bounds a decode step, which reads every weight.
+BANDWIDTH_TBS = {"H100": 3.35, "H200": 4.8, "B200": 8.0, "GB200": 8.0, "MI300X": 5.3, "MI325X": 6.0,
+                 "Gaudi 3": 3.7, "TPU v5p": 2.76, "Trainium2": 2.9}
+
+
+def bandwidth_tbs(hw) -> float:
+    """The datasheet memory bandwidth of the profile's device; 0 when the catalog has none."""
+    acc = str(hw.accelerator or "")
+    return max((v for k, v in BANDWIDTH_TBS.items() if acc.startswith(k)), default=0.0)
+
+
 def peak_tflops(hw, precision: str) -> float:
     if precision == "fp8" and hw.fp8_tflops:
         return float(hw.fp8_tflops)

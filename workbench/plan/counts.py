@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from workbench.models.load import hf_config
+from workbench.models import load
+from workbench.models.auto import meta_model
+from workbench.peft.lora import target_names
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,8 @@ def probe(model_cfg) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     if getattr(model_cfg, "arch_from", None):
-        from workbench.models.auto import meta_model
-
         return meta_model(model_cfg)
-    cfg = hf_config(model_cfg.arch)
+    cfg = load.hf_config(model_cfg.arch)
     cfg.num_hidden_layers = 1
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(cfg)
@@ -53,9 +53,7 @@ def probe(model_cfg) -> nn.Module:
 
 def build_full(model_cfg) -> nn.Module:
     """The whole model on the meta device (slow for 70B; used to check `count`)."""
-    from workbench.models.load import build_meta
-
-    return build_meta(model_cfg)
+    return load.build_meta(model_cfg)  # through the module: tests replace it to prove nothing loads
 
 
 def _numel(module: nn.Module) -> int:
@@ -92,8 +90,6 @@ def blocks(model: nn.Module) -> nn.ModuleList:
 
 def count(model: nn.Module, arch, peft_cfg=None) -> Counts:
     """Exact counts for `arch.layers` blocks from a model built with one block (or all of them)."""
-    from workbench.peft.lora import target_names
-
     built = blocks(model)
     block = built[0]
     per_block = _numel(block)

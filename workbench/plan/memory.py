@@ -15,7 +15,12 @@
                  torch's AdamW step (all parameters with foreach on GPU, the largest tensor on CPU)
     reference    DPO/KTO/GRPO-with-KL: a frozen reference copy (ref=copy); none for adapter-disabled
                  or precomputed; distillation: the frozen teacher
-    generation   methods that generate (GRPO): KV cache and logits of the generation batch (HF generate)
+    generation   methods that generate: KV cache (prompt + completion) and the vocabulary-wide
+                 tensors of a decode step (HF generate) for every completion the rank decodes
+                 at once (GRPO: its whole rollout, prompts x num_generations)
+
+A GRPO micro-batch is its completions, side by side after their prompt in one row per prompt
+(method.share_prompt) or a row each; only the completions' tokens carry a loss.
 
 Peak = weights + master + optimizer + the larger of
   backward:  max(activations + casts + logits + head gradient, gradients + dense embedding gradient)
@@ -50,6 +55,9 @@ FROZEN = {name: pol.bytes("frozen") for name, pol in POLICIES.items()}
 # bitsandbytes NF4, blocksize 64: 4 bits per weight + one absmax per block; double
 # quantisation stores the absmax as 8-bit with an fp32 constant per 256 blocks.
 NF4_BLOCK = 64
+# fp32 vocabulary-wide tensors per generated row at a decode step: the logits, the warped scores,
+# the Gumbel uniforms and the one-hot scores (workbench/rollout/generate.py gumbel_max)
+LOGIT_COPIES = 4
 
 
 def nf4_bytes_per_param(double_quant: bool) -> float:
@@ -80,12 +88,35 @@ class Estimate:
 
 
 def tokens_per_micro(s: Setup) -> int:
+    if s.rollouts:  # GRPO: completions of one prompt side by side in a row, or a row each
+        return rollout_rows(s) * seq_len(s)
     seqs = s.micro_batch * registry.spec(s.method).facts.sequences  # e.g. DPO: chosen and rejected
     return seqs * seq_len(s)
 
 
+def branches(s: Setup) -> int:
+    """Completions per training row: a micro-batch's completions of one prompt share a row
+    under share_prompt (workbench/data/pair_tree.py branch_batch), else one each."""
+    return max(1, min(s.micro_batch, s.generations)) if s.rollouts and s.share_prompt else 1
+
+
+def rollout_rows(s: Setup) -> int:
+    return -(-s.micro_batch // branches(s))
+
+
 def seq_len(s: Setup) -> int:
-    return s.seq_len + (s.completion_len if registry.spec(s.method).facts.generates else 0)
+    """Positions per row: the prompt (data.seq_len) and what is generated after it."""
+    if registry.spec(s.method).facts.generates:
+        return s.seq_len + branches(s) * s.completion_len
+    return s.seq_len
+
+
+def selected_per_micro(s: Setup) -> float:
+    """Positions with a loss in a micro-batch: the completions' tokens for a method that trains
+    on rollouts, else plan.select_fraction of every position."""
+    if s.rollouts:
+        return float(s.micro_batch * s.completion_len)
+    return tokens_per_micro(s) * s.select_fraction
 
 
 def activation_bytes(arch, s: Setup, tokens: int | None = None, seq: int | None = None) -> float:
@@ -107,12 +138,13 @@ def activation_bytes(arch, s: Setup, tokens: int | None = None, seq: int | None 
 
 def logits_bytes(arch, s: Setup, selected: float | None = None) -> float:
     if selected is None:
-        selected = tokens_per_micro(s) * s.select_fraction
+        selected = selected_per_micro(s)
     # The loss upcasts: at the log-softmax backward its fp32 output, the incoming gradient and the
     # outgoing one are alive (3 x 4 bytes); the half-precision logits were freed after forward.
-    # backend=megatron gathers the selected logits over TP for the method's own log-softmax
-    # (workbench/megatron/lm.py), except distillation's, which stays vocabulary-parallel.
-    split = s.tp if s.backend != "megatron" or registry.spec(s.method).facts.teacher else 1
+    # A backend that gathers the selected logits over TP for the method's own log-softmax
+    # (Megatron: workbench/megatron/lm.py) holds them whole, except distillation's, which stays
+    # vocabulary-parallel.
+    split = 1 if s.facts.gathers_logits and not registry.spec(s.method).facts.teacher else s.tp
     return selected * arch.vocab * 12 / split
 
 
@@ -121,11 +153,11 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     """Bytes per device for this setup; `tokens`/`selected`/`seq` override the config's batch shape."""
     mp = s.tp * s.pp
     dp = s.dp
-    megatron = s.backend == "megatron"
-    distopt = megatron and s.distributed_optimizer
+    f = s.facts  # what the backend holds (workbench/backends/spec.py)
+    distopt = s.distributed_optimizer
     # half-precision parameters with fp32 master weights: DeepSpeed, and Megatron-Core's own
     # optimizer (backend=megatron with a torch optimizer trains the policy's trainable dtype)
-    half_params = (s.backend == "deepspeed" or distopt) and s.precision != "fp32"
+    half_params = (f.master_weights or distopt) and s.precision != "fp32"
     # parameters held per device before data-parallel sharding
     expert = counts.total - counts.active if counts.active < counts.total else 0
     per_dev = (counts.total - counts.embed - expert) / mp + counts.embed / s.tp + expert / (mp * s.ep)
@@ -133,9 +165,9 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         trainable, frozen_bytes = per_dev, 0.0
         w_bytes = (2 if half_params else TRAINABLE[s.precision]) * trainable
     else:
-        # Megatron's LoRA (workbench/megatron/lora.py) splits column projections' B and row
-        # projections' A over TP, and replicates the other halves
-        trainable = (counts.lora - counts.lora_split) / s.pp + counts.lora_split / mp if megatron \
+        # a model-parallel backend's own LoRA layers (Megatron's, workbench/megatron/lora.py) split
+        # column projections' B and row projections' A over TP, and replicate the other halves
+        trainable = (counts.lora - counts.lora_split) / s.pp + counts.lora_split / mp if f.model_parallel \
             else counts.lora / mp
         base = per_dev
         quant = counts.block_linear / mp if s.peft == "qlora" else 0.0
@@ -151,9 +183,7 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     optim = trainable * moments * state_per
     master = trainable * 4 if (half_params and s.peft == "none") else 0.0
     weights = w_bytes
-    stage = 3 if s.backend == "fsdp2" else s.stage
-    if megatron:
-        stage = 1 if distopt else 0  # the distributed optimizer shards main weights and moments
+    stage = s.zero_stage  # the distributed optimizer shards main weights and moments: 1
     if distopt and s.peft == "none" and expert and s.ep > 1:
         # expert state is sharded over the expert-data-parallel ranks (dp / ep of them), not dp
         e_dev = expert / (mp * s.ep)
@@ -177,7 +207,7 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     # the root unit (embeddings, head), plus a block and its prefetch. FSDP2 all-gathers into
     # a buffer and copies out, so while a unit is gathered a second full copy exists briefly.
     gather = root = 0.0
-    fsdp_regather = stage >= 3 and dp > 1 and s.backend == "fsdp2"
+    fsdp_regather = stage >= 3 and dp > 1 and f.regathers_root
     if stage >= 3 and dp > 1:
         # gathered in the compute dtype where the backend keeps half-precision params (FSDP2's
         # MixedPrecisionPolicy included)
@@ -188,7 +218,7 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     acts = activation_bytes(arch, s, tokens, seq)
     casts = cast_bytes(counts, arch, s)  # freed, like the activations, by the backward that uses them
     logit = logits_bytes(arch, s, selected)
-    if megatron:
+    if f.head_every_position:
         # GPTModel's output layer computes the logits of every position (this rank's vocabulary
         # columns) in the compute dtype and copies them once as it transposes them to [b, s];
         # the loss's selected logits come after the two are gone
@@ -207,25 +237,25 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         opt_span = trainable / (dp if stage >= 1 else 1)
     # Megatron-Core's optimizer steps with Transformer Engine's or Apex's fused Adam on a GPU, and
     # torch's AdamW (one tensor at a time) on this rank's shards on a CPU.
-    fused = s.backend == "deepspeed" or (distopt and s.device != "cpu")
+    fused = f.fused_optimizer or (distopt and s.device != "cpu")
     if distopt and s.device == "cpu":
         opt_span = opt_span / dp
     opt_tmp = 0.0 if fused or s.offload_optimizer or not moments else 2 * opt_span * state_per
     # backend=megatron bridges the runner's HF model into its GPTModel shards; the HF model stays
     # whole on every device when something reads it between steps (run.keeps_hf_base)
     hf_copy = 0.0
-    if megatron and s.hf_copy:
+    if f.bridges_hf_model and s.hf_copy:
         hf_copy = counts.total * (TRAINABLE[s.precision] if s.peft == "none" else FROZEN[s.precision])
     weights += hf_copy
-    if megatron and s.peft != "none":  # the HF model's adapters (fp32), bridged back after steps
+    if f.bridges_hf_model and s.peft != "none":  # the HF model's adapters (fp32), bridged back after steps
         if s.hf_copy or s.device == "cpu":
             weights += counts.lora * 4
         else:
             host += counts.lora * 4  # loaded on the host when its base is released (run.model_device)
-    whole = counts.total if megatron else per_dev  # Megatron's reference and teacher are HF models, whole
+    whole = counts.total if f.bridges_hf_model else per_dev  # Megatron's reference and teacher are HF models, whole
     reference = 0.0
     if s.dpo_ref == "copy":  # resolved.reference says "copy" only where the method's loss needs one
-        ref_bytes = TRAINABLE[s.precision] if megatron and s.peft == "none" else FROZEN[s.precision]
+        ref_bytes = TRAINABLE[s.precision] if f.bridges_hf_model and s.peft == "none" else FROZEN[s.precision]
         reference = whole * ref_bytes / (dp if stage >= 3 else 1)
     if registry.spec(s.method).facts.teacher:
         # a frozen teacher held whole on every device, in the frozen dtype; sized like the student
@@ -238,9 +268,12 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
             vllm = s.vllm_fraction
         else:
             d = arch.head_dim or arch.hidden // arch.heads
-            seqs = max(s.micro_batch, s.generations)
+            # a rollout decodes all of this rank's completions at once; other generating methods
+            # (on-policy distillation) a micro-batch
+            seqs = s.rollout_prompts * s.generations if s.rollouts else max(s.micro_batch, s.generations)
             kv = 2 * arch.layers * arch.kv_heads * d * COMPUTE[s.precision] * seqs * (s.seq_len + s.completion_len)
-            generation = kv / mp + seqs * arch.vocab * 4
+            # the step's logits in fp32, the sampler's noise and its one-hot scores beside them
+            generation = kv / mp + LOGIT_COPIES * seqs * arch.vocab * 4
     # Backward runs from the head down: at its start all activations (and the head's gradient)
     # are alive, by its end the activations are freed and all gradients (plus the dense
     # embedding gradient) exist; the optimizer step then holds gradients, state and temporaries.

@@ -1,8 +1,11 @@
-"""What the planner reads from a run config, in one flat record (made by plan/make.py from_cfg)."""
+"""What the planner reads from a run config, in one flat record (made by run/plan.py from_cfg)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from workbench.backends import registry as backends
+from workbench.backends.spec import BackendFacts
 
 
 @dataclass(frozen=True)
@@ -14,7 +17,7 @@ class Setup:
     precision: str = "bf16-mixed"
     optimizer: str = "adamw"
     backend: str = "single"
-    stage: int = 0  # ZeRO stage (deepspeed); fsdp2 behaves like 3
+    stage: int | None = None  # backend.stage (DeepSpeed's ZeRO stage); None: the backend's default (FSDP2: 3)
     offload_optimizer: bool = False
     offload_params: bool = False
     devices: int = 1  # all devices the run uses
@@ -33,6 +36,15 @@ class Setup:
     teacher_scale: float = 1.0  # distillation: teacher parameters / student parameters
     generations: int = 8  # GRPO group size
     completion_len: int = 256
+    # GRPO-family rollouts (a method config with num_generations): each rank generates its whole
+    # groups at once, `rollout_prompts` prompts x `generations` completions, once every
+    # `num_iterations` optimizer steps; with `share_prompt` a micro-batch's completions of one
+    # prompt are one row (the prompt once, the completions as branches)
+    rollouts: bool = False
+    rollout_prompts: int = 1
+    num_iterations: int = 1
+    share_prompt: bool = False
+    old_logps: bool = False  # a forward pass for the generating policy's log-probs (no gradient)
     vllm_fraction: float = 0.0  # GPU memory share reserved by a colocated vLLM engine (0: HF generate)
     distributed_optimizer: bool = False  # megatron: Megatron-Core's optimizer, state sharded over data-parallel ranks
     # megatron: the runner's HF model keeps its weights on every device beside the GPTModel shards
@@ -44,8 +56,22 @@ class Setup:
         return max(1, self.devices // (self.tp * self.pp * self.cp))
 
     @property
+    def facts(self) -> BackendFacts:
+        """What the backend holds and can do (workbench/backends/spec.py)."""
+        return backends.spec(self.backend).facts
+
+    @property
+    def zero_stage(self) -> int:
+        """What is sharded over the data-parallel ranks, as a ZeRO stage (1: optimizer state and
+        master weights, 2: also gradients, 3: also parameters). Megatron-Core's distributed
+        optimizer shards its main weights and moments: stage 1."""
+        if self.distributed_optimizer:
+            return 1
+        return self.facts.default_stage if self.stage is None else self.stage
+
+    @property
     def shards_params(self) -> bool:
-        return self.backend == "fsdp2" or (self.backend == "deepspeed" and self.stage >= 3)
+        return self.facts.shards(self.zero_stage)
 
     def but(self, **kw) -> Setup:
         return replace(self, **kw)

@@ -13,7 +13,7 @@ def money(cost) -> str:
     return f"${fmt.format(cost[0])}-{fmt.format(cost[1])}"
 
 
-def _hours(h) -> str:
+def duration(h) -> str:
     if h is None:
         return "-"
     if h >= 48:
@@ -36,20 +36,25 @@ def show(plan: dict, console: Console | None = None) -> None:
     for k, v in plan["memory_gb"].items():
         mem.add_row(k, f"{v:.3f}")
     con.print(mem)
-    t = Table(title="where it runs")
-    for col in ("hardware", "devices", "GiB/device", "usable", "fits", "smallest change / devices needed",
-                "tokens/s", "time", "cost"):
+    rows = [plan["here"], *plan["profiles"]] if plan.get("compare") else [plan["here"]]
+    t = Table(title="where it runs" + ("" if plan.get("compare") else
+                                       f" on hardware={plan['here']['hardware']} (plan.compare=true lists every profile)"))
+    cols = ("hardware", "devices", "GiB/device", "usable", "fits", "smallest change / devices needed",
+            "tokens/s (all devices)", "time (whole job)", "cost (whole job, all devices)")
+    for col in cols:
         t.add_column(col, justify="right" if col not in ("hardware", "smallest change / devices needed") else "left")
-    for r in [plan["here"], *plan["profiles"]]:
+    for r in rows:
         if r["fits"]:
             fix = ""
         else:
             fix = r["fix"] or ""
-            if r["devices_needed"] and r["devices_needed"] > r["devices"]:
-                fix = (fix + "; " if fix else "") + f"{r['devices_needed']} devices (fsdp2)"
+            need = r.get("needed")
+            if need and need["devices"] > r["devices"]:
+                fix = (fix + "; " if fix else "") + f"{need['devices']} devices (fsdp2"
+                fix += (f": {duration(need['hours'])}, {money(need['cost_usd'])})" if need["hours"] is not None else ")")
         t.add_row(r["hardware"], str(r["devices"]), f"{r['peak_gb']:.1f}", f"{r['usable_gb']:.1f}",
                   "yes" if r["fits"] else "no", fix or "-",
-                  f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-", _hours(r["hours"]),
+                  f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-", duration(r["hours"]),
                   money(r["cost_usd"]))
     con.print(t)
     cal = plan["here"].get("calibrated")
@@ -57,5 +62,13 @@ def show(plan: dict, console: Console | None = None) -> None:
         con.print(f"hardware={plan['here']['hardware']}: calibrated by the run {cal['from']} ({cal['time']}): "
                   f"memory x{cal.get('peak_gib') or 1:.2f}, tokens/s x{cal.get('tokens_per_s') or 1:.2f} "
                   "(measured/predicted, plan.calibrate=true)")
-    con.print(f"prices per device-hour as quoted {plan['profiles'][0]['price_date'] if plan['profiles'] else ''}; "
-              "time and cost at the listed MFU for the devices that fit (set plan.mfu, plan.tokens)")
+    over = plan["here"].get("cores")
+    if plan.get("refusal"):
+        con.print(f"not on hardware={plan['here']['hardware']} as configured: {plan['refusal']}")
+    elif over:
+        con.print(f"hardware.procs asks for {over['asked']} processes on {over['available']} CPU cores: "
+                  f"set hardware.procs<={over['available']}")
+    dated = next((r["price_date"] for r in rows if r.get("price_date")), None)
+    con.print((f"prices per device-hour as quoted {dated}; " if dated else "")
+              + f"time and cost: all {plan['tokens']:,.0f} tokens of the job on all of a profile's devices, "
+              "where the run fits, at the listed MFU (set plan.mfu, plan.tokens)")

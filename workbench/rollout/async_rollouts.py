@@ -14,9 +14,9 @@ the lag and the clipped objective bounds it. The first step has nothing to overl
 generated at once (on-policy: the snapshot equals the weights).
 
 Costs: a second copy of the model's weights in memory, and on a CPU the two threads share the
-cores (measured in the README, `python scripts/bench.py async_rollouts`). Sampling draws from
+cores (docs/measurements/throughput.md, `python scripts/bench.py async_rollouts`). Sampling draws from
 torch's global generator in the background thread while the training thread draws nothing (no
-dropout), so a run repeats; the rules (workbench/config/rules.py) refuse it where a second
+dropout), so a run repeats; the rules (workbench/run/rules.py) refuse it where a second
 thread or copy cannot work: sharded weights (FSDP2, ZeRO-3: generation is a collective), more
 than one data-parallel rank (the thread's collectives would interleave with the training's),
 vLLM (its own engine), and a KL term in the reward (it reads the reference off the live model).

@@ -5,7 +5,7 @@
 
 Each turn, every episode still running asks the policy for one assistant turn (`sample`: token
 ids in, sampled ids out, end-of-turn stripped, as workbench/rollout/generate.py returns them),
-the turn is parsed for tool calls by the chat template's format (workbench/rollout/tools.py),
+the turn is parsed for tool calls by the chat template's format (workbench/envs/tools.py),
 and the environment (workbench/envs/base.py) answers it: tool results and/or messages, which
 are appended as context tokens rendered by the template (workbench/rollout/turns.py), or the
 end of the episode. An episode also ends when a turn is cut at max_new_tokens (nothing to
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from workbench.data.chat import IGNORE
 from workbench.envs.base import Turn, answered_after_tool, final_answer
+from workbench.rollout import rewards
 from workbench.train.distributed import all_max
 
 # (token ids of each running episode, first turn?) -> one sampled turn per episode
@@ -141,8 +142,6 @@ def score(fns, episodes: list[Episode], max_new_tokens: int, step: int | None = 
     """(per-function rewards (episodes x functions), final-turn texts): each reward function sees
     the whole conversation (`conversations`), the environment's own reward (`env_reward`), the
     final turn (`completions`, `completion_ids`) and the prompt rows' columns."""
-    from workbench.rollout import rewards
-
     texts = [e.messages[-1]["content"] if e.messages[-1]["role"] == "assistant" else "" for e in episodes]
     cols = sorted({k for e in episodes for k in e.row if k not in ("prompt", "_where")})
     per_fn = rewards.score(fns, [e.row["prompt"] for e in episodes], texts, [e.last_ids for e in episodes],

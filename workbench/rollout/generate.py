@@ -40,7 +40,9 @@ from __future__ import annotations
 import torch
 
 from workbench.data.chat import prompt_ids
+from workbench.peft.lora import base_model
 from workbench.train import noise
+from workbench.train.batch import Forward
 
 
 def gumbel_max(rows: list[tuple] | None = None):
@@ -83,7 +85,6 @@ def _keeps_logits(model) -> bool:
     """Whether the causal LM's forward takes `logits_to_keep` (HF generate asks the same)."""
     import inspect
 
-    from workbench.peft.lora import base_model
 
     return "logits_to_keep" in inspect.signature(base_model(model).forward).parameters
 
@@ -109,8 +110,6 @@ def _forward_passes(distinct: int | None, width: int, rows: int, generated: int,
     last position (keep_one) or on all of them, then one decode step per generated token after
     the first, each row attending to the prompt and the tokens so far. On the shared path the
     first "decode" step is the prompts' last token."""
-    from workbench.train.batch import Forward
-
     if distinct is not None:
         prefill = Forward(distinct, width - 1, width - 1, distinct * (1 if keep_one else width - 1))
         return [prefill] + [Forward(rows, 1, width + t, rows) for t in range(generated)]

@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 
 from workbench.core.errors import UserError
+from workbench.data import pair_tree
+from workbench.data.chat import IGNORE, setup_tokenizer, tokenize_chats
 
 
 def model_dir(path) -> Path:
@@ -83,7 +85,6 @@ def _load(directory: str, device: str):
     training rollouts and the `reward` evaluation resolve the reward separately and share these."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from workbench.data.chat import setup_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     contract = setup_tokenizer(tokenizer)
@@ -123,8 +124,6 @@ class ModelReward:
 
     def encode(self, prompts: list, completions: list[str]) -> list[list[int]]:
         """Token ids of each prompt + completion as method=rm tokenised its pairs."""
-        from workbench.data.chat import tokenize_chats
-
         convs = [list(p) + [{"role": "assistant", "content": c}] for p, c in zip(prompts, completions)]
         return [ids for ids, _labels in tokenize_chats(self.tokenizer, convs, self.contract, "assistant")]
 
@@ -156,9 +155,6 @@ class ModelReward:
     def tree_scores(self, prompts, seqs: list[list[int]]) -> list[float]:
         """One row per prompt (its completions as branches), the score head at the position the
         classifier reads: each sequence's last token that is not the pad token."""
-        from workbench.data.chat import IGNORE
-        from workbench.data.pair_tree import branch_batch, columns
-
         pad = self.model.config.pad_token_id
         groups: dict[str, list[int]] = {}  # prompt -> indices of its completions, in first-seen order
         for i, p in enumerate(prompts):
@@ -166,13 +162,13 @@ class ModelReward:
         out = [0.0] * len(seqs)
         for chunk in _fill(list(groups.values()), self.batch_size):
             order = [i for g in chunk for i in g]
-            tree = branch_batch([[(seqs[i], [IGNORE] * len(seqs[i])) for i in g] for g in chunk], pad)
+            tree = pair_tree.branch_batch([[(seqs[i], [IGNORE] * len(seqs[i])) for i in g] for g in chunk], pad)
             read = [max((t for t, tok in enumerate(seqs[i]) if tok != pad), default=0) for i in order]
             hidden = self.model.model(input_ids=tree["input_ids"].to(self.device),
                                       attention_mask=tree["attention_mask"].to(self.device),
                                       position_ids=tree["position_ids"].to(self.device),
                                       use_cache=False).last_hidden_state
-            scores = self.model.score(hidden[tree["seq_row"].to(self.device), columns(tree, read).to(self.device)])
+            scores = self.model.score(hidden[tree["seq_row"].to(self.device), pair_tree.columns(tree, read).to(self.device)])
             for i, v in zip(order, scores[:, 0].float().cpu().tolist()):
                 out[i] = v
         return out
@@ -193,8 +189,7 @@ def tree_unsupported(model, seq_len: int) -> str | None:
     """Why this classifier scores right-padded rows instead of one row per prompt (None: it need not)."""
     from torch import nn
 
-    from workbench.data.pair_tree import config_unsupported
 
     if not (isinstance(getattr(model, "model", None), nn.Module) and isinstance(getattr(model, "score", None), nn.Linear)):
         return f"{type(model).__name__} has no decoder at .model and linear .score"
-    return config_unsupported(model.config, seq_len)
+    return pair_tree.config_unsupported(model.config, seq_len)

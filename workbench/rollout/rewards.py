@@ -30,9 +30,11 @@ import torch
 
 from workbench.core import heartbeat
 from workbench.core.errors import UserError
+from workbench.core.imports import user_function
 from workbench.core.limits import UserCodeTimeout, call_with_limit
 from workbench.data import arith
 from workbench.envs import rewards as episode_rewards
+from workbench.rollout.reward_model import ModelReward
 
 _NUMBER = re.compile(r"-?\d+")
 
@@ -46,7 +48,7 @@ def arith_close(completions, answer, **_) -> list[float]:
     """Partial credit that needs the right magnitude: for a bare integer x, max(0, 1 - |x - a| / |a|)
     against the expected number a (1.0 when exact, 0.5 when half the answer away); 0.0 for
     anything else. A bare number of the wrong size earns about nothing, so a policy cannot settle
-    on one-digit answers for a format bonus (reward=arith_format can: see README, GRPO)."""
+    on one-digit answers for a format bonus (reward=arith_format can: docs/measurements/learning.md)."""
     out = []
     for c, a in zip(completions, answer):
         c, a = c.strip(), int(a)
@@ -59,7 +61,7 @@ def arith_digits(completions, answer, **_) -> list[float]:
     number, the share of its digits that equal the answer's, position by position (1.0 when
     exact); 0.0 for anything else. A number of the wrong length earns nothing, so a policy cannot
     settle on one-digit answers for a format bonus, and every right digit is worth the same
-    (GRPO's default with arith_exact, conf/reward/arith_digits.yaml; README, GRPO)."""
+    (GRPO's default with arith_exact, conf/reward/arith_digits.yaml; docs/measurements/learning.md)."""
     out = []
     for c, a in zip(completions, answer):
         c, a = c.strip(), str(int(a))
@@ -103,7 +105,6 @@ class RewardFn:
 
 def _lookup(name: str, spec) -> Callable:
     if name == "model":  # a reward model directory, checked now; its weights load at the first call
-        from workbench.rollout.reward_model import ModelReward
 
         return ModelReward.from_spec(spec)
     if name in REGISTRY:
@@ -111,7 +112,6 @@ def _lookup(name: str, spec) -> Callable:
     if ":" not in name:
         raise UserError(f"reward: unknown reward function {name!r}; built-ins are {sorted(REGISTRY)} and 'model', "
                         "or name your own as 'package.module:function'")
-    from workbench.core.imports import user_function
 
     return user_function(name, "reward")
 

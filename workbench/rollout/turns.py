@@ -18,7 +18,7 @@ them (Qwen3 strips reasoning from earlier assistant turns) cannot change what wa
 
 Tools reach the model as the template says: through `tools=` when the template renders them;
 otherwise (SmolLM2's template ignores `tools=`) as a system message written by
-workbench/rollout/tools.py `describe`. Tool results are `role: tool` messages; a template that
+workbench/envs/tools.py `describe`. Tool results are `role: tool` messages; a template that
 does not render that role (it raises, or drops the content) gets them as user messages starting
 with `Tool result (<name>):`, and `tool_role` says which was chosen.
 
@@ -34,7 +34,7 @@ returns a note instead of an error (training follows the tokens as sampled).
 from __future__ import annotations
 
 from workbench.core.errors import UserError
-from workbench.rollout import tools as tool_fmt
+from workbench.envs import tools as tool_fmt
 
 _STAND_IN = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
 

@@ -30,6 +30,10 @@ from pathlib import Path
 
 import torch
 
+from workbench.data.chat import prompt_ids
+from workbench.models.load import load_model, materialise, resolve
+from workbench.peft.lora import base_model
+
 PROBE = [{"role": "user", "content": "What is 12 + 30? Answer with the number only."},
          {"role": "assistant", "content": "42"}]
 
@@ -65,8 +69,6 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     The training model is not modified (merge/unmerge in place would drift a bf16 base a
     little on every step)."""
-    from workbench.peft.lora import base_model
-
     lm = base_model(model)
     out: dict[str, torch.Tensor] = {}
     lora_layers = {}
@@ -112,8 +114,6 @@ def layer_checksum(named: dict[str, torch.Tensor] | list, dtype=torch.bfloat16) 
 @torch.no_grad()
 def hf_prompt_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
     """log p(ids[i] | ids[:i]) for i >= 1 under the training model."""
-    from workbench.peft.lora import base_model
-
     lm = base_model(model)
     was = lm.training
     lm.eval()
@@ -186,8 +186,6 @@ class VLLMEngine:
         """Completion ids, grouped per prompt: prompt 0's generations, then prompt 1's, ...
 
         End-of-turn and anything after it are stripped, as in rollout.generate."""
-        from workbench.data.chat import prompt_ids
-
         self.wake()
         prompts = [prompt_ids(self.tokenizer, c) for c in conversations]
         eot, pad = self.contract.end_of_turn_id, self.tokenizer.pad_token_id
@@ -225,8 +223,6 @@ def _probe_ids(tokenizer) -> list[int]:
 
 def _weights_dir(cfg, tokenizer) -> str:
     """A directory vLLM can load: the resolved weights, or the tiny model saved once."""
-    from workbench.models.load import load_model, materialise, resolve
-
     res = materialise(cfg.model, resolve(cfg.model))
     if res.kind != "tiny":
         return res.path

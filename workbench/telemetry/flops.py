@@ -65,7 +65,7 @@ class FlopCount:
     # -- building ------------------------------------------------------------------------
     @classmethod
     def from_model(cls, model: nn.Module, run=None) -> FlopCount:
-        """Walk the (PEFT-wrapped) model once; the resolved `run` (workbench/config/resolved.py) adds the
+        """Walk the (PEFT-wrapped) model once; the resolved `run` (workbench/run/resolved.py) adds the
         method's reference passes and the backend's model-parallel degree."""
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
@@ -114,7 +114,8 @@ class FlopCount:
         if run is not None:
             count.ref_weights = _reference_weights(run.reference, blocks, trainable)
             count.model_parallel = run.layout.tp * run.layout.pp
-            count.head_everywhere |= run.cfg.backend.name == "megatron"  # its head projects every position
+            # a backend whose output layer projects every position (Megatron's GPTModel)
+            count.head_everywhere |= run.backend_facts.head_every_position
         return count
 
     # -- counting ------------------------------------------------------------------------

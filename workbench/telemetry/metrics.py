@@ -20,6 +20,9 @@ from pathlib import Path
 from rich.console import Console
 
 from workbench.core.secrets import redact, scrub_text, secret_values
+from workbench.plan.speed import cost_per_million_tokens
+from workbench.telemetry import trackers
+from workbench.telemetry.flops import FlopCount
 from workbench.telemetry.progress import Progress
 
 _console = Console(stderr=True, highlight=False)
@@ -43,8 +46,6 @@ class Tracker:
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if cfg is not None and cfg.get("tracker"):
-                from workbench.telemetry import trackers
-
                 self.sinks = trackers.start(cfg, Path(run_dir), self.console)
                 if self.sinks:  # a run that dies still closes its trackers (files flushed, runs ended)
                     atexit.register(self.finish)
@@ -123,8 +124,6 @@ def format_row(row: dict) -> str:
 
 def usd_per_million_tokens(tokens_per_s: float, devices: int, price_per_hour: float) -> float:
     """Dollars per million trained tokens at this throughput on `devices` priced per device-hour."""
-    from workbench.plan.speed import cost_per_million_tokens
-
     return cost_per_million_tokens(tokens_per_s, devices, price_per_hour)
 
 
@@ -139,6 +138,4 @@ def throughput(count, batch, seconds: float, peak: float, ranks: int) -> dict:
 def flops_per_token(model, seq_len: int, head_fraction: float = 1.0, run=None) -> float:
     """Training FLOPs per position of `model` at `seq_len`, the LM head on `head_fraction` of the
     positions; the accounting of workbench/telemetry/flops.py (the runner counts each step's batch)."""
-    from workbench.telemetry.flops import FlopCount
-
     return FlopCount.from_model(model, run).per_token(seq_len, head_fraction)

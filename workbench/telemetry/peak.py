@@ -19,6 +19,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from workbench.core import cache
+from workbench.plan.catalog import peak_tflops
+
 _PEAK: dict = {}
 
 
@@ -26,8 +29,6 @@ def peak_flops(hw, pol, device: str) -> tuple[float, str]:
     """(FLOP/s of one device, where the figure comes from): the datasheet of the hardware
     profile when it has one for this device, else the measured matmul peak."""
     if device != "cpu" and hw is not None and hw.bf16_tflops:
-        from workbench.plan.catalog import peak_tflops
-
         return peak_tflops(hw, pol.name) * 1e12, f"datasheet ({hw.accelerator or hw.name})"
     return measured_peak_flops(device, pol), "measured matmul"
 
@@ -49,8 +50,6 @@ def measured_peak_flops(device: str, pol) -> float:
     """Dense matmul FLOP/s of this device in the policy's compute dtype, kept per machine
     (device model, dtype, threads) in $WORKBENCH_CACHE/peak_flops.json and re-measured when the
     kept value is implausible."""
-    from workbench.core import cache
-
     dtype = pol.compute_dtype
     threads = torch.get_num_threads() if device == "cpu" else 0
     prefix = f"{device_name(device)}|{dtype}|"

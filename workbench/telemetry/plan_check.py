@@ -5,7 +5,7 @@ rank, the peak memory of a device (CUDA: the allocator's max allocated; CPU: the
 process's resident set from just before the model was built to its high-water mark), the median
 step time and tokens/s (the first step left out: it compiles and touches memory for the first
 time), and compares them with the planner's prediction for exactly this run on its hardware
-(workbench/plan/make.py; tokens/s at `plan.mfu` of the device's peak, the peak the run's MFU is
+(workbench/run/plan.py; tokens/s at `plan.mfu` of the device's peak, the peak the run's MFU is
 taken against). One console line, `plan_check` in results.json and a table in report.md; a
 figure off by more than `TOLERANCE` is named in a warning.
 
@@ -21,17 +21,29 @@ import statistics
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from workbench.core import cache
+from workbench.plan.speed import Rollout
+from workbench.telemetry.peak import device_name
+
 TOLERANCE = 0.20  # the issue's bar: a prediction more than 20% off is worth a warning
 FILE = "plan_calibration.json"
 
 
 class Shapes:
-    """The longest row and the share of positions with a loss over the steps seen so far."""
+    """The longest row and the share of positions with a loss over the steps seen so far; for a
+    method that trains on rollouts also the prompts and completions it trained on and what its
+    rollouts generated (the decode steps, with dynamic sampling's refills, and their rows)."""
 
     def __init__(self):
         self.longest, self.selected, self.positions = 0, 0, 0
+        self.steps, self.prompt, self.completions, self.completion_tokens = 0, 0, 0, 0
+        self.prefill, self.decodes, self.decode_rows, self.calls = 0, 0, 0, 0
+        self._last = None
 
     def update(self, batch) -> None:
+        self.steps += 1
         for micro in batch.micro:
             ids, select = micro.get("input_ids"), micro.get("select")
             if ids is None:
@@ -39,14 +51,41 @@ class Shapes:
             self.longest = max(self.longest, int(ids.shape[-1]))
             self.positions += int(ids.numel())
             self.selected += int(select.sum()) if select is not None else int(ids.numel())
+            n_tokens = micro.get("n_tokens")
+            if n_tokens is not None and select is not None:
+                # a row's first target is read at its prompt's last position
+                first = select.float().argmax(dim=-1)
+                self.prompt = max(self.prompt, int(first.max()) + 1)
+                self.completions += int(n_tokens.numel())
+                self.completion_tokens += int(n_tokens.sum())
+        passes = getattr(batch, "forward_passes", None) or []
+        if batch is self._last:  # a rollout reused for num_iterations steps was generated once
+            return
+        self._last = batch
+        for i, p in enumerate(passes):
+            if p.seq == 1:
+                self.decodes += 1
+                self.decode_rows += p.rows
+            elif i + 1 < len(passes) and passes[i + 1].seq == 1:  # a generate call's prefill
+                self.prefill += p.rows * p.seq
+                self.calls += 1
+
+    def rollout(self):
+        """What a rank generated per optimizer step, for the planner (None: nothing seen)."""
+        if not self.steps or not self.decodes:
+            return None
+        return Rollout(prefill_tokens=self.prefill / self.steps, decode_steps=self.decodes / self.steps,
+                       rows=self.decode_rows / self.decodes, calls=self.calls / self.steps)
 
     def config(self, cfg, generates: bool):
-        """`cfg` with data.seq_len and plan.select_fraction as the run had them (a generating
-        method's rows hold completions the planner adds itself: its seq_len stays)."""
-        from omegaconf import OmegaConf
-
+        """`cfg` with data.seq_len and plan.select_fraction as the run had them; a method that
+        trains on rollouts with its longest prompt as data.seq_len and its mean completion
+        (end-of-turn included) as method.max_new_tokens, the tokens it trained on."""
         out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-        if self.longest and not generates:
+        if generates and self.completions and OmegaConf.select(out, "method.num_generations") is not None:
+            out.data.seq_len = self.prompt
+            out.method.max_new_tokens = max(1, round(self.completion_tokens / self.completions))
+        elif self.longest and not generates:
             out.data.seq_len = self.longest
         if self.positions:
             out.plan.select_fraction = self.selected / self.positions
@@ -124,15 +163,11 @@ def step_figures(rows: list[dict]) -> dict:
 def hardware_key(hw, precision: str, model: str) -> str:
     """Ratios hold for one model on one hardware: a tiny model's memory ratio says nothing
     about a 7B's, so each model gets its own entry."""
-    from workbench.telemetry.peak import device_name
-
     return f"{hw.name}|{device_name(hw.device)}|{precision}|{model}"
 
 
 def store(hw, precision: str, model: str, check: dict, run_dir) -> dict:
     """Keep measured/predicted for this hardware (plan.calibrate=true); returns the entry."""
-    from workbench.core import cache
-
     entry = {key: f["ratio"] for key, f in check["figures"].items()}
     entry.update(run=str(run_dir), time=time.strftime("%Y-%m-%d %H:%M"))
     path = table_path()
@@ -151,8 +186,6 @@ def calibration(hw, precision: str, model: str) -> dict | None:
 
 
 def table_path() -> Path:
-    from workbench.core import cache
-
     return cache.root() / FILE
 
 

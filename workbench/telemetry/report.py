@@ -114,7 +114,7 @@ def _plan_check(check: dict | None) -> list[str]:
 
 
 def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
-    """`run`: the resolved run (workbench/config/resolved.py)."""
+    """`run`: the resolved run (workbench/run/resolved.py)."""
     cfg = run.cfg
     run_dir = Path(run_dir)
     losses = results.get("losses") or []

@@ -27,6 +27,9 @@ import os
 import time
 from pathlib import Path
 
+from workbench.core.imports import import_without_incidentals
+from workbench.core.secrets import redact, secret_values
+
 INSTALL = {"wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio", "tensorboard": "tensorboard"}
 
 
@@ -39,8 +42,6 @@ class TensorBoardSink:
     name = "tensorboard"
 
     def __init__(self, opts, run_dir: Path, config: dict):
-        from workbench.core.imports import import_without_incidentals
-
         SummaryWriter = import_without_incidentals("torch.utils.tensorboard").SummaryWriter  # noqa: N806
 
         self.dir = run_dir / opts.dir
@@ -152,7 +153,6 @@ def start(cfg, run_dir: Path, say) -> list:
     """Start every chosen tracker; one that fails is reported by `say` in one line and skipped."""
     from omegaconf import OmegaConf
 
-    from workbench.core.secrets import redact, secret_values
 
     chosen = {k: v for k, v in (cfg.get("tracker") or {}).items() if v is not None}
     if not chosen:

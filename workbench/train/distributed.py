@@ -4,6 +4,13 @@ sharding backend runs on one.
     rank, world = init_distributed("cpu")     # from torchrun's environment; (0, 1) without one
     ensure_process_group("cpu")               # FSDP2 / Megatron on a single process need a group too
 
+Numbers every rank must agree on (loss denominators, logged sums, "did any rank see a fault")
+are reduced through one helper, a no-op on one process:
+
+    reduce_scalar(denom)                      # summed over ranks, float64; op="max" | "min" | "mean"
+    reduce_scalar(x, group=dp_group)          # over one Megatron-Core group
+    all_max(peak), any_rank(bad, device)
+
 Before a run is resolved (the launch side, data read while validating), what the launcher said
 and what the config asks for are read through here:
 
@@ -13,7 +20,7 @@ and what the config asks for are read through here:
     launched_here()                           # a worker of workbench/launch/torchrun.py
 
 A resolved run reads its layout instead (`ctx.run.layout`: rank, world, dp, dp_rank, is_main),
-which workbench/config/run.py builds from these.
+which workbench/run/derive.py builds from these.
 """
 
 from __future__ import annotations
@@ -94,10 +101,33 @@ def ensure_process_group(device: str, timeout_minutes: int = 30) -> None:
                             world_size=1, timeout=timedelta(minutes=timeout_minutes))
 
 
+def reduce_scalar(value, op: str = "sum", group=None, device=None, dtype: torch.dtype | None = torch.float64):
+    """`value` (a number, or a sequence of numbers reduced in one collective) combined by `op`
+    (sum | max | min | mean) over the ranks of `group` (None: all ranks). Returns Python numbers
+    (a list for a sequence); `value` unchanged without a process group or with one rank in it.
+
+    `dtype` (None: torch's default) is the arithmetic's: float64 (the default) adds per-rank
+    sums without float32 rounding; integer dtypes give ints back. `device` (None: torch's
+    default) is where the tensor lives for the collective: NCCL reduces CUDA tensors only,
+    gloo CPU ones."""
+    if op not in ("sum", "max", "min", "mean"):
+        raise ValueError(f"reduce_scalar: op={op!r} is not one of sum, max, min, mean")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return value
+    many = isinstance(value, (list, tuple))
+    t = torch.tensor(list(value) if many else [value], dtype=dtype, device=device)
+    # mean is a sum divided here: ReduceOp.AVG is NCCL's only
+    dist.all_reduce(t, op=getattr(dist.ReduceOp, "SUM" if op == "mean" else op.upper()), group=group)
+    if op == "mean":
+        t = t / dist.get_world_size(group)
+    return t.tolist() if many else t.item()
+
+
 def all_max(value: float) -> float:
     """The largest value over ranks (the value itself without a process group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return reduce_scalar(value, "max")
+
+
+def any_rank(flag: bool, device=None) -> bool:
+    """True when `flag` is true on any rank (`flag` itself without a process group)."""
+    return bool(reduce_scalar(1.0 if flag else 0.0, "max", device=device, dtype=None) > 0)

@@ -31,10 +31,11 @@ import sys
 import threading
 
 import torch
-import torch.distributed as dist
 
 from workbench.core import heartbeat
 from workbench.core.errors import UserError
+from workbench.train import checkpoint
+from workbench.train.distributed import any_rank
 
 PREEMPTED_EXIT = 75  # checkpoint written; relaunch to continue (EX_TEMPFAIL)
 
@@ -49,7 +50,6 @@ def check_config(cfg) -> None:
     hold a run."""
     from pathlib import Path
 
-    from workbench.train import checkpoint
 
     for key in ("max_bad_steps", "checkpoint_every", "keep_checkpoints"):
         if cfg.train[key] < 0:
@@ -62,15 +62,6 @@ def check_config(cfg) -> None:
     parent = next((p for p in (out, *out.parents) if p.exists()), None)
     if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"output_dir={out}: {parent} is not writable")
-
-
-def _any_rank(flag: bool, device: str) -> bool:
-    """True when `flag` is true on any rank (one small all-reduce; free on one process)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
 
 
 def _grads_finite(optimizer) -> bool:
@@ -132,7 +123,7 @@ class Guard:
 
     def stop_requested(self) -> bool:
         """Collective under several ranks: whether any rank was signalled."""
-        return _any_rank(self.signal is not None, self.device)
+        return any_rank(self.signal is not None, self.device)
 
     def exit_preempted(self, step: int, ckpt) -> None:
         self.uninstall()
@@ -164,7 +155,7 @@ class Guard:
         bad = not math.isfinite(m["loss"])
         if self.can_skip and not bad:
             bad = not _grads_finite(backend.optimizer)
-        if _any_rank(bad, self.device):  # every rank skips (or stops) together
+        if any_rank(bad, self.device):  # every rank skips (or stops) together
             why = f"loss={m['loss']}" if not math.isfinite(m["loss"]) else "non-finite gradients"
             if not self.can_skip:
                 self.bad_steps += 1

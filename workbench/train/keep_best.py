@@ -14,11 +14,15 @@ it, and a resumed run reads best.json and goes on comparing. `train.export_best=
 the best weights instead of the last ones.
 
 The copy needs the step's checkpoint on disk, so evaluations must fall on checkpoint steps
-(eval.every_n_steps a multiple of train.checkpoint_every); `check` says so before training.
+(eval.every_n_steps a multiple of train.checkpoint_every); `check` says so before training, and
+that the metric is one the configured tasks report (preflight hands it what they report:
+workbench/evals/hooks.py `metrics`), so a misspelt name stops the run before weights load rather
+than at its first evaluation.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import shutil
 from pathlib import Path
@@ -40,8 +44,10 @@ def mode_of(name: str, mode: str) -> str:
     return "min" if any(w in name.rsplit("/", 1)[-1] for w in LOWER_IS_BETTER) else "max"
 
 
-def check(cfg) -> None:
-    """Preflight: the metric comes from an evaluated task and evaluations fall on checkpoints."""
+def check(cfg, reported: dict[str, tuple[str, ...] | None]) -> None:
+    """Preflight: the metric is one an evaluated task reports and evaluations fall on checkpoints.
+    `reported`: each task's metric names by its key name, None where they are known only when the
+    task runs (workbench/evals/hooks.py `metrics`)."""
     t = cfg.train
     if not t.keep_best:
         if t.export_best:
@@ -49,15 +55,28 @@ def check(cfg) -> None:
         return
     if t.keep_best_mode not in ("auto", "min", "max"):
         raise UserError(f"train.keep_best_mode={t.keep_best_mode!r} must be auto, min or max")
-    key = metric_key(t.keep_best)
-    parts = key.split("/")
-    tasks = {x.rsplit(":", 1)[-1]: x for x in cfg.eval.tasks}
-    if len(parts) != 3 or parts[1] not in tasks:
-        raise UserError(f"train.keep_best={t.keep_best!r}: name a metric as <task>/<metric> of a task in "
-                        f"eval.tasks={list(cfg.eval.tasks)} (e.g. loss/loss, preference/accuracy)")
+    check_metric(t.keep_best, list(cfg.eval.tasks), reported)
     if cfg.eval.every_n_steps and (not t.checkpoint_every or cfg.eval.every_n_steps % t.checkpoint_every):
         raise UserError(f"train.keep_best copies the checkpoint of the evaluated step: make eval.every_n_steps "
                         f"({cfg.eval.every_n_steps}) a multiple of train.checkpoint_every ({t.checkpoint_every})")
+
+
+def check_metric(name: str, tasks: list, reported: dict[str, tuple[str, ...] | None]) -> None:
+    """UserError unless `name` (<task>/<metric>, `eval/` optional) is a metric `reported` lists,
+    naming the ones there are and the closest."""
+    wanted = metric_key(name)[len("eval/"):]
+    task, _, metric = wanted.partition("/")
+    if task in reported and metric and (reported[task] is None or metric in reported[task]):
+        return
+    if not tasks:
+        raise UserError(f"train.keep_best={name!r}: eval.tasks=[] evaluates nothing; add the task that reports "
+                        "it (e.g. eval.tasks=[loss] with data.eval_split, or your own module:function)")
+    known = [f"{k}/{m}" for k, ms in reported.items() if ms is not None for m in ms]
+    close = difflib.get_close_matches(wanted, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}? " if close else ""
+    anything = [f"{k}/<metric>" for k, ms in reported.items() if ms is None]  # known when the hook runs
+    raise UserError(f"train.keep_best={name!r}: no task in eval.tasks={tasks} reports that metric; {hint}"
+                    f"they report: {', '.join(known + anything)}")
 
 
 def best_dir(run_dir) -> Path | None:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from workbench.core.errors import missing_package
+from workbench.peft.lora import base_model
 
 CHOICES = ("none", "liger")
 # What kernels=liger patches into each decoder layer.
@@ -36,11 +37,10 @@ def require_liger():
 
 def apply(model: torch.nn.Module, name: str, device: str) -> dict:
     """Patch the model's layers in place; returns which kernels were applied. Which choices this
-    machine can run is a rule (workbench/config/rules.py: kernels-choice, liger-on-cpu, liger-needs-package)."""
+    machine can run is a rule (workbench/run/rules.py: kernels-choice, liger-on-cpu, liger-needs-package)."""
     if name == "none":
         return {}
     lt = require_liger()
-    from workbench.peft.lora import base_model
 
     target = base_model(model)
     lt._apply_liger_kernel_to_instance(model=target, **LIGER_PATCHES)

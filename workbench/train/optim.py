@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from workbench.core.errors import UserError
+
 
 def build_optimizer(params, cfg) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]
@@ -16,7 +18,6 @@ def build_optimizer(params, cfg) -> torch.optim.Optimizer:
                                  weight_decay=cfg.weight_decay)
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    from workbench.core.errors import UserError
 
     raise UserError(f"optim.name={cfg.name!r} is not one of adamw, sgd")
 

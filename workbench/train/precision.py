@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.core.errors import missing_package
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -59,7 +61,6 @@ def fp8_backend() -> str:
         return "torchao"
     if importlib.util.find_spec("transformer_engine") is not None:
         return "transformer_engine"
-    from workbench.core.errors import missing_package
 
     raise missing_package("torchao")
 
@@ -115,7 +116,7 @@ def spec(name: str) -> Policy:
 
 def policy(name: str) -> Policy:
     """The policy a run trains with. Whether this machine can run it (fp8 needs sm >= 8.9 and
-    torchao or Transformer Engine) is a rule in workbench/config/rules.py, checked before this."""
+    torchao or Transformer Engine) is a rule in workbench/run/rules.py, checked before this."""
     if name == "fp8":
         from dataclasses import replace
 

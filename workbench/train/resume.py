@@ -2,7 +2,8 @@
 it, and at what batch arithmetic. Everything here runs before any weights load.
 
     rec = resume.record_of(cfg.output_dir, cfg.train.resume)   # train.json of the resume point, or None
-    cfg = resume.keep_global_batch(cfg, rec, layout)           # train.grad_accum so the global batch stays
+    cfg = resume.keep_global_batch(cfg, rec, layout, step)     # train.grad_accum so the global batch stays
+                                                               # (step: the method's MethodSpec.batch)
     resume.check_identity(rec, resume.identity(cfg, run, tokenizer, contract))   # same model/adapter/tokenizer
 
 The data position is global (every rank draws the whole global batch, workbench/data/mixing.py),
@@ -50,24 +51,29 @@ def record_of(output_dir, mode: str) -> dict | None:
 
 # -- layouts ------------------------------------------------------------------------------------
 def layout_of(cfg, run) -> dict:
-    """The layout a checkpoint records: backend, ranks, parallel degrees, precision, batch."""
-    lay = run.layout
-    stage = int(pick(cfg, "backend.stage", 0)) if cfg.backend.name == "deepspeed" else None
-    return {"backend": cfg.backend.name, "world": lay.world, "dp": lay.dp, "tp": lay.tp, "pp": lay.pp,
-            "stage": stage, "precision": run.precision.name, "micro": run.batch.micro, "accum": run.batch.accum}
+    """The layout a checkpoint records: backend, how it spreads the model over ranks (from its
+    facts, run.backend_facts), ranks, parallel degrees, precision, batch."""
+    lay, facts = run.layout, run.backend_facts
+    stage = pick(cfg, "backend.stage", None)  # a backend with a stage option (DeepSpeed's ZeRO stage)
+    spread = "model" if facts.model_parallel else "replicated" if facts.shards_from_stage is None else "sharded"
+    return {"backend": cfg.backend.name, "spread": spread, "world": lay.world, "dp": lay.dp, "tp": lay.tp,
+            "pp": lay.pp, "stage": int(stage) if stage is not None else None, "precision": run.precision.name,
+            "micro": run.batch.micro, "accum": run.batch.accum}
 
 
 def describe(layout: dict) -> str:
-    """fsdp2x2, zero3x2, megatron tp2, single, ddp x2 (the notation of the README's moves table)."""
-    b, w = layout.get("backend", "?"), int(layout.get("world", 1))
-    if b == "deepspeed":
+    """fsdp2x2, zero3x2, megatron tp2, single, ddp x2 (the notation of docs/measurements/resume.md's moves table),
+    from the record alone: its ZeRO stage, or how its backend spreads the model (`spread`; a
+    record without it, from before the field or a legacy directory, is named by backend and size)."""
+    b, w, spread = layout.get("backend", "?"), int(layout.get("world", 1)), layout.get("spread")
+    if layout.get("stage") is not None:  # recorded by a backend with a stage option: ZeRO
         return f"zero{layout.get('stage')}x{w}"
-    if b == "megatron":
+    if spread == "model":
         parts = [f"tp{layout['tp']}" if layout.get("tp", 1) > 1 else "", f"pp{layout['pp']}" if layout.get("pp", 1) > 1
                  else "", f"dp{layout['dp']}" if layout.get("dp", 1) > 1 else ""]
-        return "megatron " + (" ".join(p for p in parts if p) or "x1")
-    if b == "single":
-        return "single" if w == 1 else f"ddp x{w}"
+        return f"{b} " + (" ".join(p for p in parts if p) or "x1")
+    if spread == "replicated" or (spread is None and w == 1):  # several processes: DDP replicas
+        return b if w == 1 else f"ddp x{w}"
     return f"{b}x{w}"
 
 
@@ -102,20 +108,38 @@ def nearest(size: int, micro: int, world: int, model_parallel: int = 1, group: i
     return near
 
 
-def keep_global_batch(cfg, rec: dict | None, lay):
+def _shape(step, cfg, micro: int, accum: int, dp: int):
+    """The method's step shape (`step`: its MethodSpec.batch) at this batch and layout, or None:
+    the method has none, or its options make no step there (its rule says why)."""
+    if step is None:
+        return None
+    try:
+        return step(cfg.method, micro, accum, dp)
+    except UserError:
+        return None
+
+
+def keep_global_batch(cfg, rec: dict | None, lay, step=None):
     """`cfg` itself, or a read-only copy whose train.grad_accum keeps the checkpoint's global batch
-    at this layout (`lay`: the resolved layout); a UserError when no grad_accum can."""
+    at this layout (`lay`: the resolved layout); a UserError when no grad_accum can. `step`: the
+    method's own step arithmetic, its MethodSpec.batch (GRPO: whole groups per data-parallel
+    rank, or method.prompts_per_step groups at any layout), which the resolving caller passes
+    (train/ reads no method registry); None: micro-batch x accumulation rows per rank."""
     if rec is None or rec.get("format") != canonical.FORMAT or not cfg.train.keep_global_batch:
         return cfg
-    if cfg.method.name == "grpo" and pick(cfg, "method.prompts_per_step", None) is not None:
-        return cfg  # the global batch is method.prompts_per_step groups at any layout
     size, micro = int(rec["global_batch"]), int(cfg.train.micro_batch_size)
+    w = rec.get("layout", {})
+    # the method's step as the checkpoint took it, else as configured here
+    shape = (_shape(step, cfg, int(w.get("micro", micro)), int(w.get("accum", cfg.train.grad_accum)),
+                    int(w.get("dp", 1)))
+             or _shape(step, cfg, micro, int(cfg.train.grad_accum), lay.dp))
+    if shape is not None and shape.fixed:
+        return cfg  # the global batch is the method's (method.prompts_per_step groups) at any layout
     if micro * int(cfg.train.grad_accum) * lay.dp == size:
         return cfg
-    group = int(pick(cfg, "method.num_generations", 1)) if cfg.method.name == "grpo" else 1
+    group = shape.group if shape is not None else 1
     accum = accum_for(size, micro, lay.world, lay.model_parallel, group)
     if accum is None:
-        w = rec.get("layout", {})
         near = nearest(size, micro, lay.world, lay.model_parallel, group)
         raise UserError(f"resuming {rec.get('name', 'the checkpoint')} (global batch {size} = {w.get('micro')} x "
                         f"{w.get('accum')} x {w.get('dp')} dp, written by {describe(w)}) at {lay.dp} data-parallel "

@@ -1,9 +1,11 @@
 """Preflight: the checks every run makes before anything heavy, and alone with dry_run=true.
 
 In order, cheapest first, all before any weights load:
-1. the resolved run (workbench/config/resolved.py), which checks the rule table (workbench/config/rules.py:
-   method x peft x backend x precision x hardware, GPU-only options, backend options), then the
-   eval tasks;
+1. the resolved run (workbench/run/resolved.py), which checks the rule table (workbench/run/rules.py:
+   method x peft x backend x precision x hardware, GPU-only options, backend options); then what
+   the run would otherwise find only after loading weights: GRPO's reward functions import (the
+   same `rewards.resolve` the method calls), the eval tasks exist and their hooks import, and
+   train.keep_best names a metric those tasks report (not merely at the first evaluation);
 2. the model on the meta device (one block, exact parameter counts; adapter targets exist);
 3. the plan (workbench/plan/): a run that cannot fit the configured hardware is refused here,
    with where it would fit, how many devices it needs, and time and cost;
@@ -22,12 +24,23 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from workbench.config import rules
-from workbench.config.resolved import resolve as resolve_run
 from workbench.core.errors import UserError
-from workbench.evals.hooks import check_tasks
+from workbench.data import chat, formats
+from workbench.data.preference import preference_row
+from workbench.data.readers import iter_rows
+from workbench.data.recipes import load_recipe
+from workbench.data.unpaired import unpaired_rows
+from workbench.envs.registry import load as load_env
+from workbench.evals import hooks
 from workbench.methods import registry
-from workbench.models.load import resolve
+from workbench.models.load import load_tokenizer, resolve
+from workbench.models.unsloth_loader import check_versions
+from workbench.plan.counts import count, probe
+from workbench.rollout import rewards
+from workbench.run import rules
+from workbench.run.plan import make_plan, refusal
+from workbench.run.resolved import resolve as resolve_run
+from workbench.train import keep_best, resume
 
 
 def _machine_checks_apply(cfg) -> bool:
@@ -38,8 +51,6 @@ def _machine_checks_apply(cfg) -> bool:
 def tokenizer(cfg) -> tuple:
     """The run's tokenizer and its chat contract, loaded once: preflight renders the first row
     with them and hands them to the runner (facts["tokenizer"])."""
-    from workbench.data import chat
-    from workbench.models.load import load_tokenizer
 
     tok = load_tokenizer(cfg.model)
     return tok, chat.setup_tokenizer(tok, cfg.data.chat_template)
@@ -47,9 +58,6 @@ def tokenizer(cfg) -> tuple:
 
 def data_sample(cfg, tokenizer, contract) -> dict:
     """Render the first row of the run's data through the template and the loss mask."""
-    from workbench.data import chat, formats
-    from workbench.data.readers import iter_rows
-    from workbench.data.recipes import load_recipe
 
     src = load_recipe(cfg.data.recipe).sources[0]
     try:
@@ -58,12 +66,10 @@ def data_sample(cfg, tokenizer, contract) -> dict:
         raise UserError(f"{src.label}: the data source is empty") from None
     shape = registry.spec(cfg.method.name).facts.data
     if shape == "preference":
-        from workbench.data.preference import preference_row
 
         prompt, chosen, _rejected = preference_row(row, where)
         ids, labels = chat.tokenize_chat(tokenizer, prompt + chosen, contract)
     elif shape == "unpaired":  # (prompt, completion, label) rows, or pairs split into two such rows
-        from workbench.data.unpaired import unpaired_rows
 
         prompt, completion, _label = unpaired_rows(row, where)[0]
         ids, labels = chat.tokenize_chat(tokenizer, prompt + completion, contract)
@@ -92,24 +98,21 @@ def data_sample(cfg, tokenizer, contract) -> dict:
 
 def check(cfg, env: rules.Env | None = None) -> dict:
     """Raise UserError on the first problem; return facts found on the way (and the plan)."""
-    from workbench.plan.counts import count, probe
-    from workbench.plan.make import make_plan, refusal
 
     here = _machine_checks_apply(cfg)
     run = resolve_run(cfg, planning=not here, env=env)  # the rule table; machine rules warn when planning
     warnings = list(run.warnings)
     if here and cfg.model.loader == "unsloth":
-        from workbench.models.unsloth_loader import check_versions
 
         check_versions()
-    check_tasks(cfg.eval.tasks, cfg)  # names, user hooks importable, held-out data for loss/preference/reward
+    if registry.spec(cfg.method.name).facts.data == "prompts":  # GRPO scores rollouts with cfg.reward
+        rewards.resolve(cfg.reward)  # as the method does when it is built: built-ins known, user functions import
+    hooks.check_tasks(cfg.eval.tasks, cfg)  # names, user hooks importable, held-out data for loss/preference/reward
     if cfg.get("env") is not None:  # env=<name>: a known environment with valid tool schemas (workbench/envs/)
-        from workbench.envs.registry import load as load_env
 
         load_env(cfg.env)
-    from workbench.train import keep_best as best
-
-    best.check(cfg)  # train.keep_best names an evaluated metric; evaluations fall on checkpoints
+    # train.keep_best names a metric the tasks report; evaluations fall on checkpoints
+    keep_best.check(cfg, hooks.metrics(cfg.eval.tasks, cfg))
 
     counts = count(probe(cfg.model), cfg.model.arch, cfg.peft)  # meta device; checks adapter targets
     # A run that fits here needs no other profile; the rest of the catalog is read for dry runs
@@ -138,7 +141,6 @@ def check(cfg, env: rules.Env | None = None) -> dict:
             warnings.append(str(exc))
     else:
         warnings.append(f"data sample not rendered: model={cfg.model.name}'s tokenizer is not on this machine")
-    from workbench.train import resume
 
     rec = resume.record_of(cfg.output_dir, cfg.train.resume)
     if rec is not None and "tokenizer" in facts:

@@ -1,6 +1,6 @@
 """The run, derived: every decision the validated config implies, made once.
 
-    from workbench.config.resolved import resolve
+    from workbench.run.resolved import resolve
     run = resolve(cfg)        # cfg from config.validate(); refuses a broken combination (rules.py)
     run = derive(cfg)         # the same facts without the rules (the planner sizes anything)
     run.precision.compute_dtype, run.load_dtype, run.export_dtype
@@ -21,9 +21,13 @@ from dataclasses import dataclass, replace
 import torch
 from omegaconf import DictConfig
 
+from workbench.backends import registry as backends
+from workbench.backends.spec import BackendFacts
+from workbench.core.errors import UserError
 from workbench.methods import registry
 from workbench.methods.spec import MethodFacts
-from workbench.train import distributed, precision
+from workbench.train import precision
+from workbench.train.layout import Layout, layout
 
 REFERENCES = ("none", "adapter", "copy", "precomputed")
 
@@ -44,34 +48,6 @@ class Peft:
     @property
     def dora(self) -> bool:
         return self.kind == "dora"
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Ranks and parallel degrees. Megatron orders ranks tensor-fastest, then context, then data,
-    then pipeline, so the data-parallel rank of global rank r is (r // (tp * cp)) % dp."""
-
-    rank: int = 0
-    world: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-
-    @property
-    def model_parallel(self) -> int:
-        return self.tp * self.pp * self.cp
-
-    @property
-    def dp(self) -> int:
-        return max(1, self.world // self.model_parallel)
-
-    @property
-    def dp_rank(self) -> int:
-        return (self.rank // (self.tp * self.cp)) % self.dp
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 @dataclass(frozen=True)
@@ -121,10 +97,16 @@ class Run:
         return torch.float32 if self.precision.name == "fp32" else torch.bfloat16
 
     @property
+    def backend_facts(self) -> BackendFacts:
+        """What the backend is (workbench/backends/spec.py), as `facts` is what the method needs;
+        modules below the registries (FLOP counting, resume) read it here."""
+        return backends.spec(self.cfg.backend.name).facts
+
+    @property
     def pad_free(self) -> bool:
-        """SFT micro-batches may be packed padding-free (data.pad_free), except under Megatron,
-        whose RoPE takes positions 0..T-1 only (packed rows restart them per example)."""
-        return bool(self.cfg.data.get("pad_free", False)) and self.cfg.backend.name != "megatron"
+        """SFT micro-batches may be packed padding-free (data.pad_free), except under a backend
+        whose RoPE takes positions 0..T-1 only (Megatron; packed rows restart them per example)."""
+        return bool(self.cfg.data.get("pad_free", False)) and not self.backend_facts.fixed_positions
 
     @property
     def keeps_hf_base(self) -> bool:
@@ -134,7 +116,7 @@ class Run:
         adapter-free Megatron model or none), the HF model keeps only its trainable tensors, and
         evaluation and export rebuild the base from its source on rank 0 (on the CPU), as the
         sharding backends do. A full fine-tune keeps it: export reads the weights bridged back."""
-        return not (self.cfg.backend.name == "megatron" and self.peft.adapter and not self.facts.generates
+        return not (self.backend_facts.bridges_hf_model and self.peft.adapter and not self.facts.generates
                     and self.reference in ("none", "adapter"))
 
     @property
@@ -171,10 +153,11 @@ def _backend(cfg) -> DictConfig | None:
 
 
 def sharded(cfg) -> bool:
-    """Whether the backend shards parameters (FSDP2, ZeRO-3)."""
+    """Whether the backend shards parameters (FSDP2, ZeRO-3): its facts say from which stage
+    (backend.stage, or the backend's default stage where its options have none)."""
     b = _backend(cfg)
-    name = b.name if b is not None else "single"
-    return name == "fsdp2" or (name == "deepspeed" and int(b.get("stage", 0)) == 3)
+    facts = backends.spec(b.name if b is not None else "single").facts
+    return facts.shards(b.get("stage") if b is not None else None)  # the planner reads the same rule
 
 
 def reference(cfg) -> str:
@@ -209,18 +192,6 @@ def precision_name(cfg) -> str:
     return precision.choose(cfg.hardware.device)[0] if name == "auto" else name
 
 
-def layout(cfg, rank: int | None = None, world: int | None = None) -> Layout:
-    """Inside a launched process the launcher's RANK / WORLD_SIZE are the truth; before launch,
-    the request (hardware.procs x hardware.nodes)."""
-    if world is None:
-        world = distributed.launched_world() or distributed.requested_procs(cfg.hardware)
-    if rank is None:
-        rank = distributed.launched_rank()
-    b = _backend(cfg)
-    par = {k: int(b[k]) for k in ("tp", "pp", "cp") if b is not None and k in b}
-    return Layout(rank=rank, world=world, **par)
-
-
 def derive(cfg: DictConfig, rank: int | None = None, world: int | None = None, here: bool = False) -> Run:
     """The facts alone, no rules: the planner sizes whatever it is asked about. `here`: the run
     trains in this process (fp8 picks its library)."""
@@ -233,16 +204,18 @@ def derive(cfg: DictConfig, rank: int | None = None, world: int | None = None, h
 
 
 def accum(cfg, lay: Layout) -> int:
-    """Micro-batches per rank per step: train.grad_accum, except for GRPO with
-    method.prompts_per_step, whose step is that many groups at any layout (when they divide into
-    whole micro-batches per rank; the rule grpo-whole-groups refuses the rest)."""
+    """Micro-batches per rank per step: train.grad_accum, or what the method's own step
+    arithmetic makes of it (MethodSpec.batch: GRPO's method.prompts_per_step is that many groups
+    at any layout). Where the method's options make no step at this layout, its rule refuses the
+    run (grpo-whole-groups) and the planner sizes it with train.grad_accum."""
     m = _method(cfg)
-    pps = m.get("prompts_per_step") if m is not None and m.name == "grpo" else None
-    if pps:
-        per_rank, rest = divmod(int(pps) * int(m.get("num_generations", 1)), lay.dp)
-        if not rest and per_rank % cfg.train.micro_batch_size == 0:
-            return per_rank // cfg.train.micro_batch_size
-    return cfg.train.grad_accum
+    batch = registry.spec(m.name if m is not None else "sft").batch
+    if batch is None:
+        return cfg.train.grad_accum
+    try:
+        return batch(m, cfg.train.micro_batch_size, cfg.train.grad_accum, lay.dp).grad_accum
+    except UserError:
+        return cfg.train.grad_accum
 
 
 def needs_bitsandbytes(cfg) -> bool:

@@ -1,7 +1,7 @@
 """Validation of a composed config: the schemas applied, the method's and backend's options
 checked against their registered dataclasses, and what a model or data given by path implies.
 
-    from workbench.config.validate import validate
+    from workbench.run.validate import validate
     cfg = validate(hydra_cfg)     # read-only DictConfig, or a UserError naming the first bad field
 
 Hydra composes `conf/train.yaml` with its groups; `validate(cfg)` then merges the result onto
@@ -17,7 +17,9 @@ from omegaconf.errors import OmegaConfBaseException
 from workbench.backends import registry as backends
 from workbench.config.schema import EvalConfig, Schema
 from workbench.core.errors import UserError
+from workbench.data.recipes import inline_recipe
 from workbench.methods import registry as methods
+from workbench.models.auto import adopt
 
 # group name -> its registry: each choice's options dataclass is `registry.spec(name).config`
 PLUGGABLE = {"method": methods, "backend": backends}
@@ -39,9 +41,6 @@ def _own_model_and_data(merged: DictConfig, method_node: dict, env_node: dict | 
     the architecture from the model's config.json (workbench/models/auto.py), the default
     evaluation on the data's held-out rows, and the inline recipe for data.path / data.eval_split
     (workbench/data/recipes.py)."""
-    from workbench.data.recipes import inline_recipe
-    from workbench.models.auto import adopt
-
     adopt(merged.model)
     spec = methods.spec(method_node.get("name"))
     own = method_node.get("recipe")
@@ -83,10 +82,27 @@ def validate(cfg: DictConfig) -> DictConfig:
         merged[group] = sub
     OmegaConf.set_struct(merged, True)
     _check_values(merged)
-    # Every decision derived from here on lives in the resolved run (workbench/config/resolved.py);
+    _smoke_bounds(merged)
+    # Every decision derived from here on lives in the resolved run (workbench/run/resolved.py);
     # nothing writes to the config after this point.
     OmegaConf.set_readonly(merged, True)
     return merged
+
+
+def _smoke_bounds(cfg: DictConfig) -> None:
+    """debug.max_new_tokens bounds generation whatever the method and environment options say:
+    the chosen method's and env's token limits, the episode's turns, GRPO's refill rounds."""
+    cap = cfg.debug.max_new_tokens
+    if cap is None:
+        return
+    env = cfg.get("env")
+    for node in (cfg.method, env):
+        if node is not None and "max_new_tokens" in node:
+            node.max_new_tokens = min(int(node.max_new_tokens), int(cap))
+    if env is not None and "max_turns" in env:
+        env.max_turns = min(int(env.max_turns), 2)
+    if "max_resample_rounds" in cfg.method:
+        cfg.method.max_resample_rounds = 0
 
 
 def _check_values(cfg: DictConfig) -> None:

@@ -15,7 +15,7 @@ methods they are the first rows of each source in file order, one source after a
 Trained tokens are shown in green on a terminal, and between ⟦ ⟧ otherwise; everything else is
 context the model reads but is not trained to produce. A GRPO prompt has no trained tokens: its
 completions are sampled by the policy during training. SFT rows and episodes are rendered here,
-pairs, unpaired rows and prompts by workbench/data/preview_rows.py.
+pairs, unpaired rows and prompts by workbench/run/preview_rows.py.
 
 With an environment (`method=grpo env=calc data.preview=true`) each sample is a multi-turn
 episode: the environment's demonstration of the first prompt rows (`demonstrate`) stands in for
@@ -34,8 +34,14 @@ from workbench.data import formats
 from workbench.data.chat import IGNORE, setup_tokenizer
 from workbench.data.mixing import Mixture
 from workbench.data.pipeline import tokenise_recipe
-from workbench.data.readers import iter_rows
+from workbench.data.preference import read_prompts
+from workbench.data.readers import iter_rows, skip_bad
 from workbench.data.recipes import load_recipe
+from workbench.envs.base import check_node
+from workbench.envs.registry import load
+from workbench.models.load import load_tokenizer
+from workbench.rollout import episodes
+from workbench.rollout.turns import Turns
 
 OPEN, CLOSE = "⟦", "⟧"
 GREEN, RESET = "\033[32;1m", "\033[0m"
@@ -65,8 +71,6 @@ def render(tokenizer, ids: list[int], labels: list[int], color: bool = False) ->
 
 def setup(cfg, out):
     """(tokenizer, chat contract, output stream, colour?) of a preview: the tokenizer only, no weights."""
-    from workbench.models.load import load_tokenizer
-
     out = out or sys.stdout
     tokenizer = load_tokenizer(cfg.model)
     return tokenizer, setup_tokenizer(tokenizer, cfg.data.chat_template), out, hasattr(out, "isatty") and out.isatty()
@@ -75,7 +79,7 @@ def setup(cfg, out):
 def preview(cfg, out=None) -> dict:
     """Render the first `data.preview_samples` training samples of an SFT-shaped method, or the
     episodes of an environment (env=...); return them for callers and tests. The other methods'
-    rows are workbench/data/preview_rows.py's."""
+    rows are workbench/run/preview_rows.py's."""
     tokenizer, contract, out, color = setup(cfg, out)
     if cfg.get("env") is not None:
         return preview_episodes(cfg, tokenizer, contract, out, color)
@@ -90,12 +94,12 @@ def preview(cfg, out=None) -> dict:
         print(f"  source {s.source.name}: {r['rows']} examples (read {r['rows_read']}, skipped {r['skipped']}, "
               f"filtered {r['filtered']}, truncated {r['truncated']}), weight {s.source.weight}", file=out)
     samples = []
-    for n in range(cfg.data.preview_samples):
+    for n in range(min(cfg.data.preview_samples, sum(len(s.examples) for s in sources))):
         src, row = mixture.next()
         ids, labels = sources[src].examples[row]
         trained = sum(y != IGNORE for y in labels)
         text = render(tokenizer, ids, labels, color)
-        where, fmt = sft_origin(sources[src], row)
+        where, fmt = sft_origin(sources[src], row, skip_bad(cfg.data))
         print(f"\n--- sample {n + 1}: source {sources[src].source.name}, {where}, format {fmt}, {len(ids)} tokens, "
               f"{trained} trained ---\n{text}", file=out)
         samples.append({"source": sources[src].source.name, "row": row, "where": where, "format": fmt,
@@ -120,23 +124,21 @@ def row_format(source, row: dict, where: str) -> str:
         return "unknown (detected)"
 
 
-def sft_origin(tokenised, index: int) -> tuple[str, str]:
+def sft_origin(tokenised, index: int, on_bad=None) -> tuple[str, str]:
     """(file:line, format) of a source's `index`-th example. Examples follow the rows one to one
-    unless rows were skipped or filtered; then only the example's number is known."""
+    unless rows were skipped or filtered; then only the example's number is known. The format is
+    the one training uses for the whole source: declared, or detected from its first row."""
+    rows = iter_rows(tokenised.source, on_bad=on_bad)
+    first_where, first = next(rows)
+    fmt = row_format(tokenised.source, first, first_where)
     if tokenised.skipped or tokenised.filtered or tokenised.rows_read != len(tokenised.examples):
-        return f"example {index + 1} of the source (rows were skipped or filtered)", f"{tokenised.source.format}"
-    where, row = next(itertools.islice(iter_rows(tokenised.source), index, None))
-    return where, row_format(tokenised.source, row, where)
+        return f"example {index + 1} of the source (rows were skipped or filtered)", fmt
+    where, _row = (first_where, first) if index == 0 else next(itertools.islice(rows, index - 1, None))
+    return where, fmt
 
 
 def preview_episodes(cfg, tokenizer, contract, out, color: bool) -> dict:
     """Episodes of the environment's demonstrations through the episode loop, masks marked."""
-    from workbench.data.preference import read_prompts
-    from workbench.envs.base import check_node
-    from workbench.envs.registry import load
-    from workbench.rollout import episodes
-    from workbench.rollout.turns import Turns
-
     node = check_node(cfg.env)
     env = load(cfg.env)
     turns = Turns(tokenizer, contract, env.tools, node["tool_format"])

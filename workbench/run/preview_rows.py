@@ -18,9 +18,10 @@ import itertools
 from workbench.core.errors import UserError
 from workbench.data import preference, unpaired
 from workbench.data.chat import IGNORE, prompt_ids
-from workbench.data.preview import header, render, row_format, setup
-from workbench.data.readers import iter_rows
+from workbench.data.readers import iter_rows, skip_bad
 from workbench.data.recipes import load_recipe
+from workbench.methods import registry
+from workbench.run.preview import header, render, row_format, setup
 
 
 def preview(cfg, shape: str, out=None) -> dict:
@@ -31,8 +32,9 @@ def preview(cfg, shape: str, out=None) -> dict:
     recipe = load_recipe(cfg.data.recipe)
     show = {"preference": _pairs, "unpaired": _unpaired, "prompts": _prompts}[shape]
     print(header(cfg, recipe, contract, color), file=out)
-    if cfg.method.name == "rm":
-        print("  (method=rm: the marks show each completion; the reward head reads its last token)", file=out)
+    if registry.spec(cfg.method.name).facts.scalar_head:
+        print(f"  (method={cfg.method.name}: the marks show each completion; the reward head reads its last token)",
+              file=out)
     summaries = {}
     for s in recipe.sources:
         summaries[s.name] = _summary(shape, s, tokenizer, contract, cfg.data)
@@ -66,7 +68,7 @@ def _summary(shape: str, source, tokenizer, contract, data_cfg) -> dict:
 
 def _first_rows(sources, data_cfg):
     """(source, where, row) of the sources' rows in file order, one source after another in turn."""
-    streams = [((s, where, row) for where, row in iter_rows(s)) for s in sources]
+    streams = [((s, where, row) for where, row in iter_rows(s, on_bad=skip_bad(data_cfg))) for s in sources]
     for item in itertools.chain.from_iterable(itertools.zip_longest(*streams)):
         if item is not None:
             yield item

@@ -1,0 +1,84 @@
+"""What a backend is, for the rest of the workbench: its spec.
+
+Every backend module (workbench/backends/<name>.py) ends with one `SPEC = BackendSpec(...)`: its
+name, its options dataclass (`Config`), its builder, the facts other layers read without running
+it (whether it shards parameters, what the planner counts for it) and the rules that concern it
+alone. `workbench/backends/registry.py` gathers the specs: it is the only list of backends, read
+by the rule table (workbench/run/rules.py), the resolved run and the planner (workbench/plan/),
+none of which compares a backend's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, is_dataclass
+
+
+@dataclass(frozen=True)
+class BackendFacts:
+    """What the rest of the workbench knows about a backend without building it."""
+
+    default_stage: int = 0  # the sharding stage when backend.stage is not set (FSDP2 always shards: 3)
+    shards_from_stage: int | None = None  # parameters are sharded at this stage and above; None: never
+    loads_unsloth: bool = False  # model.loader=unsloth's patched single-GPU model trains under it
+    own_accumulation: bool = False  # counts accumulation boundaries from its own config (train.grad_accum)
+    # only runs inside a launched process (DeepSpeed's engine needs LOCAL_RANK): torchrun starts
+    # it even on one process (workbench/launch/__init__.py)
+    needs_launcher: bool = False
+    model_parallel: bool = False  # splits the model itself (tp/pp/ep), with its own layers and checkpoint field
+    # -- planner terms (workbench/plan/): what the memory estimate counts and the fixes it may
+    # suggest; the resolved run and the FLOP count read the last ones too
+    # its modules see their weights in the compute dtype (DeepSpeed's and Megatron's half-precision
+    # parameters, FSDP2's MixedPrecisionPolicy all-gathers), not torch.autocast's per-Linear
+    # casts: sets what the blocks save for backward and whether autocast's weight copies exist
+    half_compute: bool = False
+    # keeps half-precision parameters and gradients beside fp32 master weights in its optimizer
+    # (DeepSpeed's bf16/fp16 engine): 2 + 2 bytes per parameter plus a 4-byte master copy
+    master_weights: bool = False
+    # steps with a fused Adam kernel, which makes none of torch AdamW's parameter-sized temporaries
+    fused_optimizer: bool = False
+    # re-gathers the root unit (embeddings, head) for the head's backward after resharding it
+    # after forward (FSDP2): the all-gather buffer and its copy-out are alive at once
+    regathers_root: bool = False
+    # the backend option that turns on activation checkpointing (none | full | selective);
+    # None: model.gradient_checkpointing alone decides
+    checkpointing_field: str | None = None
+    # the option that moves only the optimizer state (and master weights) to host memory, which
+    # the planner names when suggesting offload; None: the backend has no such option
+    optimizer_offload: str | None = None
+    loads_4bit: bool = False  # trains over bitsandbytes 4-bit base weights (peft=qlora) in its layers
+    # its output layer projects every position (Megatron's GPTModel), not only those a loss reads:
+    # the logits' memory and the head's FLOPs follow the whole batch
+    head_every_position: bool = False
+    # gathers the selected logits over tensor-parallel ranks for the method's own log-softmax
+    # (a vocabulary-parallel loss, distillation's, keeps 1/tp of them)
+    gathers_logits: bool = False
+    # bridges the runner's HF model into modules of its own: the HF model may be released to the
+    # host or stay whole beside them (run.keeps_hf_base), and a reference or teacher stays a whole
+    # HF model on every device rather than a shard
+    bridges_hf_model: bool = False
+    # its rotary embeddings take positions 0..T-1 only (Megatron's), so padding-free packed rows,
+    # which restart positions per example, cannot train under it
+    fixed_positions: bool = False
+
+    def shards(self, stage: int | None = None) -> bool:
+        """Whether parameters are sharded at `stage` (backend.stage; None: the backend's default,
+        where its options have no stage). The one test of it: the resolved run, the rules and the
+        planner ask here."""
+        stage = self.default_stage if stage is None else stage
+        return self.shards_from_stage is not None and stage >= self.shards_from_stage
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    config: type  # the options dataclass; conf/backend/<name>.yaml composes onto it
+    build: Callable  # (backend config, Context) -> a Backend (workbench/backends/base.py)
+    facts: BackendFacts = field(default_factory=BackendFacts)
+    rules: tuple = ()  # workbench/config/rule.py Rules that concern this backend alone
+
+    def __post_init__(self):
+        """A half-made spec is an error where it is written, at import, not a fallback later."""
+        if not (is_dataclass(self.config) and self.config().name == self.name and callable(self.build)):
+            raise TypeError(f"backend spec {self.name!r}: config must be a dataclass whose name defaults to "
+                            f"{self.name!r}, and build a callable")

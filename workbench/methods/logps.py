@@ -1,0 +1,81 @@
+"""Summed completion log-probs of a micro-batch's rows, laid out as preference pairs: what DPO,
+KTO, CPO/SimPO and ORPO train on and the preference evaluations compare.
+
+Two layouts of a micro-batch of N pairs:
+
+    micro = collate(pairs, pad_id)           # 2N rows: every chosen, then every rejected
+    micro = pair_tree.tree_batch(pairs, pad) # N rows, the prompt once (workbench/data/pair_tree.py)
+    pi = pair_logps(model, micro)            # (2N,) either way: chosen then rejected
+    pi_c, pi_r = pi.chunk(2)
+
+`model` is a SelectiveLM (workbench/models/head.py): it returns logits only at the positions
+`select` marks, so log-probs are summed over completion tokens without the full (rows, seq,
+vocab) tensor. The two layouts give the same log-probs up to rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from workbench.data.collate import pad_batch
+from workbench.data.pair_tree import takes_pairs, tree_batch
+from workbench.data.preference import pairs_from_rows
+from workbench.models.head import SelectiveLM
+
+
+def collate(pairs: list, pad_id: int) -> dict:
+    """One micro-batch: rows [chosen_0..chosen_n-1, rejected_0..rejected_n-1]."""
+    micro = pad_batch([p.chosen for p in pairs] + [p.rejected for p in pairs], pad_id)
+    micro["n_tokens"] = micro["select"].sum(dim=1)
+    return micro
+
+
+def sequence_logps(model, micro: dict) -> torch.Tensor:
+    """Summed log-prob of each row's selected target tokens, shape (rows,)."""
+    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], select=micro["select"])
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
+    rows = micro["select"].nonzero()[:, 0]
+    return torch.zeros(micro["input_ids"].shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
+
+
+def tree_token_logps(model, micro: dict) -> torch.Tensor:
+    """Log-prob of each target of a pair_tree.tree_batch micro-batch (its row: micro["logp_rows"])."""
+    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                   position_ids=micro["position_ids"], select=micro["select"])
+    # The last shared position's row is read twice (first chosen and first rejected token).
+    return torch.log_softmax(logits.float(), dim=-1)[micro["head_slot"], micro["targets"]]
+
+
+def tree_logps(model, micro: dict) -> torch.Tensor:
+    """sequence_logps of a pair_tree.tree_batch micro-batch: shape (2N,), chosen then rejected."""
+    logp = tree_token_logps(model, micro)
+    return torch.zeros(micro["n_tokens"].shape[0], dtype=logp.dtype, device=logp.device).index_add(
+        0, micro["logp_rows"], logp)
+
+
+def pair_logps(model, micro: dict) -> torch.Tensor:
+    """Per-row log-probs (2N,) of either layout: tree rows (tree_batch) or two rows per pair (collate)."""
+    return tree_logps(model, micro) if "head_slot" in micro else sequence_logps(model, micro)
+
+
+@torch.no_grad()
+def preference_accuracy(model, tokenizer, contract, rows: list[dict], batch_size: int = 16, autocast=None) -> float:
+    """Share of held-out pairs where the model's log-prob of `chosen` beats `rejected` (model: HF/PEFT)."""
+    pairs = pairs_from_rows(rows, tokenizer, contract)
+    lm = SelectiveLM(model)
+    was = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    tree = takes_pairs(lm, pairs)
+    wins = 0
+    for i in range(0, len(pairs), batch_size):
+        chunk, pad = pairs[i:i + batch_size], tokenizer.pad_token_id
+        micro = tree_batch(chunk, pad) if tree else collate(chunk, pad)
+        micro = {k: v.to(device) for k, v in micro.items() if isinstance(v, torch.Tensor)}
+        with (autocast or contextlib.nullcontext()):
+            c, r = pair_logps(lm, micro).chunk(2)
+        wins += int((c > r).sum())
+    model.train(was)
+    return wins / max(1, len(pairs))

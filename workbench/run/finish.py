@@ -1,0 +1,127 @@
+"""What a run writes about itself: the manifest before the first step, the plan check after
+`plan.check_after_steps`, and after the last step the export and the report.
+
+    write_manifest(runner, resumed)     # rank 0: manifest.json, config.yaml
+    plan_check(runner)                  # collective (the peak over ranks); the check on rank 0
+    export_and_report(runner, results)  # collective under sharding (the gathered weights)
+
+Secrets are redacted on the way to disk (workbench/core/secrets.py).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from workbench.core import heartbeat
+from workbench.core.errors import UserError
+from workbench.core.secrets import redact
+from workbench.evals import stats
+from workbench.export.write import export
+from workbench.models.load import resolve
+from workbench.run.plan import make_plan
+from workbench.telemetry import manifest, report
+from workbench.telemetry import plan_check as check
+from workbench.train.distributed import all_max
+
+
+def write_manifest(r, resumed: str | None) -> None:
+    cfg = r.cfg
+    man = manifest.build(OmegaConf.to_container(cfg, resolve=True),
+                         {"kind": resolve(cfg.model).kind, "name": cfg.model.name}, r.method.data_report(),
+                         r.contract)
+    man["resolved"] = r.run.summary()  # what the config's choices became here (precision=auto, peft, layout)
+    man["resumed_from"] = resumed
+    if r.checkpoints.resumed:
+        man["resume"] = r.checkpoints.resumed  # from, the certificate (workbench/train/replay.py), the batch kept
+    man["world_size"] = r.world
+    man = redact(man, r.secrets)  # config.yaml below is man["config"]: one redaction for both files
+    r.run_dir.mkdir(parents=True, exist_ok=True)
+    (r.run_dir / "manifest.json").write_text(json.dumps(man, indent=1, default=str))
+    (r.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(man["config"])))
+
+
+def plan_check(r) -> dict | None:
+    """Measured peak memory, step time and tokens/s against the planner's prediction for this
+    run (workbench/telemetry/plan_check.py); the peak is the largest over ranks (collective)."""
+    peak = all_max(check.measured_peak_gib(r.device, r.rss0))
+    if not r.is_main:
+        return None
+    measured = {"peak_gib": peak, **check.step_figures(r.tracker.rows)}
+    # planned for the batches the run had (their longest row, the share of positions with a
+    # loss), not for data.seq_len's worst case
+    here = make_plan(r.shapes.config(r.cfg, r.run.facts.generates), others=False, calibrated=False,
+                     rollout=r.shapes.rollout())["here"]
+    tokens_per_step = statistics.median(row["tokens"] for row in r.tracker.rows if "tokens" in row)
+    tps = here.get("tokens_per_s")
+    predicted = {"peak_gib": here["peak_gb"], "step_seconds": tokens_per_step / tps if tps else None,
+                 "tokens_per_s": tps}
+    out = check.compare(predicted, measured)
+    if r.cfg.plan.calibrate:
+        out["stored"] = check.store(r.cfg.hardware, r.run.precision.name, r.cfg.model.name, out, r.run_dir)
+    r.tracker.console(check.line(out, r.state.step))
+    return {"steps": r.state.step, **out}
+
+
+def export_and_report(r, results: dict) -> None:
+    """train.export: the trained (or best) weights exported with the parity gate; rank 0 writes
+    report.md and results.json, then every rank meets. A failed parity gate raises after the
+    report, which shows the numbers."""
+    cfg = r.cfg
+    if cfg.train.export and cfg.train.export_best:
+        results["exported_from"] = r.checkpoints.load_best()
+    with heartbeat.phase("export"):
+        trained = r.backend.gathered_model() if cfg.train.export else None  # collective under sharding
+        if r.is_main and cfg.train.export:
+            results["export"] = export(trained, r.tokenizer, r.contract, r.run, r.run_dir / "export", results)
+    if r.is_main:
+        # results copy eval prompts and samples, which may quote a token: redacted on the way to disk
+        report.write(r.run_dir, r.run, redact(results, r.secrets), r.tracker.rows)
+        r.tracker.finish(r.run_dir / "plots")  # plots to the trackers; close them
+    if dist.is_initialized():
+        dist.barrier()
+    failed = (results.get("export") or {}).get("failed")
+    if failed and not cfg.export.allow_mismatch:
+        raise UserError(f"export: the parity gate failed for {', '.join(failed)} (see {r.run_dir}/report.md "
+                        "and results.json); the files are kept; export.allow_mismatch=true accepts them")
+
+
+def summary(r, results: dict) -> list[str]:
+    """The lines a run ends with on rank 0: what was trained, how it scored, where everything is.
+
+        done: 150 steps (step 0 -> 150) in 3.1 min; loss 2.412 -> 0.318
+        eval arith_add2/accuracy 0.000 -> 0.920 [0.874, 0.950] (200 questions)
+        run directory: runs/2026-12-03_10-14-44 (report.md, results.json, metrics.jsonl)
+        export: runs/2026-12-03_10-14-44/export/merged (parity passed), .../export/adapter
+    """
+    losses = results.get("losses") or []
+    first = r.checkpoints.resumed_step
+    wall = results.get("wall_seconds") or 0.0
+    lines = [f"done: {r.state.step - first} steps (step {first} -> {r.state.step}) in {wall / 60:.1f} min"
+             + (f"; loss {losses[0]:.4g} -> {losses[-1]:.4g}" if losses else "")]
+    start, end = results.get("eval_start") or {}, results.get("eval_end") or {}
+    intervals = stats.intervals(end)  # the binomial 95% interval beside each accuracy
+    for key, value in end.items():
+        if key.startswith("eval/") and key.endswith(("/accuracy", "/loss", "/reward")) and isinstance(value, float):
+            before = start.get(key)
+            ci = intervals.get(f"{key}_ci95")
+            n = end.get(key.rsplit("/", 1)[0] + "/n")
+            lines.append(f"eval {key[5:]} " + (f"{before:.3f} -> " if isinstance(before, float) else "")
+                         + f"{value:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+                         + (f" ({n} questions)" if n else ""))
+    if results.get("stalled"):
+        lines.append(f"stopped early at step {results['stalled']['step']}: {results['stalled']['reason']}")
+    lines.append(f"run directory: {r.run_dir} (report.md, results.json, metrics.jsonl)")
+    exported = results.get("export") or {}
+    paths = [str(exported[k]) for k in ("merged", "adapter", "reward_model") if exported.get(k)]
+    paths += list(exported.get("gguf") or [])
+    if paths:
+        gate = (f"parity FAILED for {', '.join(exported['failed'])}" if exported.get("failed")
+                else "parity passed" if exported.get("parity") else "")
+        lines.append("export: " + ", ".join(paths) + (f" ({gate})" if gate else ""))
+    elif not r.cfg.train.export:
+        lines.append(f"export: none (train.export=false); later: python -m workbench.export {r.run_dir}")
+    return lines

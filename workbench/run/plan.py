@@ -1,0 +1,303 @@
+"""The plan of one run: `make_plan(cfg)` and the one-line refusal of a run that does not fit.
+
+Fields owned by one backend or method (stage, offload, generations) are read by their schema
+names with defaults (`pick`), so the planner works for any backend or method config; precision,
+peft, the reference and the layout come from the derived run (workbench/run/derive.py).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+from workbench.backends import registry as backends
+from workbench.config.schema import pick
+from workbench.methods import registry
+from workbench.plan import catalog
+from workbench.plan.activations import LORA_TARGETS
+from workbench.plan.counts import count, probe
+from workbench.plan.fit import GiB, sharding_backend, verdict
+from workbench.plan.memory import estimate, tokens_per_micro
+from workbench.plan.setup import Setup
+from workbench.plan.speed import Decoder, Rollout, generation_seconds, speed, train_flops_per_token
+from workbench.plan.tables import duration, money, show
+from workbench.run.derive import derive
+from workbench.telemetry.peak import measured_peak_flops
+from workbench.telemetry.plan_check import calibration
+from workbench.train import precision as prec
+from workbench.train.distributed import requested_procs
+
+
+def _flag(value) -> bool:
+    if isinstance(value, str):
+        return value.lower() not in ("", "none", "false", "no", "0")
+    return bool(value)
+
+
+def from_cfg(cfg, devices: int | None = None) -> Setup:
+    """Fields by their schema names (a backend or method without one gets the default)."""
+    backend = pick(cfg, "backend.name", "single")
+    facts = backends.spec(backend).facts
+    stage = int(pick(cfg, "backend.stage", facts.default_stage))
+    field = facts.checkpointing_field  # the backend's own checkpointing option, if it has one
+    ckpt = pick(cfg, f"backend.{field}", None) if field else None
+    if ckpt is None or not _flag(ckpt):
+        ckpt = "full" if cfg.model.gradient_checkpointing else "none"
+    elif ckpt not in ("selective",):
+        ckpt = "full"
+    method = pick(cfg, "method.name", "sft")
+    use_vllm = registry.spec(method).facts.generates and pick(cfg, "method.engine", "hf") == "vllm"
+    run = derive(cfg)  # precision, peft and the reference strategy, as the run will have them
+    ref = {"precomputed": "precompute"}.get(run.reference, run.reference)
+    host = _flag(pick(cfg, "backend.cpu_offload", False))  # fsdp2: parameters, gradients and optimizer state
+    gens = int(pick(cfg, "method.num_generations", 8))
+    # GRPO and its variants: groups of num_generations completions per prompt, generated per rank
+    rollouts = registry.spec(method).facts.generates and pick(cfg, "method.num_generations", None) is not None
+    world = devices or run.layout.world
+    dp = max(1, world // (run.layout.tp * run.layout.pp * run.layout.cp))
+    per_step = pick(cfg, "method.prompts_per_step", None)
+    prompts = int(per_step) // dp if per_step else cfg.train.micro_batch_size * cfg.train.grad_accum // max(gens, 1)
+    iters = int(pick(cfg, "method.num_iterations", 1))
+    old = iters > 1 or _flag(pick(cfg, "method.async_rollouts", False)) or (
+        float(pick(cfg, "method.beta", 0.0)) > 0 and _flag(pick(cfg, "method.kl_in_reward", False)))
+    return Setup(
+        method=method, peft=run.peft.kind, lora_r=int(cfg.peft.r), double_quant=bool(cfg.peft.double_quant),
+        precision=run.precision.name, optimizer=cfg.optim.name, backend=backend, stage=stage,
+        offload_optimizer=host or bool(facts.optimizer_offload)
+        and _flag(pick(cfg, f"backend.{facts.optimizer_offload}", False)),
+        offload_params=host or _flag(pick(cfg, "backend.offload_param", False)),
+        devices=devices or run.layout.world, device=cfg.hardware.device,
+        tp=run.layout.tp, pp=run.layout.pp, cp=run.layout.cp, ep=int(pick(cfg, "backend.ep", 1)),
+        micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum, seq_len=cfg.data.seq_len,
+        checkpointing=ckpt, checkpoint_every=int(pick(cfg, "backend.selective_every", 2)),
+        select_fraction=float(pick(cfg, "plan.select_fraction", 1.0)),
+        dpo_ref=ref, teacher_scale=float(pick(cfg, "plan.teacher_scale", 1.0)),
+        generations=gens,
+        completion_len=int(pick(cfg, "method.max_new_tokens", 256)),
+        rollouts=rollouts, rollout_prompts=max(1, prompts), num_iterations=max(1, iters),
+        share_prompt=rollouts and _flag(pick(cfg, "method.share_prompt", False)), old_logps=rollouts and old,
+        vllm_fraction=float(pick(cfg, "method.vllm_gpu_memory_utilization", 0.3)) if use_vllm else 0.0,
+        # Megatron-Core's optimizer (the option only backend=megatron has)
+        distributed_optimizer=_flag(pick(cfg, "backend.distributed_optimizer", False)),
+        hf_copy=facts.bridges_hf_model and run.keeps_hf_base,
+    )
+
+
+def run_tokens(cfg, s) -> float:
+    """Tokens the run trains on: plan.tokens, else max_steps x global batch x sequence."""
+    explicit = float(pick(cfg, "plan.tokens", 0) or 0)
+    if explicit > 0:
+        return explicit
+    return float(cfg.train.max_steps * cfg.train.grad_accum * s.dp * tokens_per_micro(s))
+
+
+def _peak_tflops(hw, precision: str) -> float:
+    """The datasheet figure of the profile; for this machine's CPU (no datasheet) the matmul rate
+    measured here, the peak a run's MFU is taken against (workbench/telemetry/peak.py)."""
+    tflops = catalog.peak_tflops(hw, precision)
+    if not tflops and hw.device == "cpu":
+        tflops = measured_peak_flops("cpu", prec.spec(precision)) / 1e12
+    return tflops
+
+
+# How this machine's CPU decodes (generation_seconds). Measured with HF generate of SmolLM2-135M,
+# bf16 weights under bf16 autocast, one thread, as the best of 3 timings of 10 new tokens less 2
+# per decode step: 35 ms for 1 row and 154 ms for 32 rows of the bare model, 66 and 169 ms with
+# LoRA r=16 on its 7 linears per block; a streaming read (sum) of a 135M-weight bf16 tensor ran at
+# 25-29 GB/s. One row is bound by the weights' read (~10 ms) plus a fixed cost per step of 0.85 ms
+# per decoder block and 0.15 ms more per adapter in it (Python modules, operator dispatch); 32
+# rows by their FLOPs, at 0.155-0.18 of the measured matmul peak (small matrices). A whole call
+# of 2 new tokens took 242 ms for 1 row and 542 ms for 32 (4 prompts x 8, LoRA): less its two
+# decode steps and its prefill at training's rate, about 80 ms is the call's own setup.
+CPU_BANDWIDTH = 27e9  # bytes/s
+CPU_CALL_S = 0.08
+CPU_BLOCK_S = 0.85e-3
+CPU_ADAPTER_S = 0.15e-3
+CPU_DECODE_SHARE = 0.16  # of the CPU's measured matmul peak
+# A GPU decode step in eager PyTorch is bound by its kernel launches when the weights are small:
+# about a dozen per decoder block at a few microseconds each; with many rows by FLOPs at plan.mfu.
+GPU_BLOCK_S = 5e-5
+GPU_BANDWIDTH_SHARE = 0.8  # of the datasheet bandwidth a weight-streaming kernel reaches
+
+
+def decoder(hw, arch, peak_flops: float, mfu: float, peft: str = "none") -> Decoder:
+    """How `hw` decodes (workbench/plan/speed.py generation_seconds), its matmul peak `peak_flops`."""
+    if hw.device == "cpu":
+        block = CPU_BLOCK_S + (LORA_TARGETS * CPU_ADAPTER_S if peft != "none" else 0.0)
+        return Decoder(peak_flops * CPU_DECODE_SHARE, CPU_BANDWIDTH, block * arch.layers, peak_flops * mfu, CPU_CALL_S)
+    return Decoder(peak_flops * mfu, catalog.bandwidth_tbs(hw) * 1e12 * GPU_BANDWIDTH_SHARE, GPU_BLOCK_S * arch.layers,
+                   peak_flops * mfu)
+
+
+def rollout_of(s: Setup) -> Rollout:
+    """What one rank generates per optimizer step as configured: a prefill of each prompt
+    (data.seq_len tokens at most) and max_new_tokens decode steps of all its completions, once
+    every num_iterations steps. Dynamic sampling's refills come on top (the plan check measures
+    them)."""
+    per = 1.0 / s.num_iterations
+    return Rollout(prefill_tokens=s.rollout_prompts * s.seq_len * per, decode_steps=s.completion_len * per,
+                   rows=s.rollout_prompts * s.generations, calls=per)
+
+
+def _row(cfg, counts, name, hw, mfu, devices: int | None = None, calibrated: bool = False,
+         rollout: Rollout | None = None) -> dict:
+    """The verdict on hardware profile `hw`: with the processes it asks for, or `devices`;
+    `calibrated`: with the measured/predicted ratios an earlier run stored for it; `rollout`:
+    what a rank generated per step (the plan check's measurement), else what the config asks.
+    Tokens/s, time and cost are the whole job's on all `devices` (None where it does not fit);
+    `needed` gives them on the devices it needs where it does not."""
+    devices = devices or requested_procs(hw)
+    s = from_cfg(cfg, devices=devices)
+    mem = catalog.memory_gb(hw)
+    if hw.device == "cpu":
+        mem /= devices  # CPU processes share the host's memory
+    arch = cfg.model.arch
+    v = verdict(counts, arch, s, mem, hw.device, node_size=hw.procs)
+    trainable = counts.total if s.peft == "none" else counts.lora
+    fpt = train_flops_per_token(counts.active, trainable, s.peft, s.method, s.dpo_ref, generation=not s.rollouts,
+                                old_logps=s.old_logps)
+    tokens = run_tokens(cfg, from_cfg(cfg))  # the job as configured, whatever the profile's device count
+    peak = _peak_tflops(hw, s.precision)
+    extra = 0.0
+    if s.rollouts and peak > 0:
+        gen = generation_seconds(rollout or rollout_of(s), counts.active, estimate(counts, arch, s).weights,
+                                 decoder(hw, arch, peak * 1e12, mfu, s.peft))
+        extra = gen / (s.grad_accum * tokens_per_micro(s))  # per trained token of this rank
+    ratios = None
+    if calibrated:  # measured/predicted of an earlier run on this hardware (plan.calibrate=true)
+        ratios = calibration(hw, s.precision, cfg.model.name)
+    price = list(hw.price_per_hour) or None
+    rate = ratios.get("tokens_per_s", 1.0) if ratios else 1.0
+
+    def whole_job(n: int):
+        sp = speed(tokens, fpt, n, peak, mfu, price, extra)
+        if sp and rate != 1.0:
+            sp = speed(tokens, fpt / rate, n, peak, mfu, price, extra / rate)
+        return sp
+
+    sp = whole_job(devices)
+    row = {
+        "hardware": name, "device": hw.device, "accelerator": hw.accelerator, "devices": devices, "memory_gb": mem,
+        "peak_gb": round(v.peak_gb, 2), "usable_gb": round(v.usable_gb, 2), "fits": v.fits,
+        "fix": v.fix, "fix_peak_gb": round(v.fix_peak_gb, 2) if v.fix_peak_gb else None,
+        "devices_needed": v.devices_needed,
+        "tokens_per_s": sp.tokens_per_s if sp else None, "hours": sp.hours if sp else None,
+        "cost_usd": list(sp.cost) if sp and sp.cost else None,
+        "price_per_hour": list(hw.price_per_hour), "price_date": hw.price_date,
+        "flops_per_token": fpt, "generation_s_per_token": extra,
+    }
+    if ratios:
+        v_peak = v.peak_gb * ratios.get("peak_gib", 1.0)
+        row.update(peak_gb=round(v_peak, 2), fits=v_peak <= v.usable_gb,
+                   calibrated={"from": ratios.get("run"), "time": ratios.get("time"),
+                               "peak_gib": ratios.get("peak_gib"), "tokens_per_s": ratios.get("tokens_per_s")})
+    if not row["fits"]:
+        if v.devices_needed:  # with checkpointing and sharding, on whole nodes of this profile
+            need = whole_job(v.devices_needed)
+            row["needed"] = {"devices": v.devices_needed, "tokens_per_s": need.tokens_per_s if need else None,
+                             "hours": need.hours if need else None,
+                             "cost_usd": list(need.cost) if need and need.cost else None}
+        if not (v.fix and v.devices_needed and v.devices_needed <= devices):  # more devices than the profile's
+            row.update(tokens_per_s=None, hours=None, cost_usd=None)
+    return row
+
+
+def cores(cfg) -> dict | None:
+    """On a CPU: this machine's cores and the processes the run asks for, when it asks for more."""
+    have = os.cpu_count() or 1
+    asked = derive(cfg).layout.world
+    if cfg.hardware.device != "cpu" or asked <= have:
+        return None
+    return {"available": have, "asked": asked}
+
+
+def make_plan(cfg, counts=None, hardware: list[str] | None = None, others: bool = True,
+              calibrated: bool = True, rollout: Rollout | None = None) -> dict:
+    """The plan as plain data (JSON-ready). `counts` may come from preflight's meta probe.
+    others=False leaves out the rest of the catalog (a run that fits where it is needs only `here`);
+    calibrated=False: the planner's own figures for this hardware, without an earlier run's ratios;
+    rollout: what a rank generated per step (the plan check's measurement). `compare`
+    (plan.compare) says whether the table lists the other profiles beside this hardware."""
+    counts = counts or count(probe(cfg.model), cfg.model.arch, cfg.peft)
+    mfu = float(pick(cfg, "plan.mfu", 0.4))
+    s = from_cfg(cfg)
+    est = estimate(counts, cfg.model.arch, s)
+    here = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu, devices=derive(cfg).layout.world,
+                calibrated=calibrated, rollout=rollout)
+    over = cores(cfg)
+    if over:  # would it fit with one process per core?
+        fit = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu, devices=over["available"])
+        here["cores"] = {**over, "fits": fit["fits"], "peak_gb": fit["peak_gb"], "usable_gb": fit["usable_gb"]}
+    wanted = hardware or list(pick(cfg, "plan.hardware", []) or [])
+    rows = [_row(cfg, counts, name, hw, mfu) for name, hw in catalog.profiles().items()
+            if (not wanted or name in wanted) and name != cfg.hardware.name] if others else []
+    plan = {
+        "model": cfg.model.name, "method": s.method, "peft": s.peft, "backend": s.backend,
+        "precision": s.precision,
+        "params": {"total": counts.total, "active": counts.active,
+                   "trainable": counts.total if s.peft == "none" else counts.lora},
+        "tokens": run_tokens(cfg, s), "mfu": mfu,
+        "setup": asdict(s),
+        "memory_gb": {k: round(v / GiB, 3) for k, v in est.terms().items()} | {"peak": round(est.peak / GiB, 3),
+                                                                              "host": round(est.host / GiB, 3)},
+        "compare": _flag(pick(cfg, "plan.compare", False)),
+        "here": here,
+        "profiles": rows,
+    }
+    if not here["fits"] and (rows or here.get("cores")):  # what to change, and where else it fits
+        plan["refusal"] = refusal(plan).removesuffix(" See the plan: add dry_run=true")
+    return plan
+
+
+def refusal(plan: dict) -> str:
+    """One line for a run that does not fit where it was asked to run."""
+    h = plan["here"]
+    over = h.get("cores")
+    if over:  # more CPU processes than cores: that is what to change first
+        n = over["available"]
+        msg = (f"hardware.procs asks for {over['asked']} processes but this machine has {n} CPU cores "
+               f"(os.cpu_count()); set hardware.procs<={n}")
+        if over["fits"]:
+            msg += f": with {n} the run fits ({over['peak_gb']:.1f} GiB per process of {over['usable_gb']:.1f} usable)"
+        else:
+            msg += (f"; even with {n} it needs {over['peak_gb']:.1f} GiB per process but has "
+                    f"{over['usable_gb']:.1f} GiB usable" + (f" (smallest change that fits here: {h['fix']})"
+                                                            if h["fix"] else ""))
+        return msg + ". See the plan: add dry_run=true"
+    runnable = [r for r in plan["profiles"] if r["device"] in ("cuda", "cpu")] or plan["profiles"]
+    fits = [r for r in runnable if r["fits"]]
+    best = min(fits, key=lambda r: (r["cost_usd"] or [1e18])[0]) if fits else None
+    msg = (f"model={plan['model']} method={plan['method']} peft={plan['peft']} needs "
+           f"{h['peak_gb']:.1f} GiB per device but hardware={h['hardware']} has {h['usable_gb']:.1f} GiB usable")
+    if h["fix"]:
+        msg += f"; smallest change that fits here: {h['fix']}"
+    if best:
+        cost = best["cost_usd"]
+        msg += (f"; it fits on hardware={best['hardware']} ({best['devices']} x {best['accelerator']}, "
+                f"{best['peak_gb']:.1f} GiB/device" + (f", ~{duration(best['hours'])}, {money(cost)}"
+                                                       if cost else "") + ")")
+    else:
+        needs = [r for r in runnable if r.get("needed")]
+        if needs:
+            r = min(needs, key=lambda r: (r["needed"]["cost_usd"] or [1e18])[0])
+            need = r["needed"]
+            how = "activation checkpointing" + (f" and backend={sharding_backend()[0]}" if need["devices"] > 1
+                                                else "")
+            msg += (f"; it fits on {need['devices']} x {r['accelerator']} with {how} "
+                    f"(hardware={r['hardware']}" + (f", ~{duration(need['hours'])}, {money(need['cost_usd'])}"
+                                                    if need["cost_usd"] else "") + ")")
+    return msg + ". See the plan: add dry_run=true"
+
+
+def to_json(plan: dict) -> str:
+    import json
+
+    return json.dumps(plan, indent=1, default=float)
+
+
+def render(plan: dict) -> None:
+    """The plan as tables on stdout (workbench/plan/tables.py)."""
+    show(plan)
+
+
+__all__ = ["make_plan", "refusal", "render", "to_json"]

@@ -1,0 +1,240 @@
+"""The run from start to end: build, resume, the loop, evaluate, export, report.
+
+    results = Runner(cfg).train()     # cfg from workbench/run/validate.py
+
+    build     tokenizer and data read and checked, then the model, adapters, precision, backend
+    start     tracker, resume (workbench/run/checkpoints.py), manifest, the evaluation at start
+    loop      data -> step -> log -> evaluate -> checkpoint (workbench/run/loop.py)
+    finish    the last checkpoint, the evaluation at end, export and report (workbench/run/finish.py)
+
+Order of work is chosen so mistakes surface early: tokenizer and data are read and checked
+before any weights load, then the model, adapters and precision, then resume, then the loop.
+Rank 0 writes logs, checkpoint pointers, the export and the report. The resolved run
+(workbench/run/resolved.py) goes by one name everywhere: `run` (`runner.run`, `ctx.run`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from workbench.backends import registry as backends
+from workbench.core import heartbeat, startup
+from workbench.core.secrets import secret_values
+from workbench.methods import registry as methods
+from workbench.models import unsloth_loader
+from workbench.models.build import build_model
+from workbench.models.head import SelectiveLM
+from workbench.run import finish
+from workbench.run.checkpoints import Checkpoints
+from workbench.run.derive import Run
+from workbench.run.evaluation import Evaluator
+from workbench.run.loop import Clock, loop
+from workbench.run.preflight import tokenizer as make_tokenizer
+from workbench.run.resolved import resolve as resolve_run
+from workbench.telemetry import plan_check
+from workbench.telemetry.flops import FlopCount
+from workbench.telemetry.metrics import Tracker
+from workbench.telemetry.peak import peak_flops
+from workbench.train import checkpoint, faults, precision, replay, resume
+from workbench.train.distributed import init_distributed
+from workbench.train.state import TrainState, seed_everything
+from workbench.train.watchdog import Watchdog, gpu_env
+
+
+@dataclass(frozen=True)
+class Context:
+    """What methods and backends may read while they set themselves up: the resolved run
+    (precision, peft, reference, layout; workbench/run/resolved.py) and the tokenizer."""
+
+    run: Run
+    tokenizer: object
+    contract: object
+    run_dir: Path
+
+    @property
+    def cfg(self) -> DictConfig:
+        return self.run.cfg
+
+    @property
+    def device(self) -> str:
+        return self.run.device
+
+
+class Runner:
+    def __init__(self, cfg: DictConfig, run: Run | None = None, tokenizer: tuple | None = None):
+        """`run`, `tokenizer`: the resolved run and the (tokenizer, chat contract) preflight made in
+        this process, if any (else made here)."""
+        self.run_dir = Path(cfg.output_dir)
+        self.device = cfg.hardware.device
+        if cfg.hardware.threads:
+            torch.set_num_threads(cfg.hardware.threads)
+        for key, value in (cfg.hardware.env or {}).items():  # NCCL presets, also under the user's own torchrun
+            os.environ.setdefault(str(key), str(value))
+        if self.device == "cuda":  # NCCL's own watchdog and flight recorder (workbench/train/watchdog.py)
+            for key, value in gpu_env(self.run_dir).items():
+                os.environ.setdefault(key, value)
+        self.rank, self.world = init_distributed(self.device, cfg.hardware.timeout_minutes)
+        self.is_main = self.rank == 0
+        if run is None or (run.layout.rank, run.layout.world) != (self.rank, self.world):
+            run = resolve_run(cfg, self.rank, self.world)  # the rule table runs here too
+        self.run = run
+        self.cfg = run.cfg  # a resume at another world size changes train.grad_accum (run/resolved.py)
+        self.pol = run.precision
+        self.backend = None  # build() sets model, method, backend
+        self._tokenizer = tokenizer
+        self.rss0 = plan_check.rss_gib()
+        self.secrets = secret_values(self.cfg)  # values of secret-looking keys, scrubbed from what the run writes
+        seed_everything(self.cfg.train.seed)
+
+    # -- build -------------------------------------------------------------------------------
+    def build(self) -> None:
+        cfg = self.cfg
+        self.tokenizer, self.contract = self._tokenizer or make_tokenizer(cfg)
+        # a checkpoint of another model, adapter or tokenizer is refused before any weights load
+        self.identity = resume.identity(cfg, self.run, self.tokenizer, self.contract)
+        resume.check_identity(resume.record_of(self.run_dir, cfg.train.resume), self.identity)
+        self.ctx = Context(self.run, self.tokenizer, self.contract, self.run_dir)
+        self.method = methods.spec(cfg.method.name).build(cfg.method, self.ctx)
+        self.method.prepare(self.ctx)  # data errors surface here, before any weights load
+        torch.manual_seed(cfg.train.seed)
+        self.model = self._load_model()
+        self.train_module = SelectiveLM(self.model)
+        if cfg.train.compile:
+            self.train_module.compile()
+        self.backend = backends.spec(cfg.backend.name).build(cfg.backend, self.ctx)
+        self.backend.wrap(self.train_module, self.ctx)
+        self.method.attach(self.backend)  # e.g. DPO's reference log-probs, once the backend holds the model
+        self.state = TrainState()
+        self.checkpoints, self.evaluator = Checkpoints(self), Evaluator(self)
+        # dropout draws its masks keyed by the micro-batch's global samples (workbench/train/noise.py)
+        self.dropout = (any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules())
+                        or float(getattr(self.model.config, "attention_dropout", 0.0) or 0.0) > 0)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def _load_model(self):
+        if self.cfg.model.loader == "unsloth":  # unsloth loads and patches LoRA/QLoRA itself
+
+            model = unsloth_loader.load(self.run, self.run_dir)
+            precision.cast_params(model, self.pol)
+            if self.pol.fp8:
+                precision.apply_fp8(model, self.pol)
+            return model
+        self.rss0 = plan_check.rss_gib()  # the plan check's CPU memory baseline: before the weights
+        model = build_model(self.run)
+        plan_check.reset_peak()  # the weights stay counted; a cold cache's conversion peak does not
+        return model
+
+    # -- the run -----------------------------------------------------------------------------
+    def train(self) -> dict:
+        """Train, evaluate, export and report, with the watchdog on (workbench/train/watchdog.py):
+        an error here reaches the other ranks at once, a stall anywhere ends the run with stacks."""
+        cfg = self.cfg
+        self.dog = Watchdog(self.run_dir, self.rank, self.world, cfg.hardware.stall_timeout_s, cfg.eval.timeout_s,
+                            last_checkpoint=lambda: self.checkpoints.latest_valid(), secrets=self.secrets)
+        if cfg.debug.hang_phase and self.rank == cfg.debug.hang_rank:
+            heartbeat.BEAT.hang = (cfg.debug.hang_phase, cfg.debug.hang_at_step)
+        if cfg.hardware.watchdog:
+            self.dog.start()
+        try:
+            return self._train()
+        except BaseException as exc:
+            # a collective that failed because a peer is gone names the peer (workbench/train/watchdog.py)
+            blamed = self.dog.blame(exc) if isinstance(exc, (RuntimeError, dist.DistBackendError)) else exc
+            self.dog.fail(blamed)  # the other ranks stop now
+            if blamed is not exc:
+                raise blamed from exc
+            raise
+        finally:
+            self.dog.stop()
+
+    def _train(self) -> dict:
+        t_launch = time.perf_counter()
+        results = self._start()
+        done = self._finished_before()
+        if done is not None:
+            return done
+        peak, results["peak_source"] = peak_flops(self.cfg.hardware, self.pol, self.device)
+        results["peak_flops"] = peak
+        self.clock = Clock(self.run, FlopCount.from_model(self.model, self.run), peak, t_launch)
+        self.shapes = plan_check.Shapes()
+        # SIGTERM/SIGINT: finish the step, checkpoint, exit 75; NaN/Inf: skip or stop (workbench/train/faults.py)
+        guard = faults.Guard(self.run, self.backend, say=self.tracker.console)
+        guard.install()
+        startup.training()  # the collector runs again from here (workbench/core/startup.py)
+        stalled = loop(self, guard, self.method.stall_watch(), results)
+        self._last_checkpoint(stalled, results)
+        guard.uninstall()  # from here on (eval, export) a signal stops the run as usual
+        results.update(bad_steps=guard.bad_steps, losses=self.clock.losses, first_step_seconds=self.clock.first_step_at,
+                       wall_seconds=time.perf_counter() - t_launch)
+        if self.cfg.eval.at_end:
+            results["eval_end"] = self.evaluator.evaluate("end")
+        finish.export_and_report(self, results)
+        if self.is_main:
+            for line in finish.summary(self, results):
+                self.tracker.console(line)
+        return results
+
+    def _finished_before(self) -> dict | None:
+        """A relaunch of a finished run (train.resume=auto; its last step checkpointed, its results
+        written) trains, evaluates and exports nothing again: it says so and returns those results.
+        A named checkpoint (train.resume=<path>, as `python -m workbench.export` passes) is redone."""
+        stored = self.run_dir / "results.json"
+        if (self.cfg.train.resume != "auto" or self.checkpoints.resumed_step < self.cfg.train.max_steps
+                or not stored.exists()):
+            return None
+        if self.is_main:
+            self.tracker.console(f"already finished: {self.run_dir} trained {self.state.step} of train.max_steps="
+                                 f"{self.cfg.train.max_steps} steps; nothing to do (results.json, report.md there). "
+                                 "Raise train.max_steps to train further, or choose a new output_dir")
+        self.tracker.finish(None)
+        return json.loads(stored.read_text())
+
+    def _start(self) -> dict:
+        """The tracker, the model (unless built), resume, the manifest and the evaluation at start."""
+        cfg = self.cfg
+        self.tracker = Tracker(self.run_dir, enabled=self.is_main, cfg=cfg)  # + trackers, progress
+        self.tracker.set_price(cfg.hardware.price_per_hour, self.world)
+        if self.backend is None:
+            self.build()
+        self.checkpoints.tracker = self.tracker
+        resumed, self.state = self.checkpoints.resume(self.state)
+        if resumed is None:  # a resume says "resuming from step N" (workbench/run/checkpoints.py)
+            self.tracker.console(f"new run in {self.run_dir}: {resume.describe(resume.layout_of(cfg, self.run))}, "
+                                 f"global batch {self.run.batch.describe()}, {cfg.train.max_steps} steps")
+        if self.is_main:
+            finish.write_manifest(self, resumed)
+        cert = (self.checkpoints.resumed or {}).get("certificate")
+        if cert and not cert["ok"] and cfg.train.resume_check == "error":
+            raise replay.failure(cert, resumed)  # after the manifest, which records it
+        results: dict = {"resumed_from": resumed, "resume": self.checkpoints.resumed, "n_params": self.n_params,
+                         "n_trainable": self.n_trainable}
+        if cfg.eval.at_start and self.state.step == 0:
+            results["eval_start"] = self.evaluator.evaluate("start")
+        return results
+
+    def _last_checkpoint(self, stalled: dict | None, results: dict) -> None:
+        """After the loop: a stall puts back the last weights that had signal (they are evaluated
+        and exported, not the stalled ones); otherwise the last step is saved. Async saves
+        commit before the run reports done."""
+        if stalled:
+            results["stalled"] = stalled
+            self.tracker.console(f"stopped at step {stalled['step']}: {stalled['reason']} ({stalled['summary']}); "
+                                 f"evaluating and exporting the weights of step {stalled['last_signal_step']}"
+                                 + (f" ({stalled['exported_from']})" if stalled["exported_from"] else ""))
+            if stalled["exported_from"]:
+                self.checkpoints.load_weights(stalled["exported_from"])
+        elif self.state.step and (self.cfg.train.checkpoint_every or self.cfg.train.max_steps):
+            self.checkpoints.save(self.state)
+        checkpoint.flush()
+
+    def plan_check(self) -> dict | None:
+        return finish.plan_check(self)

@@ -1,0 +1,56 @@
+"""The run's ranks and parallel degrees: who trains on which slice of the global batch.
+
+    from workbench.train.layout import layout
+    lay = layout(cfg)          # lay.world, lay.dp, lay.dp_rank, lay.tp, lay.pp, lay.cp
+
+A low-level module on purpose: the resolved run (workbench/run/derive.py) carries it as
+`run.layout`, and the rules of one backend or method (workbench/config/rule.py) read it
+without importing the run layer above them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workbench.train import distributed
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Ranks and parallel degrees. Megatron orders ranks tensor-fastest, then context, then data,
+    then pipeline, so the data-parallel rank of global rank r is (r // (tp * cp)) % dp."""
+
+    rank: int = 0
+    world: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        return max(1, self.world // self.model_parallel)
+
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // (self.tp * self.cp)) % self.dp
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def layout(cfg, rank: int | None = None, world: int | None = None) -> Layout:
+    """Inside a launched process the launcher's RANK / WORLD_SIZE are the truth; before launch,
+    the request (hardware.procs x hardware.nodes). The parallel degrees are the backend's
+    tp / pp / cp where its options have them (1 otherwise)."""
+    if world is None:
+        world = distributed.launched_world() or distributed.requested_procs(cfg.hardware)
+    if rank is None:
+        rank = distributed.launched_rank()
+    b = cfg.get("backend")
+    par = {k: int(b[k]) for k in ("tp", "pp", "cp") if b is not None and k in b}
+    return Layout(rank=rank, world=world, **par)
