@@ -1,5 +1,5 @@
 """Run the whole precision matrix (every method x backend x precision x peft on the tiny model) and
-write docs/precision-matrix.md and the README's summary of it from that run.
+write docs/precision-matrix.md from that run (the docs site's page: a summary, then every cell).
 
     python scripts/precision_matrix.py                      # run the slow tier's matrix test, then render
     python scripts/precision_matrix.py --render OUT.json    # render from a saved run only
@@ -26,8 +26,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DOC = ROOT / "docs" / "precision-matrix.md"
-README = ROOT / "README.md"
-BEGIN, END = "<!-- precision-matrix:begin -->", "<!-- precision-matrix:end -->"
 
 
 def _mark(row) -> str:
@@ -108,13 +106,6 @@ def rejudge(rows) -> list[dict]:
 def write(rows, seconds: float | None = None) -> None:
     rows = rejudge(rows)
     DOC.write_text(render(rows, seconds))
-    text = README.read_text()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        link = "Every cell: [docs/precision-matrix.md](docs/precision-matrix.md)."
-        block = "\n".join(["", *summary(rows, seconds), "", link, ""])
-        README.write_text(head + BEGIN + block + END + tail)
 
 
 def main() -> int:
