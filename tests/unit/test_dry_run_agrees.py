@@ -8,7 +8,8 @@ the run builds its model, so a refusal printed without that line came from prefl
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m slow tests/unit/test_dry_run_agrees.py    # the rest
 
 Each command is a fresh Python process (~7 s of CPU on the tiny model, mostly imports), so the
-cases whose checks are older than this test are marked slow.
+cases whose checks are older than this test, and two of the new ones, are marked slow (the default
+tier keeps an import check and the keep_best check).
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ CASES = [
     case("reward-module-missing", ["method=grpo", "reward.functions=[nosuchmod:score]"],
          "reward: cannot import module 'nosuchmod' for 'nosuchmod:score'"),
     case("reward-function-missing", ["method=grpo", "reward.functions=[json:nosuch]"],
-         "reward: module 'json' has no function 'nosuch'"),
+         "reward: module 'json' has no function 'nosuch'", slow=True),
     case("keep-best-metric-missing", ["data.eval_split=4", "eval.tasks=[loss]", "train.keep_best=loss/los"],
          "train.keep_best='loss/los': no task in eval.tasks=['loss'] reports that metric; did you mean loss/loss?"),
     case("eval-hook-missing", ["eval.tasks=[nosuchmod:score]"],
-         "eval.tasks: cannot import module 'nosuchmod' for 'nosuchmod:score'"),
+         "eval.tasks: cannot import module 'nosuchmod' for 'nosuchmod:score'", slow=True),
     case("dpo-beta", ["method=dpo", "method.beta=-1"], "method.beta must be > 0", slow=True),
     case("max-steps-negative", ["train.max_steps=-1"], "train.max_steps", slow=True),
     case("data-path-missing", ["data.path=no/such/rows.jsonl"], "no/such/rows.jsonl", slow=True),

@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 BASE = ["model=tiny", "precision=fp32", "eval=none", "train.max_steps=2", "train.micro_batch_size=2",
@@ -52,6 +54,7 @@ def test_a_failed_job_is_summarised_and_the_sweep_goes_on(tmp_path):
     assert [p for p in written if SECRET in p.read_text(errors="replace")] == []
 
 
+@pytest.mark.slow  # the single-run line is held in the default tier by test_typos.py and test_bad_input.py
 def test_a_single_run_still_stops_with_one_line(tmp_path):
     proc = _cli([*BASE, "train.keep_best=loss/los"], tmp_path)
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
