@@ -14,7 +14,6 @@ import time
 
 from workbench.core import heartbeat
 from workbench.evals import hooks
-from workbench.telemetry import plan_check
 from workbench.train import precision
 from workbench.train.keep_best import Keeper
 
@@ -30,11 +29,7 @@ class Evaluator:
         if not self.r.cfg.eval.tasks:
             return {}
         with heartbeat.phase("evaluation", tag):
-            res = self._run(tag)
-        # the plan check measures training memory: an evaluation's own peak (generating answers
-        # with a KV cache, a merged copy of the model) is not the planner's to predict
-        plan_check.reset_peak()
-        return res
+            return self._run(tag)
 
     def _run(self, tag: str) -> dict:
         r, cfg = self.r, self.r.cfg
