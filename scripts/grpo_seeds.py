@@ -7,7 +7,8 @@
 
 For each seed: (unless --from-base) 20 LoRA SFT steps with that seed, merged, as the starting
 policy; then GRPO on it with the given overrides, held-out 2-digit-addition exact match
-(100 questions, greedy) before and after. Prints one JSON line per seed and a summary line,
+(the 200-question test split and the 200-question validation split, greedy) before and
+after, each with its Wilson 95% interval. Prints one JSON line per seed and a summary line,
 and appends them to --out (default runs/grpo_seeds.jsonl).
 """
 
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 COMMON = ["train.export=false", "train.resume=never", "train.log_every=10", "eval.at_start=true",
-          "eval.at_end=true", "eval.num_samples=100", "eval.tasks=[arith_add2]"]
+          "eval.at_end=true", "eval.num_samples=200", "eval.tasks=[arith_add2,arith_add2_val]"]
 
 
 def one_seed(seed: int, steps: int, from_base: bool, overrides: list[str], out: Path, sft_precision: str) -> dict:
@@ -41,8 +42,17 @@ def one_seed(seed: int, steps: int, from_base: bool, overrides: list[str], out: 
                  *COMMON, *overrides],
                 out / f"grpo{seed}-{int(time.time())}", base=[])
     return {"seed": seed, "from_base": from_base, "steps": steps, "overrides": overrides, "sft_precision": sft_precision,
-            "before": res["eval_start"]["eval/arith_add2/accuracy"],
-            "after": res["eval_end"]["eval/arith_add2/accuracy"], "grpo_seconds": round(time.perf_counter() - t)}
+            **scored(res, "eval/arith_add2"), **scored(res, "eval/arith_add2_val", "val_"),
+            "grpo_seconds": round(time.perf_counter() - t)}
+
+
+def scored(res: dict, prefix: str, tag: str = "") -> dict:
+    """before/after accuracy of one eval task with the after value's Wilson 95% interval."""
+    from workbench.evals.stats import intervals
+
+    end, start = res["eval_end"], res.get("eval_start") or {}  # eval.at_start=false: no start (None)
+    return {f"{tag}before": start.get(f"{prefix}/accuracy"), f"{tag}after": end[f"{prefix}/accuracy"],
+            f"{tag}after_ci95": intervals(end).get(f"{prefix}/accuracy_ci95")}
 
 
 def main(argv: list[str]) -> int:
@@ -60,7 +70,7 @@ def main(argv: list[str]) -> int:
         row = one_seed(seed, a.steps, a.from_base, overrides, Path(a.work) / f"s{seed}", a.sft_precision)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    gains = [r["after"] - r["before"] for r in rows]
+    gains = [r["after"] - (r["before"] or 0.0) for r in rows]  # without a start eval: gain over 0
     summary = {"summary": True, "overrides": overrides, "from_base": a.from_base, "gains": gains,
                "mean_gain": sum(gains) / len(gains), "min_gain": min(gains),
                "max_grpo_seconds": max(r["grpo_seconds"] for r in rows)}

@@ -1,11 +1,12 @@
 """Learning outcomes of the methods beyond SFT/DPO/GRPO across seeds (docs/measurements/learning.md's table).
 
-    python scripts/method_seeds.py kto simpo rm --seeds 0 1 2
+    python scripts/method_seeds.py dpo kto simpo orpo rm --seeds 0 1 2
     python scripts/method_seeds.py distill grpo_rm --seeds 0 --work /tmp/seeds
 
 The runs are those of tests/integration/test_learning_methods.py (SmolLM2-135M, LoRA, fp32, 60
-steps, KTO 100); each seed sets train.seed and data.shuffle_seed. Prints one JSON line per run and a
-table at the end.
+steps, KTO 100), evaluated on the whole test split (200 questions or pairs); each seed sets
+train.seed and data.shuffle_seed. Prints one JSON line per run and a table at the end, each
+accuracy after training with its Wilson 95% interval.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.integration import test_learning_methods as L  # noqa: E402
+from workbench.evals.stats import wilson  # noqa: E402
+
+TEST_N = 200  # every test split these runs read holds 200 questions or pairs (data_recipes/data/*_eval.jsonl)
 
 
 def one(name: str, seed: int, work: Path) -> dict:
@@ -41,7 +45,9 @@ def one(name: str, seed: int, work: Path) -> dict:
         row = {"rm_accuracy": rm_acc, "before": before, "after": after}
     else:
         raise SystemExit(f"unknown run {name!r}: choose from {[*L.RECIPES, 'rm_sft', 'distill', 'grpo_rm']}")
-    return {"run": name, "seed": seed, **row, "seconds": round(time.perf_counter() - t)}
+    lo, hi = wilson(row["after"] * TEST_N, TEST_N)
+    return {"run": name, "seed": seed, **row, "after_ci95": [round(lo, 3), round(hi, 3)],
+            "seconds": round(time.perf_counter() - t)}
 
 
 def main() -> int:
@@ -56,10 +62,11 @@ def main() -> int:
         for seed in args.seeds:
             rows.append(one(name, seed, work))
             print(json.dumps(rows[-1]), flush=True)
-    print("\n| run | seed | before | after | seconds |\n|---|---|---|---|---|")
+    print("\n| run | seed | before | after [95%] | seconds |\n|---|---|---|---|---|")
     for r in rows:
-        before = "-" if r["before"] is None else f"{r['before']:.2f}"
-        print(f"| {r['run']} | {r['seed']} | {before} | {r['after']:.2f} | {r['seconds']} |")
+        before = "-" if r["before"] is None else f"{r['before']:.3f}"
+        lo, hi = r["after_ci95"]
+        print(f"| {r['run']} | {r['seed']} | {before} | {r['after']:.3f} [{lo:.3f}, {hi:.3f}] | {r['seconds']} |")
     return 0
 
 

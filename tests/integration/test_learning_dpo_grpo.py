@@ -20,7 +20,7 @@ import pytest
 from tests.conftest import train
 
 BASE = ["train.export=false", "train.resume=never", "train.log_every=5", "eval.at_start=true", "eval.at_end=true",
-        "eval.num_samples=100"]
+        "eval.num_samples=200"]
 
 
 @pytest.mark.slow

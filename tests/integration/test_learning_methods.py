@@ -54,13 +54,15 @@ import pytest
 from tests.conftest import train
 
 BASE = ["train.export=false", "train.resume=never", "train.log_every=5", "eval.at_start=true", "eval.at_end=true",
-        "eval.num_samples=100", "precision=fp32"]
+        "eval.num_samples=200", "precision=fp32"]
 PAIRS = ["train.max_steps=60", "train.micro_batch_size=8"]
 # KTO splits each pair into two unpaired rows; 60 steps left one seed of three short of +15
 KTO_PAIRS = ["train.max_steps=100", "train.micro_batch_size=8"]
 
 # name -> (overrides, eval metric); a seed adds train.seed and data.shuffle_seed
 RECIPES: dict[str, tuple[list[str], str]] = {
+    "dpo": (["method=dpo", "method.rpo_alpha=1.0", *PAIRS, "eval.tasks=[arith_pref]"], "eval/arith_pref/accuracy"),
+    "orpo": (["method=orpo", *PAIRS, "eval.tasks=[arith_pref]"], "eval/arith_pref/accuracy"),
     "rm": (["method=rm", *PAIRS], "eval/arith_rm/accuracy"),
     "kto": (["method=kto", *KTO_PAIRS, "eval.tasks=[arith_pref]"], "eval/arith_pref/accuracy"),
     "simpo": (["method=simpo", *PAIRS, "eval.tasks=[arith_pref]"], "eval/arith_pref/accuracy"),
@@ -82,7 +84,7 @@ def run_recipe(name: str, seed: int, out: Path, extra: list[str] = ()) -> tuple[
 def sft(out: Path, steps: int, seed: int = 0) -> dict:
     """A LoRA SFT run merged into the weights (a warm start or a teacher), with its held-out exact match."""
     return train([f"train.max_steps={steps}", "precision=fp32", "train.resume=never", "train.export=true",
-                  "eval.tasks=[arith_add2]", "eval.at_start=false", "eval.num_samples=100", *seeded(seed)], out, base=[])
+                  "eval.tasks=[arith_add2]", "eval.at_start=false", "eval.num_samples=200", *seeded(seed)], out, base=[])
 
 
 def distill(out: Path, seed: int = 0) -> tuple[float, float, float]:
