@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: venv run test test-slow bench lint clean
+.PHONY: venv run test test-slow test-cluster bench lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,11 @@ test: venv
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow $(ARGS)
+
+# nodes as network namespaces, a real Slurm, Ray and torchrun across them (root; Slurm from
+# apt-get install slurm-wlm munge): tests/cluster/
+test-cluster: venv
+	$(PY) -m pytest -q -m cluster tests/cluster $(ARGS)
 
 bench: venv
 	$(PY) scripts/bench.py $(ARGS)

@@ -102,6 +102,7 @@ def test_outside_slurm_asks_for_multirun(tmp_path, monkeypatch):
 def test_inside_a_slurm_task_exports_ranks_and_records_the_job(tmp_path):
     import json
     import os
+    import signal
 
     from workbench.launch import slurm
 
@@ -117,8 +118,14 @@ def test_inside_a_slurm_task_exports_ranks_and_records_the_job(tmp_path):
             # (a leaked WORLD_SIZE would make every later run in this process wait for a rendezvous)
             mp.setenv(k, "unset")
             mp.delenv(k)
+        # gpu07 resolves nowhere here: the route to the first node is tests/cluster/'s (real nodes)
+        mp.setattr(slurm.network, "prepare", lambda *a, **k: None)
+        mp.setattr(slurm.faults, "ON_PREEMPTED", [])
+        usr2 = signal.getsignal(signal.SIGUSR2)
         cfg = compose(["launcher=slurm", "launcher.partition=gpu"], tmp_path / "job")
         assert slurm.launch(cfg) is None  # train in this process, as rank 0 of 4
+        signal.signal(signal.SIGUSR2, usr2)
+        assert slurm.faults.ON_PREEMPTED == [slurm._requeue]  # a preemption checkpoint requeues the job
         assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("0", "4", "0")
         assert os.environ["MASTER_ADDR"] == "gpu07"
         record = json.loads((tmp_path / "job" / "launch" / "launch.json").read_text())

@@ -240,6 +240,11 @@ class HardwareConfig:
     rdzv_endpoint: str = ""  # host:port of the rendezvous (multi-node)
     rdzv_id: str = "workbench"
     node_rank: int = -1  # -1: let the rendezvous assign it
+    # this node's address the others connect to; "": the address that routes to rdzv_endpoint
+    # (workbench/launch/network.py), whose interface gloo/NCCL are then pinned to
+    node_addr: str = ""
+    rdzv_timeout_s: float = 300.0  # how long a node waits at the rendezvous for the others
+    min_nodes: int = 0  # fewest nodes a multi-node run continues on after losing one; 0: hardware.nodes
     timeout_minutes: int = 30  # collective timeout
     # the watchdog (workbench/train/watchdog.py): seconds without progress before a run is called
     # stalled; 0: twenty times the median step time, at least 300 s (600 s until 3 steps are timed)
@@ -283,6 +288,7 @@ class DebugConfig:
     crash_at_step: int = -1  # fault injection for restart tests
     nan_at_step: int = -1  # fault injection: this step's loss is NaN (workbench/train/faults.py)
     crash_rank: int = 0
+    step_sleep_s: float = 0.0  # fault injection: every step takes this much longer (signal and node-loss tests)
     overfit_batches: int = 0
     # fault injection for the watchdog: hang_rank sleeps when it enters hang_phase (data, rollout,
     # reward function, forward, backward, optimizer, ...) at step hang_at_step (0-based)

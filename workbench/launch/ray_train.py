@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbench.core.errors import UserError, missing_package
-from workbench.launch import remote
+from workbench.launch import network, remote
 from workbench.run.runner import Runner
 from workbench.run.validate import validate
 from workbench.train.distributed import requested_procs
@@ -83,6 +83,15 @@ def worker(loop_cfg: dict) -> None:
                       "resumed_from": results.get("resumed_from") or ""})
 
 
+def pin_network() -> None:
+    """Ray's worker_process_setup_hook on a cluster: before Ray Train creates the process group in
+    this worker, point GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME at the interface that reaches the
+    Ray head (workbench/launch/network.py); resolving the hostname may give loopback."""
+    import ray
+
+    network.prepare(ray.get_runtime_context().gcs_address, field="launcher.address")
+
+
 def build_trainer(cfg, lc: Config | None = None):
     """The TorchTrainer for this config (nothing runs until .fit())."""
     lc = lc or remote.launcher_config(Config, cfg)
@@ -113,9 +122,11 @@ def launch(cfg) -> dict:
     remote.materialize(remote.job_spec(cfg, "ray"), out)
     if not ray.is_initialized():
         runtime_env = {"working_dir": str(ROOT), "excludes": [".venv", ".git", "runs", "multirun"]} \
-            if lc.ship_code else None
+            if lc.ship_code else {}
+        if lc.address:  # a cluster: every worker pins gloo/NCCL to its node's way to the head first
+            runtime_env["worker_process_setup_hook"] = "workbench.launch.ray_train.pin_network"
         try:
-            ray.init(address=lc.address, runtime_env=runtime_env, log_to_driver=True)
+            ray.init(address=lc.address, runtime_env=runtime_env or None, log_to_driver=True)
         except ConnectionError as exc:
             raise UserError(f"launcher.address={lc.address!r}: cannot reach a Ray cluster ({exc})") from None
     trainer = build_trainer(cfg, lc)

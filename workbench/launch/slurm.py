@@ -14,10 +14,15 @@ this process. Requeued after preemption, the job keeps its sweep subdir as outpu
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import threading
 from dataclasses import dataclass, field
 
 from workbench.core.errors import UserError, missing_package
-from workbench.launch import remote
+from workbench.launch import network, remote
+from workbench.train import faults
 
 
 @dataclass
@@ -50,6 +55,9 @@ def export_dist_env() -> dict:
     if env.world_size > 1:
         # CUDA_VISIBLE_DEVICES is left alone: the runner picks cuda:LOCAL_RANK itself.
         env.export(set_cuda_visible_devices=False)
+        # gloo/NCCL on the interface that reaches the job's first node, not whatever the hostname
+        # resolves to (127.0.1.1 on a default Debian node)
+        network.prepare(f"{env.master_addr}:{env.master_port}", field="the Slurm job's first node")
     return {"RANK": env.rank, "WORLD_SIZE": env.world_size, "LOCAL_RANK": env.local_rank,
             "MASTER_ADDR": env.master_addr, "MASTER_PORT": env.master_port}
 
@@ -64,6 +72,7 @@ def launch(cfg):
         raise UserError("launcher=slurm submits through Hydra's submitit launcher; add -m, e.g. "
                         "`python -m workbench -m launcher=slurm launcher.partition=<p> ...`")
     dist_env = export_dist_env()
+    preempt_then_requeue()
     if dist_env["RANK"] == 0:
         spec = remote.job_spec(cfg, "slurm")
         spec["manifest"]["slurm"] = {k: os.environ.get(k) for k in (
@@ -72,3 +81,26 @@ def launch(cfg):
         spec["manifest"]["dist"] = dist_env
         remote.materialize(spec, cfg.output_dir)
     return None  # train here, as this Slurm task's rank
+
+
+def preempt_then_requeue() -> None:
+    """Slurm's warning ahead of a time limit or preemption (`--signal`; submitit asks for USR2)
+    and a plain SIGTERM both reach the fault guard (workbench/train/faults.py): the step finishes
+    and every rank checkpoints together. Then rank 0 requeues the job, which comes back with the
+    same output_dir and resumes there. submitit's own USR2 handler would requeue at once and exit
+    without that checkpoint, so USR2 is turned into SIGTERM instead."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR2, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
+    faults.ON_PREEMPTED[:] = [_requeue]
+
+
+def _requeue(step: int, ckpt) -> None:
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or os.environ.get("SLURM_PROCID", "0") != "0":
+        return
+    done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if done.returncode == 0:
+        print(f"requeued Slurm job {job}: it resumes from step {step}", file=sys.stderr, flush=True)
+    else:
+        print(f"warning: could not requeue Slurm job {job} ({done.stderr.strip()}); resubmit with the same "
+              "output_dir to resume", file=sys.stderr, flush=True)

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from workbench.config.files import CONF_DIR
+from workbench.launch import network
 from workbench.run.resolved import resolve
 from workbench.train.distributed import LAUNCHED_BY, requested_procs
 from workbench.train.watchdog import RankFailure
@@ -55,25 +56,29 @@ def worker_args(cfg) -> list[str]:
     return ["-m", "workbench", *primary, *keep, f"output_dir={Path(cfg.output_dir).resolve()}"]
 
 
-def launch_config(cfg):
+def launch_config(cfg, route=None):
+    """torchrun's settings for this node; `route` (workbench/launch/network.py) is the address
+    the other nodes reach this one at, advertised instead of the hostname."""
     from torch.distributed.launcher.api import LaunchConfig
 
     hw = cfg.hardware
-    rdzv_configs: dict = {"join_timeout": 60 * hw.timeout_minutes}
+    rdzv_configs: dict = {"join_timeout": int(hw.rdzv_timeout_s)}
     if hw.node_rank >= 0:
         rdzv_configs["is_host"] = hw.node_rank == 0
+    elif route is not None:  # torch decides by resolving the hostname, which may give loopback
+        rdzv_configs["is_host"] = route.here
     return LaunchConfig(
-        min_nodes=hw.nodes, max_nodes=hw.nodes, nproc_per_node=hw.procs, run_id=hw.rdzv_id,
+        min_nodes=hw.min_nodes or hw.nodes, max_nodes=hw.nodes, nproc_per_node=hw.procs, run_id=hw.rdzv_id,
         rdzv_backend="c10d", rdzv_endpoint=hw.rdzv_endpoint or f"127.0.0.1:{_free_port()}",
         rdzv_configs=rdzv_configs, max_restarts=hw.max_restarts, monitor_interval=1.0,
-        start_method="spawn",
+        start_method="spawn", local_addr=route.address if route else None,
     )
 
 
 def launch(cfg) -> dict | None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
-
 
     resolve(cfg)  # the rule table (e.g. deepspeed missing) speaks before any worker starts
     # Presets of the hardware profile (NCCL transport settings and the like) reach every worker;
@@ -82,35 +87,83 @@ def launch(cfg) -> dict | None:
         os.environ.setdefault(str(key), str(value))
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.hardware.threads or 1))
     os.environ[LAUNCHED_BY] = "torchrun"
-    config = launch_config(cfg)
+    hw = cfg.hardware
+    route = network.prepare(hw.rdzv_endpoint, hw.node_addr) if hw.rdzv_endpoint else None
+    config = launch_config(cfg, route)
     args = worker_args(cfg)
-    print(f"launching {cfg.hardware.nodes} x {cfg.hardware.procs} workers (torchrun, rendezvous "
-          f"{config.rdzv_endpoint}, max_restarts={config.max_restarts})", file=sys.stderr)
+    nodes = f"{config.min_nodes}-{config.max_nodes}" if config.min_nodes != config.max_nodes else str(hw.nodes)
+    print(f"launching {nodes} x {hw.procs} workers (torchrun, rendezvous {config.rdzv_endpoint}, "
+          f"this node {network.describe(route)}, max_restarts={config.max_restarts})", file=sys.stderr)
     stalls = Path(cfg.output_dir) / "stalls"
-    for name in ("stall.json", "failure.json"):  # a verdict of an earlier launch is not this one's
-        (stalls / name).unlink(missing_ok=True)
-    for old in stalls.glob("traceback-rank*.txt"):
-        old.unlink()
+    _clear(stalls)  # a verdict of an earlier launch is not this one's
     try:
-        with _quiet_agent():
+        with _quiet_agent(stalls, hw):
             elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as exc:
         raise _failure(stalls) or RuntimeError(f"distributed run failed: {exc.format_msg()}") from None
+    except RendezvousTimeoutError:
+        raise RankFailure(_waited(cfg, config, route)) from None
     return _results(cfg)
 
 
+def _waited(cfg, config, route) -> str:
+    """One line for a rendezvous that did not fill within hardware.rdzv_timeout_s: who waited,
+    where, and which node(s) it waited for."""
+    hw = cfg.hardware
+    me = f"node_rank {hw.node_rank} " if hw.node_rank >= 0 else ""
+    if hw.node_rank >= 0 and hw.nodes == 2:
+        missing = f"node_rank {1 - hw.node_rank} never joined"
+    else:
+        missing = f"fewer than {config.min_nodes} of {hw.nodes} nodes joined"
+    return (f"rendezvous at {config.rdzv_endpoint} incomplete after {hw.rdzv_timeout_s:.0f} s "
+            f"(hardware.rdzv_timeout_s): {missing}; {me}({network.describe(route)}) waited. Start the same "
+            "command on every node with its hardware.node_rank, and check that each reaches the endpoint")
+
+
 @contextlib.contextmanager
-def _quiet_agent():
+def _quiet_agent(stalls: Path, hw):
     """torchrun's agent logs each failed worker's exit code and a root-cause table; the one line
     made by `_failure` says which rank failed, where and why, so the agent's error log is held
-    back while it runs (its warnings and info still show)."""
+    back while it runs (its warnings and info still show). When the agent restarts the workers
+    (hardware.max_restarts, a lost node under hardware.min_nodes), that line is said then."""
     log = logging.getLogger("torch.distributed.elastic")
-    level = log.level
+    agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    restarts = _Restarts(stalls, hw)
+    levels = log.level, agent.level
     log.setLevel(logging.CRITICAL)
+    agent.setLevel(logging.INFO)  # its restart record reaches the filter, which shows none of its records
+    agent.addFilter(restarts)
     try:
         yield
     finally:
-        log.setLevel(level)
+        agent.removeFilter(restarts)
+        log.setLevel(levels[0])
+        agent.setLevel(levels[1])
+
+
+class _Restarts(logging.Filter):
+    """Turns the agent's "will restart worker group" record into one line naming what failed."""
+
+    def __init__(self, stalls: Path, hw):
+        super().__init__()
+        self.stalls, self.hw, self.count = stalls, hw, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "will restart worker group" in record.getMessage():
+            self.count += 1
+            failure = _failure(self.stalls)
+            nodes = f"at least {self.hw.min_nodes} of {self.hw.nodes} nodes" if self.hw.min_nodes else "every node"
+            print(f"restart {self.count} of {self.hw.max_restarts}: {failure or 'a worker exited'}; continuing from "
+                  f"the last checkpoint with {nodes} (hardware.min_nodes)", file=sys.stderr, flush=True)
+            _clear(self.stalls)  # the next failure's line is its own
+        return record.levelno >= logging.WARNING and "will restart" not in record.getMessage()
+
+
+def _clear(stalls: Path) -> None:
+    for name in ("stall.json", "failure.json"):
+        (stalls / name).unlink(missing_ok=True)
+    for old in stalls.glob("traceback-rank*.txt"):
+        old.unlink()
 
 
 def _failure(stalls: Path):

@@ -50,7 +50,9 @@ def loop(r, guard, watch, results: dict) -> dict | None:
 
 def crash_if_asked(debug, step: int, rank: int) -> None:
     """debug.crash_at_step: die like a killed rank would, on the first attempt only (a torchrun
-    restart must get past it)."""
+    restart must get past it); debug.step_sleep_s: a slower step."""
+    if debug.step_sleep_s:  # a slow step: time for a test to signal or cut a node mid-run
+        time.sleep(debug.step_sleep_s)
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     if step == debug.crash_at_step and rank == debug.crash_rank and first_attempt:
         os._exit(17)

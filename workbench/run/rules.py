@@ -31,6 +31,7 @@ from workbench.envs.rewards import NEEDS_ENV
 from workbench.export import gguf as to_gguf
 from workbench.methods import registry
 from workbench.run.derive import reference, sharded
+from workbench.train.distributed import under_distributed_launcher
 from workbench.train.layout import layout
 
 RUNNABLE_DEVICES = ("cpu", "cuda")
@@ -124,7 +125,11 @@ FIRST: list[Rule] = [
          lambda c, e: f"hardware.procs={c.hardware.procs} but this node has {e.gpus} GPU(s); set hardware.procs<={e.gpus}",
          machine=True),
     Rule("multinode-needs-rendezvous", {"hardware": "nodes > 1"},
-         lambda c, e: int(c.hardware.nodes) > 1 and not c.hardware.rdzv_endpoint,
+         # Slurm and Ray bring their own rendezvous (the job's first node, the Ray head), and a
+         # process that is already a rank has been through one
+         lambda c, e: int(c.hardware.nodes) > 1 and not c.hardware.rdzv_endpoint
+         and (c.launcher.name if c.get("launcher") is not None else "local") == "local"
+         and not under_distributed_launcher(),
          "hardware.nodes > 1 needs a rendezvous: set hardware.rdzv_endpoint=host:port (the same on every node)",
          machine=True),
     # unsloth

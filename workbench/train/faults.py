@@ -38,6 +38,9 @@ from workbench.train import checkpoint
 from workbench.train.distributed import any_rank
 
 PREEMPTED_EXIT = 75  # checkpoint written; relaunch to continue (EX_TEMPFAIL)
+# What a launcher does once the preemption checkpoint is written, before the exit (Slurm: requeue
+# the job, workbench/launch/slurm.py); each is called with (step, checkpoint).
+ON_PREEMPTED: list = []
 
 
 class NumericalFault(UserError):
@@ -129,6 +132,8 @@ class Guard:
         self.uninstall()
         print(f"preempted at step {step}: checkpoint {ckpt}; relaunch with the same output_dir to continue",
               file=sys.stderr, flush=True)
+        for then in ON_PREEMPTED:
+            then(step, ckpt)
         raise SystemExit(PREEMPTED_EXIT)
 
     # -- numbers -------------------------------------------------------------------------

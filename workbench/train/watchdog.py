@@ -36,6 +36,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import re
 import socket
 import statistics
 import sys
@@ -54,6 +55,8 @@ STALLED_EXIT = 3  # a rank stalled, or another rank failed: the run stopped (cli
 # rollout and was stopped though it was only slow. Five minutes still ends a hang long before the
 # collective timeout (30 minutes).
 FLOOR_S = 300.0
+NODE_ADDR = "WORKBENCH_NODE_ADDR"  # this node's address, set by the launcher (workbench/launch/network.py)
+PEER = re.compile(r"\[(\d{1,3}(?:\.\d{1,3}){3})\]:\d+")  # the peer in a transport error: "[10.0.0.2]:41235"
 STEP_FACTOR = 20.0  # derived budget: this many median steps (GRPO's refill rounds make long steps)
 FIRST_STEPS_S = 600.0  # until 3 steps have a time: compiling, first touches of memory
 # a stack frame in these paths means the main thread waits for its peers (a collective)
@@ -184,13 +187,18 @@ class Watchdog:
             if gone or time.time() > deadline:
                 break
             time.sleep(0.2)
+        reason = "process gone"
+        if not gone:  # a peer on another node: the transport names its address (gloo: "[10.0.0.2]:port")
+            peer = PEER.search(str(exc))
+            gone = [r for r, hb in beats.items() if r != self.rank and peer and hb.get("addr") == peer.group(1)]
+            reason = "its node closed the connection"
         if not gone:
             return exc
         self._write_stacks(note=f"a collective failed here: {type(exc).__name__}: {str(exc)[:300]}")
         for r in gone:
             self._write_gone(r, beats.get(r))
-        where = "; ".join(f"rank {r} in {self._where(beats.get(r))}" for r in gone)
-        msg = (f"rank(s) {', '.join(map(str, gone))} stopped answering (process gone): {where}; stacks in "
+        where = "; ".join(f"{self._who(r, beats.get(r))} in {self._where(beats.get(r))}" for r in gone)
+        msg = (f"rank(s) {', '.join(map(str, gone))} stopped answering ({reason}): {where}; stacks in "
                f"{self.run_dir / 'stalls'}; last intact checkpoint: {self.last_checkpoint() or 'none'}")
         self._record({"ranks": gone, "reason": "process gone", "message": msg})
         return RankFailure(msg)
@@ -227,7 +235,8 @@ class Watchdog:
     def _publish(self) -> None:
         b = heartbeat.BEAT
         record = {"phase": b.phase, "detail": b.detail, "step": b.step, "since": b.since, "beat": time.time(),
-                  "pid": os.getpid(), "host": self.host, "waiting": self._waiting()}
+                  "pid": os.getpid(), "host": self.host, "addr": os.environ.get(NODE_ADDR, ""),
+                  "waiting": self._waiting()}
         if self.store is None:
             self.local[self.rank] = record
         else:
@@ -265,7 +274,9 @@ class Watchdog:
         now = time.time()
         gone = [r for r in range(self.world) if r != self.rank and not self._alive(beats.get(r))]
         if gone:
-            return {"ranks": gone, "reason": "process gone", "beats": {str(k): v for k, v in beats.items()}}
+            remote = any((beats.get(r) or {}).get("host", self.host) != self.host for r in gone)
+            reason = "no heartbeat from its node: unreachable or gone" if remote else "process gone"
+            return {"ranks": gone, "reason": reason, "beats": {str(k): v for k, v in beats.items()}}
         live = [hb for hb in beats.values()]
         if not live:
             return None
@@ -297,13 +308,21 @@ class Watchdog:
             if not self._alive(beats.get(r)):
                 self._write_gone(r, beats.get(r))
         named = verdict["ranks"]
-        what = "; ".join(f"rank {r} in {self._where(beats.get(r))}" for r in named)
+        what = "; ".join(f"{self._who(r, beats.get(r))} in {self._where(beats.get(r))}" for r in named)
         files = ", ".join(str(self.run_dir / "stalls" / f"rank-{r}.txt") for r in range(self.world))
         msg = (f"rank(s) {', '.join(map(str, named))} stalled ({verdict['reason']}): {what}; stacks: {files}; "
                f"last intact checkpoint: {self.last_checkpoint() or 'none'}")
         self._record({**verdict, "message": msg})
         print(f"error: {scrub_text(msg)}", file=sys.stderr, flush=True)
         self._exit()
+
+    def _who(self, rank: int, hb: dict | None) -> str:
+        """"rank 1 on n2 (10.0.0.2)": the node a rank ran on, as its heartbeat said, when that is
+        another node than this rank's."""
+        if not hb or hb.get("host") == self.host:
+            return f"rank {rank}"
+        addr = f" ({hb['addr']})" if hb.get("addr") else ""
+        return f"rank {rank} on {hb['host']}{addr}"
 
     def _where(self, hb: dict | None) -> str:
         if hb is None:
