@@ -9,14 +9,13 @@ node 1 alone with the global batch kept.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.conftest import TINY, train
-from tests.helpers import ROOT, dist_env, logged_losses
+from tests.cluster.runs import on, one_process_losses
+from tests.conftest import TINY
+from tests.helpers import logged_losses
 from tests.tolerances import LOSS_RTOL
 
 STEPS, STALL_S = 8, 20
@@ -28,12 +27,7 @@ RUN = [*TINY, "backend=fsdp2", "peft=none", f"train.max_steps={STEPS}", "hardwar
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[float]:
     """The uninterrupted run: one process at the same global batch."""
-    return train(["peft=none", f"train.max_steps={STEPS}", "train.grad_accum=2"], tmp_path_factory.mktemp("ref"))["losses"]
-
-
-def on(cluster, node: str, args: list[str]) -> subprocess.Popen:
-    return cluster.popen(node, [sys.executable, "-m", "workbench", *args], cwd=ROOT, env=dist_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return one_process_losses(tmp_path_factory.mktemp("ref"), STEPS)
 
 
 def lose_node_2(cluster, tmp_path, port: int, how) -> tuple[str, float, float]:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, train
+from tests.cluster.runs import one_process_losses
+from tests.conftest import TINY
 from tests.helpers import ROOT, dist_env, logged_losses
 from tests.tolerances import LOSS_RTOL
 
@@ -45,7 +46,7 @@ def ray_cluster(cluster, tmp_path_factory):
 
 
 def test_ray_across_two_nodes_ends_with_one_process_losses(cluster, ray_cluster, tmp_path):
-    reference = train(["peft=none", "train.max_steps=3", "train.grad_accum=2"], tmp_path / "ref")["losses"]
+    reference = one_process_losses(tmp_path / "ref", 3)
     out = tmp_path / "run"
     done = cluster.run("n1", [sys.executable, "-m", "workbench", *TINY, "backend=fsdp2", "peft=none", "train.max_steps=3",
                               "launcher=ray", f"launcher.address={ray_cluster}", "hardware.nodes=2", "hardware.procs=1",

@@ -9,15 +9,14 @@ signal, a checkpoint, a requeue, a resume.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
 
 from tests.cluster import slurm as slurm_harness
-from tests.conftest import TINY, train
-from tests.helpers import ROOT, dist_env, logged_losses
+from tests.cluster.runs import on, one_process_losses
+from tests.conftest import TINY
+from tests.helpers import dist_env, logged_losses
 from tests.tolerances import LOSS_RTOL
 
 JOB = [*TINY, "backend=fsdp2", "peft=none", "hardware.nodes=2", "hardware.procs=1", "launcher=slurm",
@@ -35,16 +34,13 @@ def slurm(cluster, tmp_path_factory):
 
 
 def reference(tmp_path, steps: int) -> list[float]:
-    """One process at the same global batch (test_backends.py: FSDP2 on 2 ranks equals it)."""
-    return train(["peft=none", f"train.max_steps={steps}", "train.grad_accum=2"], tmp_path / f"ref{steps}")["losses"]
+    return one_process_losses(tmp_path / f"ref{steps}", steps)
 
 
-def submit(slurm, args: list[str], sweep_dir, timeout: float = 600):
-    """`python -m workbench -m launcher=slurm ...` on n1, the login node; waits for every job."""
-    env = {**dist_env(), "SLURM_CONF": slurm.env["SLURM_CONF"]}
-    return slurm.cluster.popen("n1", [sys.executable, "-m", "workbench", "-m", *JOB, *args, f"hydra.sweep.dir={sweep_dir}"],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+def submit(slurm, args: list[str], sweep_dir):
+    """`python -m workbench -m launcher=slurm ...` on n1, the login node; it exits when every job has."""
+    return on(slurm.cluster, "n1", ["-m", *JOB, *args, f"hydra.sweep.dir={sweep_dir}"],
+              env={**dist_env(), "SLURM_CONF": slurm.env["SLURM_CONF"]})
 
 
 def test_a_two_job_multirun_of_two_node_jobs_ends_with_one_process_losses(slurm, tmp_path):

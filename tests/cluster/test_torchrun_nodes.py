@@ -8,13 +8,13 @@ budget with one line. Real `python -m workbench` processes on each node (CPU, gl
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.conftest import TINY, train
+from tests.cluster.runs import on, one_process_losses
+from tests.conftest import TINY
 from tests.helpers import ROOT, dist_env, logged_losses
 from tests.tolerances import LOSS_RTOL
 
@@ -24,13 +24,7 @@ RUN = [*TINY, "backend=fsdp2", "peft=none", "train.max_steps=3", "hardware.procs
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[float]:
-    """One process at the same global batch (test_backends.py: FSDP2 on 2 ranks equals it)."""
-    return train(["peft=none", "train.max_steps=3", "train.grad_accum=2"], tmp_path_factory.mktemp("ref"))["losses"]
-
-
-def on(cluster, node: str, args: list[str]) -> subprocess.Popen:
-    return cluster.popen(node, [sys.executable, "-m", "workbench", *args], cwd=ROOT, env=dist_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return one_process_losses(tmp_path_factory.mktemp("ref"), 3)
 
 
 def test_two_nodes_train_as_one_job_with_the_losses_of_one_process(cluster, tmp_path, reference):

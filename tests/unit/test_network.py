@@ -13,6 +13,15 @@ from workbench.core.errors import UserError
 from workbench.launch import network, torchrun
 
 
+def clean_env(monkeypatch) -> None:
+    """Unset the variables `prepare` sets, so that monkeypatch removes them again after the test
+    (setenv first: a plain delenv of an unset name records nothing to undo, and a leaked
+    GLOO_SOCKET_IFNAME would send later gloo tests to an interface this machine lacks)."""
+    for var in (*network.IFNAME_VARS, "WORKBENCH_NODE_ADDR"):
+        monkeypatch.setenv(var, "unset")
+        monkeypatch.delenv(var)
+
+
 def test_an_endpoint_without_a_port_names_the_field():
     with pytest.raises(UserError, match=r"hardware.rdzv_endpoint='head': expected host:port"):
         network.split_endpoint("head")
@@ -24,8 +33,7 @@ def test_a_host_that_does_not_resolve_is_one_line_naming_the_field():
 
 
 def test_every_rank_on_this_machine_pins_nothing(monkeypatch):
-    for var in (*network.IFNAME_VARS, "WORKBENCH_NODE_ADDR"):
-        monkeypatch.delenv(var, raising=False)
+    clean_env(monkeypatch)
     assert network.prepare("127.0.0.1:29400") is None
     assert network.prepare("localhost:29400") is None
     assert not any(v in os.environ for v in (*network.IFNAME_VARS, "WORKBENCH_NODE_ADDR"))
@@ -34,8 +42,7 @@ def test_every_rank_on_this_machine_pins_nothing(monkeypatch):
 def test_a_node_reached_by_its_own_name_on_loopback_advertises_its_outward_interface(monkeypatch):
     """Debian puts a node's hostname on 127.0.1.1: the rendezvous host must still advertise the
     address the other nodes reach it at, and pin gloo to that interface."""
-    for var in (*network.IFNAME_VARS, "WORKBENCH_NODE_ADDR"):
-        monkeypatch.delenv(var, raising=False)
+    clean_env(monkeypatch)
     monkeypatch.setattr(network, "route_to", lambda host, port, field: network.Route(host, port, "127.0.1.1", "lo"))
     monkeypatch.setattr(network, "outward", lambda field: ("10.1.2.3", "ens5"))
     route = network.prepare("n1:29400")
@@ -45,8 +52,8 @@ def test_a_node_reached_by_its_own_name_on_loopback_advertises_its_outward_inter
 
 
 def test_an_exported_interface_wins(monkeypatch):
+    clean_env(monkeypatch)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")
-    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     monkeypatch.setattr(network, "route_to", lambda host, port, field: network.Route(host, port, "10.1.2.3", "ens5"))
     network.prepare("10.1.2.1:29400")
     env = os.environ

@@ -84,6 +84,10 @@ def backend_name(c) -> str:
     return pick(c, "backend.name", "single")
 
 
+def launcher_name(c) -> str:
+    return pick(c, "launcher.name", "local")
+
+
 def method_name(c) -> str:
     return pick(c, "method.name", "sft")
 

@@ -9,6 +9,7 @@ proceed in this process.
 from __future__ import annotations
 
 from workbench.backends import registry as backends
+from workbench.config.rule import backend_name, launcher_name
 from workbench.core.errors import UserError
 from workbench.train.distributed import requested_procs, under_distributed_launcher
 
@@ -19,9 +20,8 @@ def torchrun_reason(cfg) -> str | None:
     """Why `launcher=local` starts this run under torchrun, or None when it runs in this process.
     A backend that only runs inside a launched process (its facts: DeepSpeed's engine refuses to
     start without LOCAL_RANK, which torchrun sets) is started through torchrun on one process too."""
-    name = cfg.launcher.name if cfg.get("launcher") is not None else "local"
-    backend = cfg.backend.name if cfg.get("backend") is not None else "single"
-    if name != "local" or under_distributed_launcher():
+    backend = backend_name(cfg)
+    if launcher_name(cfg) != "local" or under_distributed_launcher():
         return None
     procs = requested_procs(cfg.hardware)
     if procs > 1:
@@ -32,7 +32,7 @@ def torchrun_reason(cfg) -> str | None:
 
 
 def dispatch(cfg):
-    name = cfg.launcher.name if cfg.launcher is not None else "local"
+    name = launcher_name(cfg)
     if name != "local":
         if name not in LAUNCHERS:
             raise UserError(f"launcher={name!r} is not one of {['local', *sorted(LAUNCHERS)]}")

@@ -36,7 +36,7 @@ class Route:
 
     @property
     def loopback(self) -> bool:
-        return self.address.startswith("127.") or self.address == "::1"
+        return _loopback(self.address)
 
 
 def split_endpoint(endpoint: str, field: str = "hardware.rdzv_endpoint") -> tuple[str, int]:
@@ -75,7 +75,8 @@ def interface_of(address: str) -> str:
     return ""
 
 
-def _loopback_name(host: str) -> bool:
+def _loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or "localhost"."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -87,7 +88,7 @@ def outward(field: str) -> tuple[str, str]:
     the only interface that is up with an IPv4 address other than loopback."""
     import psutil
 
-    addrs = {name: [a.address for a in v if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    addrs = {name: [a.address for a in v if a.family == socket.AF_INET and not _loopback(a.address)]
              for name, v in psutil.net_if_addrs().items()}
     up = {name for name, st in psutil.net_if_stats().items() if st.isup}
     try:  # /proc/net/route: the row whose destination is 0.0.0.0 names the default route's interface
@@ -114,7 +115,7 @@ def prepare(endpoint: str, node_addr: str = "", field: str = "hardware.rdzv_endp
     if node_addr:
         route = Route(host, port, node_addr, interface_of(node_addr), here=route.here)
     if route.loopback:
-        if _loopback_name(host):  # 127.0.0.1 / localhost: every rank is on this machine
+        if _loopback(host):  # 127.0.0.1 / localhost: every rank is on this machine
             return None
         # the endpoint is this node, by a name that resolves to loopback here (Debian puts the
         # hostname on 127.0.1.1): the others reach it at its outward interface's address

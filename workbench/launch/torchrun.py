@@ -149,14 +149,14 @@ class _Restarts(logging.Filter):
         self.stalls, self.hw, self.count = stalls, hw, 0
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "will restart worker group" in record.getMessage():
+        if "will restart worker group" in record.getMessage():  # logged at INFO: shown as this line only
             self.count += 1
             failure = _failure(self.stalls)
             nodes = f"at least {self.hw.min_nodes} of {self.hw.nodes} nodes" if self.hw.min_nodes else "every node"
             print(f"restart {self.count} of {self.hw.max_restarts}: {failure or 'a worker exited'}; continuing from "
                   f"the last checkpoint with {nodes} (hardware.min_nodes)", file=sys.stderr, flush=True)
             _clear(self.stalls)  # the next failure's line is its own
-        return record.levelno >= logging.WARNING and "will restart" not in record.getMessage()
+        return record.levelno >= logging.WARNING
 
 
 def _clear(stalls: Path) -> None:

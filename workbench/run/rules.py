@@ -24,7 +24,7 @@ by their schema names with a default, so a rule applies to any backend or method
 from __future__ import annotations
 
 from workbench.backends import registry as backends
-from workbench.config.rule import Env, Rule, backend_name, current_env, device, method_name, par, rewards
+from workbench.config.rule import Env, Rule, backend_name, current_env, device, launcher_name, method_name, par, rewards
 from workbench.config.schema import pick
 from workbench.core.errors import UserError
 from workbench.envs.rewards import NEEDS_ENV
@@ -128,7 +128,7 @@ FIRST: list[Rule] = [
          # Slurm and Ray bring their own rendezvous (the job's first node, the Ray head), and a
          # process that is already a rank has been through one
          lambda c, e: int(c.hardware.nodes) > 1 and not c.hardware.rdzv_endpoint
-         and (c.launcher.name if c.get("launcher") is not None else "local") == "local"
+         and launcher_name(c) == "local"
          and not under_distributed_launcher(),
          "hardware.nodes > 1 needs a rendezvous: set hardware.rdzv_endpoint=host:port (the same on every node)",
          machine=True),

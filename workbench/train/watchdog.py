@@ -200,7 +200,7 @@ class Watchdog:
         where = "; ".join(f"{self._who(r, beats.get(r))} in {self._where(beats.get(r))}" for r in gone)
         msg = (f"rank(s) {', '.join(map(str, gone))} stopped answering ({reason}): {where}; stacks in "
                f"{self.run_dir / 'stalls'}; last intact checkpoint: {self.last_checkpoint() or 'none'}")
-        self._record({"ranks": gone, "reason": "process gone", "message": msg})
+        self._record({"ranks": gone, "reason": reason, "message": msg})
         return RankFailure(msg)
 
     # -- the thread -----------------------------------------------------------------------
