@@ -4,7 +4,8 @@ Measured: the bytes of the model's parameters and buffers after the build (count
 storages) plus the growth of the torch CPU allocator's running total ("Total Allocated" of the
 profiler's memory events, profile_memory=True) during two training steps, at its maximum (the
 second step is the steady state: forward and backward with AdamW's state alive), with the total
-kept for every thread (see _count_every_thread). This is what tensors occupy - the quantity the
+kept for every thread (workbench/telemetry/tensor_memory.py, which the plan check measures with
+too). This is what tensors occupy - the quantity the
 planner models - without the Python heap, libraries or allocator slack that RSS would add. Predicted:
 workbench.plan.memory.estimate for the same config, given the batch's real shape (tokens, loss
 positions and padded length, which picks the attention kernel on CPU), since arithmetic examples
@@ -22,8 +23,6 @@ cases in one job; each rank reports its peak and the test holds the prediction a
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
 import sys
@@ -38,52 +37,11 @@ if __name__ == "__main__":  # a torchrun worker (see below) imports the tests pa
 from tests.conftest import compose  # noqa: E402
 from tests.helpers import torchrun  # noqa: E402
 from tests.tolerances import PLAN_MEMORY_RTOL as TOLERANCE  # noqa: E402
+from workbench.telemetry.tensor_memory import count_every_thread, growth, storage_bytes  # noqa: E402
 
 
 def _model_bytes(*models, extra=()) -> int:
-    """Bytes of the distinct storages behind the models' parameters and buffers (NF4 constants
-    too) and `extra` tensors; meta tensors (weights a backend released) hold none."""
-    seen = {}
-    tensors = [t for m in models for t in (*m.parameters(), *m.buffers())] + list(extra)
-    for t in tensors:
-        qs = getattr(t, "quant_state", None)
-        if qs is not None:
-            tensors += [qs.absmax] + ([qs.state2.absmax] if getattr(qs, "state2", None) is not None else [])
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor shard: this rank's part
-        if t.is_meta:
-            continue
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
-def _memory_events(prof, path) -> list[dict]:
-    prof.export_chrome_trace(str(path))
-    events = [e for e in json.loads(path.read_text())["traceEvents"]
-              if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
-    events = [e["args"] for e in sorted(events, key=lambda e: e["ts"])]  # the trace is not in time order
-    assert events, "the profiler recorded no CPU memory events"
-    return events
-
-
-@contextlib.contextmanager
-def _count_every_thread():
-    """Make the CPU allocator keep its running total for allocations and frees on every thread.
-
-    Without this flag the total changes only on threads the profiler runs on, so a tensor made
-    here and released on a collective's worker thread (gloo drops its references there, at a time
-    that varies from run to run) would stay in the total for good: measured peaks then varied by
-    a whole embedding-sized buffer between identical runs.
-    """
-    flag = ctypes.c_bool.in_dll(ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")),
-                                "FLAGS_caffe2_report_cpu_memory_usage")
-    before = flag.value
-    flag.value = True
-    try:
-        yield
-    finally:
-        flag.value = before
+    return storage_bytes([t for m in models for t in (*m.parameters(), *m.buffers())] + list(extra))
 
 
 def measure(overrides, tmp_path, steps: int = 2) -> dict:
@@ -109,7 +67,7 @@ def measure(overrides, tmp_path, steps: int = 2) -> dict:
                          extra=[p.main_grad for p in (gpt.parameters() if gpt is not None else ())
                                 if getattr(p, "main_grad", None) is not None])
     shapes = []
-    with _count_every_thread(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with count_every_thread(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.empty(8, dtype=torch.uint8)  # the first event gives the total's starting value
         for _ in range(steps):
             batch = runner.method.next_batch(runner.state, runner.backend)
@@ -118,13 +76,12 @@ def measure(overrides, tmp_path, steps: int = 2) -> dict:
             runner.state.step += 1
             shapes.append(max((int(m["input_ids"].numel()), int(m["targets"].numel()), int(m["input_ids"].shape[-1]))
                               for m in batch.micro))
-    events = _memory_events(prof, tmp_path / "steps.json")
-    start = events[0]["Total Allocated"] - events[0]["Bytes"]
-    growth = [e["Total Allocated"] - start for e in events]
+    growth_ = growth(prof)
+    assert growth_, "the profiler recorded no CPU memory events"
     # Memory alive before the steps but not counted in `alive` would show as the total dipping
     # below its start when it is freed; then the baseline is wrong and the peak understated.
-    assert min(growth) > -2**20, f"{-min(growth) / 2**20:.1f} MiB freed that the baseline did not count"
-    totals = [alive + g for g in growth]
+    assert min(growth_) > -2**20, f"{-min(growth_) / 2**20:.1f} MiB freed that the baseline did not count"
+    totals = [alive + g for g in growth_]
     tokens, selected, seq = max(shapes)
     counts = count(probe(cfg.model), cfg.model.arch, cfg.peft)
     est = estimate(counts, cfg.model.arch, from_cfg(cfg), tokens=tokens, selected=selected, seq=seq)

@@ -58,3 +58,21 @@ def test_off_figures_are_named():
                                {"peak_gib": 1.1, "tokens_per_s": 60.0, "step_seconds": 2.0})
     assert set(check["figures"]) == {"peak_gib", "tokens_per_s"} and check["off"] == ["tokens_per_s"]
     assert plan_check.line(check, 10).startswith("warning: plan check after 10 steps")
+
+
+DEFAULT_RUN = ["train.max_steps=10", "plan.check_after_steps=10", "train.resume=never", "train.log_every=5"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["sft", "grpo"])
+def test_the_default_runs_memory_is_what_the_plan_says_on_a_cold_cache(method, tmp_path, monkeypatch):
+    """`python -m workbench` and `python -m workbench method=grpo` as shipped (SmolLM2, LoRA,
+    precision=auto), the model converted into an empty cache first, as a newcomer's first run
+    does: the measured tensor peak is within the plan check's 20% of the prediction. Measured
+    when this test was written (2-core AMD EPYC, bf16-mixed): sft 1.00 GiB vs 1.08 (-7%), grpo
+    0.595 vs 0.61 (-2%). Step time is not asserted: on a shared machine it is noise."""
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(plan_check, "table_path", lambda: tmp_path / "calibration.json")
+    res = train([f"method={method}", *DEFAULT_RUN], tmp_path / "run", base=["eval=none", "train.export=false"])
+    peak = res["plan_check"]["figures"]["peak_gib"]
+    assert abs(peak["ratio"] - 1) <= plan_check.TOLERANCE, peak

@@ -47,23 +47,28 @@ def write_manifest(r, resumed: str | None) -> None:
 def plan_check(r) -> dict | None:
     """Measured peak memory, step time and tokens/s against the planner's prediction for this
     run (workbench/telemetry/plan_check.py); the peak is the largest over ranks (collective)."""
-    peak = all_max(check.measured_peak_gib(r.device, r.rss0))
+    peak = all_max(r.memory.peak_gib())
     if not r.is_main:
         return None
-    measured = {"peak_gib": peak, **check.step_figures(r.tracker.rows)}
+    measured = {"peak_gib": peak, **check.step_figures(r.tracker.rows, skip=r.memory.profiled)}
     # planned for the batches the run had (their longest row, the share of positions with a
     # loss), not for data.seq_len's worst case
-    here = make_plan(r.shapes.config(r.cfg, r.run.facts.generates), others=False, calibrated=False,
-                     rollout=r.shapes.rollout())["here"]
+    here = _planned(r, r.shapes)
+    memory = _planned(r, r.memory.planned_shapes(r.shapes))
     tokens_per_step = statistics.median(row["tokens"] for row in r.tracker.rows if "tokens" in row)
     tps = here.get("tokens_per_s")
-    predicted = {"peak_gib": here["peak_gb"], "step_seconds": tokens_per_step / tps if tps else None,
+    predicted = {"peak_gib": memory["peak_gb"], "step_seconds": tokens_per_step / tps if tps else None,
                  "tokens_per_s": tps}
     out = check.compare(predicted, measured)
     if r.cfg.plan.calibrate:
         out["stored"] = check.store(r.cfg.hardware, r.run.precision.name, r.cfg.model.name, out, r.run_dir)
     r.tracker.console(check.line(out, r.state.step))
-    return {"steps": r.state.step, **out}
+    return {"steps": r.state.step, **out, "resident_gib": check.resident_gib()}
+
+
+def _planned(r, shapes) -> dict:
+    return make_plan(shapes.config(r.cfg, r.run.facts.generates), others=False, calibrated=False,
+                     rollout=shapes.rollout())["here"]
 
 
 def export_and_report(r, results: dict) -> None:

@@ -28,12 +28,15 @@ def loop(r, guard, watch, results: dict) -> dict | None:
         crash_if_asked(cfg.debug, r.state.step, r.rank)
         t0 = time.perf_counter()
         heartbeat.step(r.state.step)
+        r.memory.before(r.state.step)  # the plan check's memory window (CPU: the steps before it)
         batch = next_batch(r)                                              # data
         if watch is not None and watch.begins(batch.signal, r.state.step):
             watch.checkpoint = str(r.checkpoints.save(r.state))  # the last weights trained with signal
         r.shapes.update(batch)  # the batch shapes the plan check plans for
+        r.memory.seen(batch)
         metrics = guard.step(batch, r.method.loss, r.state.step, r.checkpoints.latest_valid)  # step
         row = r.clock.record(r, batch, metrics, time.perf_counter() - t0)  # log
+        r.memory.after(r.state.step)
         r.tracker.log(row, show=r.state.step % cfg.train.log_every == 0 or r.state.step == 1)
         stalled = watch_step(r, watch, row, batch)
         saved = checkpoint_if_due(r, watch)                                # checkpoint

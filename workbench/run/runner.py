@@ -90,7 +90,6 @@ class Runner:
         self.pol = run.precision
         self.backend = None  # build() sets model, method, backend
         self._tokenizer = tokenizer
-        self.rss0 = plan_check.rss_gib()
         self.secrets = secret_values(self.cfg)  # values of secret-looking keys, scrubbed from what the run writes
         seed_everything(self.cfg.train.seed)
 
@@ -128,10 +127,7 @@ class Runner:
             if self.pol.fp8:
                 precision.apply_fp8(model, self.pol)
             return model
-        self.rss0 = plan_check.rss_gib()  # the plan check's CPU memory baseline: before the weights
-        model = build_model(self.run)
-        plan_check.reset_peak()  # the weights stay counted; a cold cache's conversion peak does not
-        return model
+        return build_model(self.run)
 
     # -- the run -----------------------------------------------------------------------------
     def train(self) -> dict:
@@ -166,11 +162,13 @@ class Runner:
         results["peak_flops"] = peak
         self.clock = Clock(self.run, FlopCount.from_model(self.model, self.run), peak, t_launch)
         self.shapes = plan_check.Shapes()
+        self.memory = plan_check.Memory(self.device, self.cfg.plan.check_after_steps, self.cfg.train.max_steps)
         # SIGTERM/SIGINT: finish the step, checkpoint, exit 75; NaN/Inf: skip or stop (workbench/train/faults.py)
         guard = faults.Guard(self.run, self.backend, say=self.tracker.console)
         guard.install()
         startup.training()  # the collector runs again from here (workbench/core/startup.py)
         stalled = loop(self, guard, self.method.stall_watch(), results)
+        self.memory.close()
         self._last_checkpoint(stalled, results)
         guard.uninstall()  # from here on (eval, export) a signal stops the run as usual
         results.update(bad_steps=guard.bad_steps, losses=self.clock.losses, first_step_seconds=self.clock.first_step_at,

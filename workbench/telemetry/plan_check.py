@@ -1,10 +1,11 @@
 """The plan checked against the run: what the planner predicted for this layout, and what happened.
 
 After `plan.check_after_steps` steps (default 10; 0 turns it off) the runner measures, on every
-rank, the peak memory of a device (CUDA: the allocator's max allocated; CPU: the growth of the
-process's resident set from just before the model was built to its high-water mark), the median
-step time and tokens/s (the first step left out: it compiles and touches memory for the first
-time), and compares them with the planner's prediction for exactly this run on its hardware
+rank, the peak memory of a device (CUDA: the allocator's max allocated; CPU: what tensors occupy
+at their peak over the two steps before the check, the same quantity, workbench/telemetry/
+tensor_memory.py), the median step time and tokens/s (the first step left out: it compiles and
+touches memory for the first time; on CPU the two profiled steps too), and compares them with
+the planner's prediction for exactly this run on its hardware
 (workbench/run/plan.py; tokens/s at `plan.mfu` of the device's peak, the peak the run's MFU is
 taken against). One console line, `plan_check` in results.json and a table in report.md; a
 figure off by more than `TOLERANCE` is named in a warning.
@@ -92,33 +93,70 @@ class Shapes:
         return out
 
 
-def rss_gib(field: str = "VmRSS") -> float:
-    """This process's resident set (VmRSS) or its high-water mark (VmHWM), in GiB (Linux)."""
+class Memory:
+    """The plan check's measured peak. CUDA: the allocator's max allocated. CPU: the tensors'
+    peak over the last two steps before the check, under the profiler (before() opens the
+    window); the resident set is read beside it for the record, never compared: it also holds
+    the Python heap and what glibc keeps after a free (a cold cache's model conversion, GRPO's
+    rollouts), which no plan models."""
+
+    def __init__(self, device: str, check_after: int, max_steps: int):
+        # no window when there is no check to read it: off (0), or past the run's last step
+        self.first = max(0, check_after - 2) if 0 < check_after <= max_steps else None
+        self.last = check_after
+        self.device, self.window, self.profiled, self.peak = device, None, set(), 0
+        self.shapes = Shapes()  # the window's batches: the peak is planned for the steps it measured
+
+    def before(self, step: int) -> None:
+        """Called before each step with the number of steps done: opens the window (CPU)."""
+        if self.device == "cuda":
+            return
+        if step == self.first and self.window is None:
+            from workbench.telemetry.tensor_memory import Window
+
+            self.window = Window()
+            self.window.start()
+        if self.window is not None:
+            self.profiled.add(step + 1)  # its row's step: slower under the profiler
+
+    def after(self, step: int) -> None:
+        """Called after each step with the number of steps done: the window closes after the
+        check's step, before that step's checkpoint or evaluation could add to it."""
+        if self.window is not None and step >= self.last:
+            self.peak, self.window = self.window.stop(), None
+
+    def seen(self, batch) -> None:
+        if self.window is not None:
+            self.shapes.update(batch)
+
+    def planned_shapes(self, whole_run: Shapes) -> Shapes:
+        """What the peak is planned for: the window's batches (CPU), the whole run's (CUDA's
+        max allocated covers every step)."""
+        return self.shapes if self.shapes.steps else whole_run
+
+    def peak_gib(self) -> float:
+        if self.device == "cuda":
+            import torch
+
+            return torch.cuda.max_memory_allocated() / 2**30
+        return self.peak / 2**30
+
+    def close(self) -> None:
+        """Stop a window the check never read (a run the stall watch ended before it)."""
+        if self.window is not None:
+            self.window.stop()
+            self.window = None
+
+
+def resident_gib() -> float | None:
+    """This process's resident high-water mark (VmHWM), in GiB; None off Linux."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
+            if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 2**20
     except OSError:
         pass
-    return 0.0
-
-
-def reset_peak() -> None:
-    """Start the resident set's high-water mark again from what is resident now (Linux
-    /proc/self/clear_refs, value 5), so a one-off peak before training (converting a model into
-    the cache on a cold start) is not counted as the run's."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def measured_peak_gib(device: str, baseline_gib: float) -> float:
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.max_memory_allocated() / 2**30
-    return max(0.0, rss_gib("VmHWM") - baseline_gib)
+    return None
 
 
 def compare(predicted: dict, measured: dict) -> dict:
@@ -150,9 +188,11 @@ def line(check: dict, steps: int) -> str:
     return head
 
 
-def step_figures(rows: list[dict]) -> dict:
-    """Median step time and tokens/s over the logged steps, the first left out."""
-    rows = [r for r in rows if "step_seconds" in r][1:] or [r for r in rows if "step_seconds" in r]
+def step_figures(rows: list[dict], skip=()) -> dict:
+    """Median step time and tokens/s over the logged steps, the first and `skip` (steps run
+    under the memory profiler) left out."""
+    timed = [r for r in rows if "step_seconds" in r]
+    rows = [r for r in timed[1:] if r.get("step") not in skip] or timed[1:] or timed
     if not rows:
         return {}
     return {"step_seconds": statistics.median(r["step_seconds"] for r in rows),
