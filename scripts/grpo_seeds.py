@@ -64,7 +64,12 @@ def main(argv: list[str]) -> int:
                     "CPUs without native bf16)")
     ap.add_argument("--work", default="/tmp/grpo_seeds")
     ap.add_argument("--out", default=str(ROOT / "runs" / "grpo_seeds.jsonl"))
-    a, overrides = ap.parse_known_args(argv)
+    # key=value words are Hydra overrides wherever they stand: `--seeds 0 1 2 reward=arith_exact`
+    # would otherwise hand "reward=arith_exact" to --seeds
+    overrides = [w for w in argv if "=" in w and not w.startswith("-")]
+    a, unknown = ap.parse_known_args([w for w in argv if w not in overrides])
+    if unknown:
+        ap.error(f"unrecognized arguments: {' '.join(unknown)}")
     rows = []
     for seed in a.seeds:
         row = one_seed(seed, a.steps, a.from_base, overrides, Path(a.work) / f"s{seed}", a.sft_precision)
