@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.telemetry.tensor_memory import Window, storage_bytes
+from workbench.telemetry.tensor_memory import Window, alive_bytes, storage_bytes
 
 MiB = 2**20
 
@@ -37,3 +37,25 @@ def test_storage_bytes_counts_a_storage_once_and_skips_meta_tensors():
     view = t[:10]
     meta = torch.empty(10**9, device="meta")
     assert storage_bytes([t, view, meta]) == 4096
+
+
+def test_the_plan_checks_window_is_the_checks_own_step():
+    from workbench.telemetry.plan_check import Memory
+
+    m = Memory("cpu", check_after=3, max_steps=5)
+    base = alive_bytes()  # what the window will find alive: whatever earlier tests left
+    sizes = {1: 128 * MiB, 3: 64 * MiB}  # step 2's peak is bigger but outside the window
+    for done in range(5):
+        m.before(done)
+        t = torch.ones(sizes.get(done + 1, MiB), dtype=torch.uint8)
+        del t
+        m.after(done + 1)
+        assert (m.window is not None) is False  # closed again after every step
+    assert m.profiled == {3}
+    assert base + 64 * MiB <= m.peak < base + 128 * MiB
+
+    late = Memory("cpu", check_after=10, max_steps=5)  # no check in this run: nothing profiled
+    for done in range(5):
+        late.before(done)
+        late.after(done + 1)
+    assert late.profiled == set() and late.peak_gib() == 0.0

@@ -50,7 +50,7 @@ def plan_check(r) -> dict | None:
     peak = all_max(r.memory.peak_gib())
     if not r.is_main:
         return None
-    measured = {"peak_gib": peak, **check.step_figures(r.tracker.rows, skip=r.memory.profiled)}
+    measured = {"peak_gib": peak or None, **check.step_figures(r.tracker.rows, skip=r.memory.profiled)}
     # planned for the batches the run had (their longest row, the share of positions with a
     # loss), not for data.seq_len's worst case
     here = _planned(r, r.shapes)

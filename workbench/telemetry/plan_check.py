@@ -2,9 +2,9 @@
 
 After `plan.check_after_steps` steps (default 10; 0 turns it off) the runner measures, on every
 rank, the peak memory of a device (CUDA: the allocator's max allocated; CPU: what tensors occupy
-at their peak over the two steps before the check, the same quantity, workbench/telemetry/
-tensor_memory.py), the median step time and tokens/s (the first step left out: it compiles and
-touches memory for the first time; on CPU the two profiled steps too), and compares them with
+at their peak during the check's step, the same quantity, workbench/telemetry/tensor_memory.py),
+the median step time and tokens/s (the first step left out: it compiles and touches memory for
+the first time; on CPU the profiled step too), and compares them with
 the planner's prediction for exactly this run on its hardware
 (workbench/run/plan.py; tokens/s at `plan.mfu` of the device's peak, the peak the run's MFU is
 taken against). One console line, `plan_check` in results.json and a table in report.md; a
@@ -95,34 +95,30 @@ class Shapes:
 
 class Memory:
     """The plan check's measured peak. CUDA: the allocator's max allocated. CPU: the tensors'
-    peak over the last two steps before the check, under the profiler (before() opens the
-    window); the resident set is read beside it for the record, never compared: it also holds
-    the Python heap and what glibc keeps after a free (a cold cache's model conversion, GRPO's
-    rollouts), which no plan models."""
+    peak over the check's own step, under the profiler (before() opens the window, after()
+    closes it before that step's checkpoint or evaluation). The step is past the first, so the
+    optimizer's state is already alive and counted. The resident set is read beside it for the
+    record, never compared: it also holds the Python heap and what glibc keeps after a free (a
+    cold cache's model conversion, GRPO's rollouts), which no plan models."""
 
     def __init__(self, device: str, check_after: int, max_steps: int):
         # no window when there is no check to read it: off (0), or past the run's last step
-        self.first = max(0, check_after - 2) if 0 < check_after <= max_steps else None
-        self.last = check_after
-        self.device, self.window, self.profiled, self.peak = device, None, set(), 0
-        self.shapes = Shapes()  # the window's batches: the peak is planned for the steps it measured
+        self.step = check_after if 0 < check_after <= max_steps else None
+        self.device, self.window, self.profiled, self.peak = device, None, set(), None
+        self.shapes = Shapes()  # the window's batch: the peak is planned for the step it measured
 
     def before(self, step: int) -> None:
-        """Called before each step with the number of steps done: opens the window (CPU)."""
-        if self.device == "cuda":
-            return
-        if step == self.first and self.window is None:
+        """Called before each step with the number of steps done."""
+        if self.device != "cuda" and self.step is not None and step + 1 == self.step:
             from workbench.telemetry.tensor_memory import Window
 
             self.window = Window()
             self.window.start()
-        if self.window is not None:
-            self.profiled.add(step + 1)  # its row's step: slower under the profiler
+            self.profiled.add(self.step)  # its row: slower under the profiler
 
     def after(self, step: int) -> None:
-        """Called after each step with the number of steps done: the window closes after the
-        check's step, before that step's checkpoint or evaluation could add to it."""
-        if self.window is not None and step >= self.last:
+        """Called after each step with the number of steps done."""
+        if self.window is not None and step == self.step:
             self.peak, self.window = self.window.stop(), None
 
     def seen(self, batch) -> None:
@@ -135,11 +131,12 @@ class Memory:
         return self.shapes if self.shapes.steps else whole_run
 
     def peak_gib(self) -> float:
+        """0.0 where nothing was measured (every rank calls this: the peak is reduced over ranks)."""
         if self.device == "cuda":
             import torch
 
             return torch.cuda.max_memory_allocated() / 2**30
-        return self.peak / 2**30
+        return (self.peak or 0) / 2**30
 
     def close(self) -> None:
         """Stop a window the check never read (a run the stall watch ended before it)."""
