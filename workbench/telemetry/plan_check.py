@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from workbench.core import cache
 from workbench.plan.speed import Rollout
 from workbench.telemetry.peak import device_name
+from workbench.telemetry.tensor_memory import Window
 
 TOLERANCE = 0.20  # the issue's bar: a prediction more than 20% off is worth a warning
 FILE = "plan_calibration.json"
@@ -110,8 +111,6 @@ class Memory:
     def before(self, step: int) -> None:
         """Called before each step with the number of steps done."""
         if self.device != "cuda" and self.step is not None and step + 1 == self.step:
-            from workbench.telemetry.tensor_memory import Window
-
             self.window = Window()
             self.window.start()
             self.profiled.add(self.step)  # its row: slower under the profiler
