@@ -59,3 +59,20 @@ def test_the_plan_checks_window_is_the_checks_own_step():
         late.before(done)
         late.after(done + 1)
     assert late.profiled == set() and late.peak_gib() == 0.0
+
+
+def test_tensors_built_before_a_frozen_collector_are_counted():
+    """`python -m workbench` freezes the collector's objects at the start of training
+    (workbench/core/startup.py); the weights are among them and must stay counted."""
+    import gc
+
+    weights = torch.ones(48 * MiB, dtype=torch.uint8)
+    gc.freeze()
+    try:
+        w = Window()
+        w.start()
+        peak = w.stop()
+        assert peak >= 48 * MiB and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    del weights

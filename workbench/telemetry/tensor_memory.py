@@ -49,9 +49,20 @@ def storage_bytes(tensors) -> int:
 
 def alive_bytes() -> int:
     """Bytes of every CPU tensor Python holds now. type(), not isinstance: isinstance reads
-    `__class__`, which some lazily imported modules answer with a deprecation warning."""
-    gc.collect()
-    return storage_bytes(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+    `__class__`, which some lazily imported modules answer with a deprecation warning.
+
+    `python -m workbench` freezes what was built before training (workbench/core/startup.py),
+    the model's weights among it, and gc.get_objects() does not list frozen objects: they are
+    thawed for the scan and frozen again after it, with what the collection left alive."""
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
+    try:
+        gc.collect()
+        return storage_bytes(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+    finally:
+        if frozen:
+            gc.freeze()
 
 
 def _c10_flag(name: str, ctype):
