@@ -28,7 +28,7 @@ def loop(r, guard, watch, results: dict) -> dict | None:
         crash_if_asked(cfg.debug, r.state.step, r.rank)
         t0 = time.perf_counter()
         heartbeat.step(r.state.step)
-        r.memory.before(r.state.step)  # the plan check's memory window (CPU: the steps before it)
+        r.memory.before(r.state.step)  # the plan check's memory window (CPU: its own step)
         batch = next_batch(r)                                              # data
         if watch is not None and watch.begins(batch.signal, r.state.step):
             watch.checkpoint = str(r.checkpoints.save(r.state))  # the last weights trained with signal
