@@ -26,7 +26,8 @@ MODULES = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__
 LAYERS = [
     # foundation: nothing from the workbench but itself
     ["workbench.core", "workbench.config", "workbench.train.batch", "workbench.train.state",
-     "workbench.train.distributed", "workbench.train.layout", "workbench.train.signal", "workbench.train.noise"],
+     "workbench.train.distributed", "workbench.train.layout", "workbench.train.signal", "workbench.train.noise",
+     "workbench.train.sequence_parallel"],
     # parts: tensors, data, models, the arithmetic of precision and FLOPs
     ["workbench.train.precision", "workbench.train.optim", "workbench.train.kernels", "workbench.data",
      "workbench.models", "workbench.peft", "workbench.megatron", "workbench.rollout", "workbench.envs",

@@ -36,7 +36,7 @@ from workbench.config.rule import Rule
 from workbench.config.schema import pick
 from workbench.core.errors import missing_package
 from workbench.models.build import rebuild_plain
-from workbench.train import canonical
+from workbench.train import canonical, sequence_parallel
 from workbench.train.batch import StepBatch
 from workbench.train.distributed import ensure_process_group
 from workbench.train.optim import build_optimizer, build_scheduler
@@ -61,6 +61,11 @@ class Config:
     stage3_param_persistence_threshold: int = 100_000
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
+    # sequence parallelism: ranks sharing every row's tokens. The workbench's own Ulysses
+    # (workbench/train/sequence_parallel.py), not DeepSpeed's UlyssesSPAttentionHF: under SDPA that
+    # one drops the attention mask (is_causal over the whole row), so packed documents would attend
+    # to each other, and it needs heads divisible by sp and a fixed micro-batch size.
+    sp: int = 1
 
 
 def available() -> bool:
@@ -144,6 +149,7 @@ class DeepSpeedBackend(Backend):
         deepspeed.init_distributed(dist_backend="nccl" if ctx.device == "cuda" else "gloo")
         self.model, self.pol = model, ctx.run.precision
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        sequence_parallel.start(self.cfg.sp, model)
         self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         optim_cfg, max_steps = ctx.cfg.optim, ctx.cfg.train.max_steps
         config = ds_config(self.cfg, ctx.cfg.train, self.pol, optim_cfg.max_grad_norm,
@@ -201,11 +207,12 @@ class DeepSpeedBackend(Backend):
         # global denominator itself, so DeepSpeed's own 1/grad_accum scaling is turned off.
         scale = self.world / max(denom, 1e-12)
         total, sums = 0.0, {}
-        for i, micro in enumerate(batch.micro):
+        for i, whole in enumerate(batch.micro):
             if batch.micro_seeds:
                 torch.manual_seed(batch.micro_seeds[i])  # layout-free dropout (workbench/train/noise.py)
-            loss_sum, metrics = loss_fn(self.engine, micro)
-            self.engine.backward(loss_sum.float() * scale, scale_wrt_gas=False)
+            with sequence_parallel.rows(whole) as micro:  # this rank's slice under backend.sp
+                loss_sum, metrics = loss_fn(self.engine, micro)
+                self.engine.backward(loss_sum.float() * scale, scale_wrt_gas=False)
             if i < len(batch.micro) - 1:
                 self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
             total += float(loss_sum.detach())

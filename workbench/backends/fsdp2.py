@@ -31,7 +31,7 @@ from workbench.config.rule import Rule
 from workbench.config.schema import pick
 from workbench.models.build import rebuild_plain
 from workbench.peft.lora import base_model
-from workbench.train import canonical
+from workbench.train import canonical, sequence_parallel
 from workbench.train.batch import StepBatch
 from workbench.train.distributed import ensure_process_group
 from workbench.train.optim import build_optimizer, build_scheduler
@@ -46,6 +46,7 @@ class Config:
     selective_every: int = 2
     reduce_dtype: str = "float32"  # gradient reduce-scatter dtype under mixed precision
     async_checkpoint: bool = False  # DCP async_save: training continues while shards are written
+    sp: int = 1  # sequence parallelism: ranks sharing every row's tokens (workbench/train/sequence_parallel.py)
 
 
 def decoder_blocks(module: torch.nn.Module) -> torch.nn.ModuleList:
@@ -83,6 +84,7 @@ class FSDP2Backend(Backend):
         ensure_process_group(ctx.device)
         self.model, self.pol, self.device = model, ctx.run.precision, ctx.device
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        sequence_parallel.start(self.cfg.sp, model)
         self._activation_checkpointing(model)
         # The compute dtype: params are all-gathered in it, so no autocast is needed for matmuls.
         # Pure bf16 still sets it, because fp32 adapters and bf16 base weights share a group.

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from workbench.backends.base import Backend
 from workbench.backends.spec import BackendFacts, BackendSpec
 from workbench.backends.step import accumulate, clip_and_step, forward_only
-from workbench.train import canonical
+from workbench.train import canonical, sequence_parallel
 from workbench.train.batch import StepBatch
 from workbench.train.optim import build_optimizer, build_scheduler
 
@@ -24,6 +24,7 @@ from workbench.train.optim import build_optimizer, build_scheduler
 class Config:
     name: str = "single"
     find_unused_parameters: bool = False
+    sp: int = 1  # sequence parallelism: ranks sharing every row's tokens (workbench/train/sequence_parallel.py)
 
 
 class SingleBackend(Backend):
@@ -42,6 +43,7 @@ class SingleBackend(Backend):
         self.pol = ctx.run.precision
         self.device = ctx.device
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        sequence_parallel.start(self.cfg.sp, model)
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 

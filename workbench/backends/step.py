@@ -4,7 +4,9 @@
 - `accumulate`: gradient accumulation over a step's micro-batches. Each micro-batch's summed
   loss is divided by the *global* denominator (every micro-batch of every rank) and multiplied
   by the world size, because DDP, FSDP2 and ZeRO all average gradients over ranks: the result
-  is the gradient of one big batch on one device.
+  is the gradient of one big batch on one device. Under sequence parallelism each micro-batch
+  is cut to this rank's slice of its rows first (workbench/train/sequence_parallel.py), for the
+  forward and its backward.
 - `clip_and_step`: unscale (fp16), clip, optimizer and scheduler step, zero grads.
 - `forward_only`: one micro-batch's summed loss without gradient, in eval mode (the resume
   certificate's probe, workbench/train/replay.py).
@@ -20,6 +22,7 @@ import torch
 from workbench.core import heartbeat
 from workbench.peft import lora
 from workbench.train import precision as prec
+from workbench.train import sequence_parallel
 from workbench.train.batch import StepBatch
 from workbench.train.distributed import reduce_scalar
 
@@ -37,17 +40,18 @@ def accumulate(net, batch: StepBatch, loss_fn, pol, device: str, world: int, sca
     scale = world / max(denom, 1e-12)
     total, sums = 0.0, {}
     with lora.inputs_in_autocast(net, pol.autocast_dtype):  # no fp32 round trip of adapter inputs
-        for i, micro in enumerate(batch.micro):
+        for i, whole in enumerate(batch.micro):
             if batch.micro_seeds:
                 torch.manual_seed(batch.micro_seeds[i])  # layout-free dropout (workbench/train/noise.py)
-            with heartbeat.phase("forward"), sync(i == len(batch.micro) - 1), prec.autocast(pol, device):
-                loss_sum, metrics = loss_fn(net, micro)
-            loss = loss_sum.float() * scale
-            with heartbeat.phase("backward"):
-                if backward is not None:
-                    backward(loss)
-                else:
-                    (scaler.scale(loss) if scaler else loss).backward()
+            with sequence_parallel.rows(whole) as micro:
+                with heartbeat.phase("forward"), sync(i == len(batch.micro) - 1), prec.autocast(pol, device):
+                    loss_sum, metrics = loss_fn(net, micro)
+                loss = loss_sum.float() * scale
+                with heartbeat.phase("backward"):
+                    if backward is not None:
+                        backward(loss)
+                    else:
+                        (scaler.scale(loss) if scaler else loss).backward()
             total += float(loss_sum.detach())
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v)

@@ -91,6 +91,10 @@ class ModelConfig:
     loader: str = "hf"  # hf | unsloth
     attn_implementation: str = "sdpa"
     gradient_checkpointing: bool = False
+    # positions per piece of the head and log-softmax when a loss reads target log-probs; each
+    # piece is recomputed in the backward, so the (positions x vocabulary) logits never exist at
+    # once (workbench/models/head.py). 0: all positions in one piece
+    loss_chunk: int = 0
     trust_remote_code: bool = False
     arch: ArchConfig = field(default_factory=ArchConfig)
     # Set by validation, not by hand: the config.json that `arch` was read from when the model is

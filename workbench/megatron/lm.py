@@ -29,6 +29,7 @@ from workbench.megatron import lora
 from workbench.megatron.attention import attention_mask as build_mask
 from workbench.megatron.cpu_shim import cpu_device
 from workbench.megatron.vocab import VocabShard
+from workbench.models.head import target_logps
 
 
 class MegatronLM(nn.Module):
@@ -40,14 +41,17 @@ class MegatronLM(nn.Module):
         super().__init__()
         self.model, self.vocab, self.head, self.peft_layer = model, vocab, head, peft_layer
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None, targets=None, slot=None,
+                temperature: float = 1.0, entropy: bool = False):
+        """SelectiveLM's call (workbench/models/head.py): logits, or the targets' log-probs."""
         if self.peft_layer is not None:
             lora.set_enabled(self.model, not self.peft_layer.disable_adapters)
         logits = stage_forward(self.model, input_ids, attention_mask, position_ids)
-        return head_output(logits, select, self.vocab, self.head)
+        return head_output(logits, select, self.vocab, self.head, targets, slot, temperature, entropy)
 
 
-def head_output(logits, select, vocab: int, head: str):
+def head_output(logits, select, vocab: int, head: str, targets=None, slot=None, temperature: float = 1.0,
+                entropy: bool = False):
     if select is not None:
         logits = logits[select]
     if head == "scalar":
@@ -56,7 +60,8 @@ def head_output(logits, select, vocab: int, head: str):
         return VocabShard(logits, vocab)
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    return gather_from_tensor_model_parallel_region(logits)[..., :vocab]
+    logits = gather_from_tensor_model_parallel_region(logits)[..., :vocab]
+    return logits if targets is None else target_logps(logits, targets, slot, temperature, entropy)
 
 
 def _gpt(model: nn.Module) -> nn.Module:
@@ -102,11 +107,12 @@ class LogitsView(nn.Module):
         self.logits, self.micro, self.vocab, self.head = logits, micro, vocab, head
         self.used = False
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None, targets=None, slot=None,
+                temperature: float = 1.0, entropy: bool = False):
         if self.used or input_ids is not self.micro["input_ids"]:
             raise RuntimeError("with backend.pp > 1 a method's loss must call the model once, on micro['input_ids']")
         self.used = True
-        return head_output(self.logits, select, self.vocab, self.head)
+        return head_output(self.logits, select, self.vocab, self.head, targets, slot, temperature, entropy)
 
 
 def pad_micro(micro: dict, length: int) -> dict:

@@ -145,4 +145,4 @@ def build(cfg, ctx) -> CPO:
 
 
 SPEC = MethodSpec(name="cpo", config=Config, build=build, check=check,
-                  facts=MethodFacts(data="preference", sequences=2, eval="preference"))
+                  facts=MethodFacts(data="preference", sequences=2, eval="preference", splits_rows=True))

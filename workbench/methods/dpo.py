@@ -234,4 +234,4 @@ def build(cfg, ctx) -> DPO:
 
 SPEC = MethodSpec(name="dpo", config=Config, build=build, check=check,
                   facts=MethodFacts(data="preference", sequences=2, reference="method", precomputed_reference=True,
-                                    eval="preference"))
+                                    eval="preference", splits_rows=True))

@@ -60,7 +60,7 @@ from workbench.rollout import advantages, objectives, rewards
 from workbench.rollout.async_rollouts import AsyncRollouts
 from workbench.rollout.generate import generate
 from workbench.rollout.vllm_engine import VLLMEngine
-from workbench.train import precision
+from workbench.train import precision, sequence_parallel
 from workbench.train.batch import Forward, StepBatch
 from workbench.train.distributed import all_max, reduce_scalar
 from workbench.train.signal import StallWatch
@@ -155,17 +155,9 @@ def token_logps(model, micro: dict, temperature: float, entropy: bool = False):
     with entropy=True also the policy's per-token entropy (no gradient), for the signal log.
     Tree rows compute the head once per read position; `head_slot` says which row each target
     reads (the prompt's last position predicts every completion's first token)."""
-    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                   position_ids=micro.get("position_ids"), select=micro["select"])
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    if "head_slot" in micro:
-        logp = logp[micro["head_slot"]]
-    picked = logp.gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
-    if not entropy:
-        return picked
-    with torch.no_grad():
-        ent = -(logp.exp() * logp).sum(-1)
-    return picked, ent
+    return model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                 position_ids=micro.get("position_ids"), select=micro["select"], targets=micro["targets"],
+                 slot=micro.get("head_slot"), temperature=temperature, entropy=entropy)
 
 
 class GRPO(Method):
@@ -446,7 +438,7 @@ class GRPO(Method):
         metrics["entropy"] = float(entropy.sum()) / k
         if kl is not None:
             metrics["kl"] = float(kl.detach().sum()) / k
-        return per_tok.sum(), metrics
+        return sequence_parallel.total(per_tok.sum()), metrics  # whole completions under backend.sp
 
     def state_dict(self) -> dict:
         """The data position (with rollouts one step ahead: before the rollout in flight); mid-iteration
@@ -475,4 +467,5 @@ def build(cfg, ctx) -> GRPO:
 
 
 SPEC = MethodSpec(name="grpo", config=Config, build=build, check=check, rules=RULES, batch=step_shape,
-                  facts=MethodFacts(data="prompts", reference="kl", generates=True, episodes=True, eval="reward"))
+                  facts=MethodFacts(data="prompts", reference="kl", generates=True, episodes=True, eval="reward",
+                                    splits_rows=True))

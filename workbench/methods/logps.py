@@ -23,6 +23,7 @@ from workbench.data.collate import pad_batch
 from workbench.data.pair_tree import takes_pairs, tree_batch
 from workbench.data.preference import pairs_from_rows
 from workbench.models.head import SelectiveLM
+from workbench.train import sequence_parallel
 
 
 def collate(pairs: list, pad_id: int) -> dict:
@@ -34,18 +35,19 @@ def collate(pairs: list, pad_id: int) -> dict:
 
 def sequence_logps(model, micro: dict) -> torch.Tensor:
     """Summed log-prob of each row's selected target tokens, shape (rows,)."""
-    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], select=micro["select"])
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
+    logp = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                 position_ids=micro.get("position_ids"), select=micro["select"], targets=micro["targets"])
     rows = micro["select"].nonzero()[:, 0]
-    return torch.zeros(micro["input_ids"].shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
+    per_row = torch.zeros(micro["input_ids"].shape[0], dtype=logp.dtype, device=logp.device).index_add(0, rows, logp)
+    return sequence_parallel.total(per_row)  # under backend.sp: the rest of each row's tokens are on its sp group
 
 
 def tree_token_logps(model, micro: dict) -> torch.Tensor:
     """Log-prob of each target of a pair_tree.tree_batch micro-batch (its row: micro["logp_rows"])."""
-    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                   position_ids=micro["position_ids"], select=micro["select"])
     # The last shared position's row is read twice (first chosen and first rejected token).
-    return torch.log_softmax(logits.float(), dim=-1)[micro["head_slot"], micro["targets"]]
+    return model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                 position_ids=micro["position_ids"], select=micro["select"], targets=micro["targets"],
+                 slot=micro["head_slot"])
 
 
 def tree_logps(model, micro: dict) -> torch.Tensor:

@@ -43,6 +43,7 @@ from workbench.methods.base import Method
 from workbench.methods.logps import collate, tree_token_logps
 from workbench.methods.pairs import PairStream, completion_tokens, preference_metrics
 from workbench.methods.spec import MethodFacts, MethodSpec
+from workbench.train import sequence_parallel
 from workbench.train.batch import StepBatch
 
 
@@ -115,8 +116,8 @@ def token_logps(model, micro: dict) -> tuple[torch.Tensor, torch.Tensor]:
     0..N-1, then rejected 0..N-1), in either layout."""
     if "head_slot" in micro:  # one row per pair (tree_whole_chosen, pair_tree.tree_batch)
         return tree_token_logps(model, micro), micro["logp_rows"]
-    logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"], select=micro["select"])
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, micro["targets"].unsqueeze(-1)).squeeze(-1)
+    logp = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                 position_ids=micro.get("position_ids"), select=micro["select"], targets=micro["targets"])
     return logp, micro["select"].nonzero()[:, 0]
 
 
@@ -151,10 +152,11 @@ class ORPO(Method):
         completion = micro.get("completion")
         on_completion = logp if completion is None else logp * completion
         summed = torch.zeros(rows, dtype=logp.dtype, device=logp.device).index_add(0, row, on_completion)
+        summed = sequence_parallel.total(summed)  # under backend.sp the rows' other tokens are on the sp group
         n_c, n_r = micro["n_tokens"].chunk(2)
         mean_c, mean_r = summed[:n] / n_c.clamp(min=1), summed[n:] / n_r.clamp(min=1)
         # the NLL's tokens: every selected position of the chosen rows (the prompt too when selected)
-        nll_sum = -logp[row < n].sum()
+        nll_sum = sequence_parallel.total(-logp[row < n].sum())
         log_odds = log_odds_ratio(mean_c, mean_r)
         ratio = F.logsigmoid(log_odds)
         total = -self.cfg.beta * ratio.sum() + self.stream.nll_scale * nll_sum
@@ -177,4 +179,4 @@ def build(cfg, ctx) -> ORPO:
 
 
 SPEC = MethodSpec(name="orpo", config=Config, build=build, check=check,
-                  facts=MethodFacts(data="preference", sequences=2, eval="preference"))
+                  facts=MethodFacts(data="preference", sequences=2, eval="preference", splits_rows=True))

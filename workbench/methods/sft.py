@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.nn.functional as F
-
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture, rank_share
 from workbench.data.overfit import Overfit
@@ -22,6 +20,7 @@ from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
 from workbench.methods.base import Method
 from workbench.methods.spec import MethodFacts, MethodSpec
+from workbench.train import sequence_parallel
 from workbench.train.batch import StepBatch
 
 
@@ -100,9 +99,10 @@ class SFT(Method):
         return m
 
     def loss(self, model, micro: dict):
-        logits = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                       position_ids=micro.get("position_ids"), select=micro["select"])
-        loss = F.cross_entropy(logits.float(), micro["targets"], reduction="sum")
+        logp = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
+                     position_ids=micro.get("position_ids"), select=micro["select"], targets=micro["targets"])
+        # under backend.sp this rank holds a slice of each row: the sum is completed over its sp group
+        loss = sequence_parallel.total(-logp.sum())
         return loss, {"target_tokens": float(micro["targets"].numel())}
 
     def state_dict(self) -> dict:
@@ -122,4 +122,4 @@ def build(cfg, ctx) -> SFT:
 
 
 SPEC = MethodSpec(name="sft", config=Config, build=build,
-                  facts=MethodFacts(data="sft"))
+                  facts=MethodFacts(data="sft", splits_rows=True))

@@ -38,6 +38,9 @@ class MethodFacts:
     # the embedded task's evaluation where the default (eval=arith: exact match of generated
     # answers) says nothing about the trained model, as for a reward model, which does not generate
     embedded_eval: str | None = None
+    # its loss completes every sum over a row's tokens across the sp group
+    # (workbench/train/sequence_parallel.total), so backend.sp may cut its rows between ranks
+    splits_rows: bool = False
 
 
 @dataclass(frozen=True)

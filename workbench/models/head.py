@@ -5,6 +5,14 @@ through a 49k-vocabulary head wastes a fifth of the step on SmolLM2. `SelectiveL
 decoder, then the head on the selected positions only. It is the module backends wrap (DDP,
 FSDP2, ZeRO), so their forward hooks see an ordinary `forward` call.
 
+Given the targets, it returns their log-probs instead of logits, and with `chunk` tokens per
+piece (model.loss_chunk) it never holds the (positions x vocabulary) logits at once: each piece
+runs head, log-softmax and gather under activation checkpointing, so the forward keeps one
+piece's logits at a time and the backward recomputes them piece by piece (the memory of a
+128k-vocabulary model's loss at 32k tokens drops from 16 GB of fp32 logits to a piece's). The
+split is the one Liger's and Unsloth's fused losses make, in plain PyTorch: the head's matmul
+and the log-softmax are computed as before, once more in the backward.
+
 On CPU, training batches of short sequences run SDPA's math kernel: PyTorch's CPU flash-attention
 backward is tuned for long sequences and at 50 tokens costs twice the math kernel's
 (scripts/bench.py attention measures the crossover; beyond SHORT tokens flash wins).
@@ -23,9 +31,10 @@ SHORT = 128  # tokens: at and below this the math kernel (forward + backward) be
 
 
 class SelectiveLM(nn.Module):
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, chunk: int = 0):
         super().__init__()
         self.inner = model
+        self.chunk = chunk  # model.loss_chunk: positions per piece of the head with targets; 0: all at once
         lm = base_model(model)
         config = getattr(lm, "config", None)
         # Families whose CausalLM forward rescales the head's output in ways not listed here
@@ -34,15 +43,46 @@ class SelectiveLM(nn.Module):
         # Gemma 2/3 soft-cap their logits in the CausalLM forward: cap * tanh(logits / cap).
         self._softcap = getattr(config, "final_logit_softcapping", None) if config is not None else None
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None):
-        """Logits at positions where `select` is True (N x vocab), or all logits (B x T x V)."""
+    def forward(self, input_ids, attention_mask=None, position_ids=None, select=None, targets=None,
+                slot=None, temperature: float = 1.0, entropy: bool = False):
+        """Logits at positions where `select` is True (N x vocab), or all logits (B x T x V).
+        With `targets`: their log-probs under logits / temperature instead, one per target, read
+        at the selected positions in order or, with `slot`, at selected position slot[i] (tree
+        rows read a shared prompt's last position twice); with entropy=True also each read
+        position's entropy (no gradient)."""
         lm = base_model(self.inner)
         if right_padded(attention_mask):
             # Under a causal mask no real token attends to the padding after it, so the padding
             # mask changes nothing that is trained; without it SDPA takes its faster causal path.
             attention_mask = None
         with _attention_kernel(input_ids, getattr(lm, "is_gradient_checkpointing", False)):
-            return self._forward(lm, input_ids, attention_mask, position_ids, select)
+            if targets is None:
+                return self._forward(lm, input_ids, attention_mask, position_ids, select)
+            if not self._split:
+                logits = self._forward(lm, input_ids, attention_mask, position_ids, select)
+                return target_logps(logits, targets, slot, temperature, entropy)
+            hidden = lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state[select]
+            return self._pieces(lm.lm_head, hidden if slot is None else hidden[slot], targets, temperature, entropy)
+
+    def _pieces(self, head, hidden, targets, temperature, entropy):
+        """Target log-probs (and entropies) `chunk` positions at a time, each piece checkpointed."""
+        from torch.utils.checkpoint import checkpoint
+
+        def piece(h, t):
+            logits = head(h)
+            if self._softcap:
+                logits = torch.tanh(logits / self._softcap) * self._softcap
+            return target_logps(logits, t, None, temperature, entropy)
+
+        n = hidden.shape[0]
+        if not self.chunk or n <= self.chunk:
+            return piece(hidden, targets)
+        out = [checkpoint(piece, hidden[i:i + self.chunk], targets[i:i + self.chunk], use_reentrant=False)
+               for i in range(0, n, self.chunk)]
+        if entropy:
+            return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
+        return torch.cat(out)
 
     def _forward(self, lm, input_ids, attention_mask, position_ids, select):
         if select is None or not self._split:
@@ -55,6 +95,19 @@ class SelectiveLM(nn.Module):
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
+
+
+def target_logps(logits, targets, slot=None, temperature: float = 1.0, entropy: bool = False):
+    """The targets' log-probs under logits / temperature (read at rows `slot` when given), with
+    each read row's entropy (no gradient) when asked: what SelectiveLM returns given targets."""
+    if slot is not None:
+        logits = logits[slot]
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return picked
+    with torch.no_grad():
+        return picked, -(logp.exp() * logp).sum(-1)
 
 
 def _attention_kernel(input_ids, checkpointing: bool):

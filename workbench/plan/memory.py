@@ -123,7 +123,7 @@ def activation_bytes(arch, s: Setup, tokens: int | None = None, seq: int | None 
     """Saved activations of one micro-batch: `tokens` in all, padded to `seq` per sequence."""
     tokens = tokens_per_micro(s) if tokens is None else tokens
     per_block = block_bytes(arch, s, seq_len(s) if seq is None else seq)
-    split = s.tp * s.cp  # sequence-parallel TP and context parallel split the tokens
+    split = s.tp * s.cp * s.sp  # sequence-parallel TP, context parallel and backend.sp split the tokens
     kept = arch.hidden * residual_bytes(s)  # a checkpointed block keeps only its input
     if s.checkpointing == "full":
         total = tokens * (arch.layers * kept + per_block)  # one block recomputed at a time
@@ -133,7 +133,25 @@ def activation_bytes(arch, s: Setup, tokens: int | None = None, seq: int | None 
     else:
         total = tokens * arch.layers * per_block
     total += tokens * 3 * arch.hidden * residual_bytes(s)  # embedding output, final norm
-    return total / split + dora_transient_bytes(arch, s)
+    seq = seq_len(s) if seq is None else seq
+    return total / split + sp_attention_bytes(arch, s, tokens, seq) + dora_transient_bytes(arch, s)
+
+
+def sp_attention_bytes(arch, s: Setup, tokens: float, seq: int) -> float:
+    """What backend.sp's attention holds beyond the sliced blocks (workbench/train/sequence_parallel.py):
+    the boolean mask of its whole rows (rows x seq x seq bytes) and, where the key/value heads
+    cannot be split with the query heads, their copies repeated to one per query head, kept for
+    SDPA's backward in every block (one at a time under full checkpointing)."""
+    if s.sp <= 1:
+        return 0.0
+    mask = tokens / max(seq, 1) * seq * seq
+    heads, kv = arch.heads, arch.kv_heads or arch.heads
+    d = arch.head_dim or arch.hidden // heads
+    repeated = 0.0
+    if kv != heads and (kv % s.sp or heads % s.sp):
+        blocks = 1 if s.checkpointing == "full" else arch.layers
+        repeated = blocks * tokens / s.sp * 2 * (heads - kv) * d * COMPUTE[s.precision]
+    return mask + repeated
 
 
 def logits_bytes(arch, s: Setup, selected: float | None = None) -> float:
@@ -145,6 +163,10 @@ def logits_bytes(arch, s: Setup, selected: float | None = None) -> float:
     # (Megatron: workbench/megatron/lm.py) holds them whole, except distillation's, which stays
     # vocabulary-parallel.
     split = 1 if s.facts.gathers_logits and not registry.spec(s.method).facts.teacher else s.tp
+    selected = selected / s.sp  # backend.sp: each rank scores its slice of the rows
+    if s.loss_chunk and not s.facts.head_every_position:
+        # model.loss_chunk: one checkpointed piece's logits at a time (workbench/models/head.py)
+        selected = min(selected, s.loss_chunk)
     return selected * arch.vocab * 12 / split
 
 

@@ -26,12 +26,14 @@ class Setup:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    sp: int = 1  # backend.sp: ranks sharing every row's tokens (workbench/train/sequence_parallel.py)
     micro_batch: int = 1
     grad_accum: int = 1
     seq_len: int = 2048
     checkpointing: str = "none"  # none | full | selective (every checkpoint_every-th block)
     checkpoint_every: int = 2
     select_fraction: float = 1.0  # share of positions whose logits a loss needs
+    loss_chunk: int = 0  # model.loss_chunk: positions per checkpointed piece of the head; 0: all at once
     dpo_ref: str = "adapter"  # reference model: adapter | copy | precompute | none (resolved.reference)
     teacher_scale: float = 1.0  # distillation: teacher parameters / student parameters
     generations: int = 8  # GRPO group size
@@ -53,7 +55,14 @@ class Setup:
 
     @property
     def dp(self) -> int:
+        """Ranks that hold the same model slice: what sharding (ZeRO, FSDP2) divides over. The sp
+        ranks of backend.sp are among them (they shard like data-parallel replicas)."""
         return max(1, self.devices // (self.tp * self.pp * self.cp))
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that take their own rows of the global batch: dp over the sp ranks sharing a row."""
+        return max(1, self.dp // self.sp)
 
     @property
     def facts(self) -> BackendFacts:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from workbench.core.errors import UserError
+from workbench.train import sequence_parallel
 
 LEVELS = ("token", "sequence", "sequence_sum")
 CLIPPED = ("grpo", "dapo", "dr_grpo")  # hard clipping, differing only in normalisation
@@ -67,6 +68,7 @@ def ratio(logp, old_logp, rows, n_tokens, level: str):
     if level == "token":
         return torch.exp(log_ratio)
     per_seq = torch.zeros(n_tokens.numel(), dtype=log_ratio.dtype, device=log_ratio.device).index_add(0, rows, log_ratio)
+    per_seq = sequence_parallel.total(per_seq)  # under backend.sp a completion's tokens span the sp group
     if level == "sequence":
         per_seq = per_seq / n_tokens.clamp(min=1)
     return torch.exp(per_seq)[rows]

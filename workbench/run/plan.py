@@ -54,7 +54,7 @@ def from_cfg(cfg, devices: int | None = None) -> Setup:
     # GRPO and its variants: groups of num_generations completions per prompt, generated per rank
     rollouts = registry.spec(method).facts.generates and pick(cfg, "method.num_generations", None) is not None
     world = devices or run.layout.world
-    dp = max(1, world // (run.layout.tp * run.layout.pp * run.layout.cp))
+    dp = max(1, world // (run.layout.tp * run.layout.pp * run.layout.cp * run.layout.sp))  # ranks with their own rows
     per_step = pick(cfg, "method.prompts_per_step", None)
     prompts = int(per_step) // dp if per_step else cfg.train.micro_batch_size * cfg.train.grad_accum // max(gens, 1)
     iters = int(pick(cfg, "method.num_iterations", 1))
@@ -67,10 +67,11 @@ def from_cfg(cfg, devices: int | None = None) -> Setup:
         and _flag(pick(cfg, f"backend.{facts.optimizer_offload}", False)),
         offload_params=host or _flag(pick(cfg, "backend.offload_param", False)),
         devices=devices or run.layout.world, device=cfg.hardware.device,
-        tp=run.layout.tp, pp=run.layout.pp, cp=run.layout.cp, ep=int(pick(cfg, "backend.ep", 1)),
+        tp=run.layout.tp, pp=run.layout.pp, cp=run.layout.cp, ep=int(pick(cfg, "backend.ep", 1)), sp=run.layout.sp,
         micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum, seq_len=cfg.data.seq_len,
         checkpointing=ckpt, checkpoint_every=int(pick(cfg, "backend.selective_every", 2)),
         select_fraction=float(pick(cfg, "plan.select_fraction", 1.0)),
+        loss_chunk=int(pick(cfg, "model.loss_chunk", 0)),
         dpo_ref=ref, teacher_scale=float(pick(cfg, "plan.teacher_scale", 1.0)),
         generations=gens,
         completion_len=int(pick(cfg, "method.max_new_tokens", 256)),
@@ -88,7 +89,7 @@ def run_tokens(cfg, s) -> float:
     explicit = float(pick(cfg, "plan.tokens", 0) or 0)
     if explicit > 0:
         return explicit
-    return float(cfg.train.max_steps * cfg.train.grad_accum * s.dp * tokens_per_micro(s))
+    return float(cfg.train.max_steps * cfg.train.grad_accum * s.data_parallel * tokens_per_micro(s))
 
 
 def _peak_tflops(hw, precision: str) -> float:
@@ -162,7 +163,8 @@ def _row(cfg, counts, name, hw, mfu, devices: int | None = None, calibrated: boo
     if s.rollouts and peak > 0:
         gen = generation_seconds(rollout or rollout_of(s), counts.active, estimate(counts, arch, s).weights,
                                  decoder(hw, arch, peak * 1e12, mfu, s.peft))
-        extra = gen / (s.grad_accum * tokens_per_micro(s))  # per trained token of this rank
+        # per trained token of this rank (under backend.sp every sp rank generates the whole rollout)
+        extra = gen * s.sp / (s.grad_accum * tokens_per_micro(s))
     ratios = None
     if calibrated:  # measured/predicted of an earlier run on this hardware (plan.calibrate=true)
         ratios = calibration(hw, s.precision, cfg.model.name)

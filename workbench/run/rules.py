@@ -169,8 +169,34 @@ FIRST: list[Rule] = [
          "peft=qlora needs bitsandbytes: pip install bitsandbytes (or use peft=lora)", machine=True),
 ]
 
+def _sp(c) -> int:
+    return par(c, "sp")
+
+
+def _sp_methods() -> str:
+    return ", ".join(n for n, s in registry.SPECS.items() if s.facts.splits_rows)
+
+
 # a backend's facts against a method's: after the backend's rules, before the method's
 COMBINED: list[Rule] = [
+    # sequence parallelism (backend.sp on single, fsdp2, deepspeed: workbench/train/sequence_parallel.py)
+    Rule("sp-divides-procs", {"backend": "single, fsdp2, deepspeed (sp > 1)"},
+         lambda c, e: _sp(c) > 1 and layout(c).world % _sp(c) != 0,
+         lambda c, e: f"backend.sp={_sp(c)} splits every row over {_sp(c)} ranks, which must divide the "
+                      f"{layout(c).world} process(es): set hardware.procs to a multiple of {_sp(c)}"),
+    Rule("sp-method", {"backend": "sp > 1", "method": "kto, rm, distill"},
+         lambda c, e: _sp(c) > 1 and not _facts(c).splits_rows,
+         lambda c, e: f"backend.sp={_sp(c)} cuts rows between ranks, and method={method_name(c)}'s loss reads whole "
+                      f"rows; sequence parallelism trains method={_sp_methods()}: use backend.sp=1"),
+    Rule("sp-heads", {"backend": "sp > 1", "model": "fewer attention heads than sp"},
+         lambda c, e: _sp(c) > 1 and int(pick(c, "model.arch.heads", _sp(c))) < _sp(c),
+         lambda c, e: f"backend.sp={_sp(c)} gives every rank whole attention heads and model={c.model.name} has "
+                      f"{pick(c, 'model.arch.heads', '?')}: use backend.sp<={pick(c, 'model.arch.heads', '?')}"),
+    Rule("sp-attention", {"backend": "sp > 1", "attention": "flash_attention_2, flash_attention_3"},
+         lambda c, e: _sp(c) > 1 and c.model.attn_implementation not in ("sdpa", "eager", "auto"),
+         lambda c, e: f"backend.sp={_sp(c)} runs its own attention over the whole row (PyTorch SDPA with the row's "
+                      f"mask), so model.attn_implementation={c.model.attn_implementation} would not be used: set "
+                      "model.attn_implementation=sdpa"),
     Rule("sharded-vllm", {"backend": "fsdp2, deepspeed stage 3", "method": "grpo (vLLM rollouts)"},
          lambda c, e: sharded(c) and pick(c, "method.engine", "hf") == "vllm",
          "method.engine=vllm loads full weights into vLLM on every rank, which a sharding backend splits; use "

@@ -1,7 +1,7 @@
 """The run's ranks and parallel degrees: who trains on which slice of the global batch.
 
     from workbench.train.layout import layout
-    lay = layout(cfg)          # lay.world, lay.dp, lay.dp_rank, lay.tp, lay.pp, lay.cp
+    lay = layout(cfg)          # lay.world, lay.dp, lay.dp_rank, lay.tp, lay.pp, lay.cp, lay.sp
 
 A low-level module on purpose: the resolved run (workbench/run/derive.py) carries it as
 `run.layout`, and the rules of one backend or method (workbench/config/rule.py) read it
@@ -18,17 +18,20 @@ from workbench.train import distributed
 @dataclass(frozen=True)
 class Layout:
     """Ranks and parallel degrees. Megatron orders ranks tensor-fastest, then context, then data,
-    then pipeline, so the data-parallel rank of global rank r is (r // (tp * cp)) % dp."""
+    then pipeline, so the data-parallel rank of global rank r is (r // (tp * cp)) % dp. Sequence
+    parallelism (backend.sp, workbench/train/sequence_parallel.py) groups consecutive ranks the
+    same way: the sp ranks of one data-parallel rank hold slices of the same rows."""
 
     rank: int = 0
     world: int = 1
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    sp: int = 1
 
     @property
     def model_parallel(self) -> int:
-        return self.tp * self.pp * self.cp
+        return self.tp * self.pp * self.cp * self.sp
 
     @property
     def dp(self) -> int:
@@ -36,7 +39,7 @@ class Layout:
 
     @property
     def dp_rank(self) -> int:
-        return (self.rank // (self.tp * self.cp)) % self.dp
+        return (self.rank // (self.tp * self.cp * self.sp)) % self.dp
 
     @property
     def is_main(self) -> bool:
@@ -46,11 +49,11 @@ class Layout:
 def layout(cfg, rank: int | None = None, world: int | None = None) -> Layout:
     """Inside a launched process the launcher's RANK / WORLD_SIZE are the truth; before launch,
     the request (hardware.procs x hardware.nodes). The parallel degrees are the backend's
-    tp / pp / cp where its options have them (1 otherwise)."""
+    tp / pp / cp / sp where its options have them (1 otherwise)."""
     if world is None:
         world = distributed.launched_world() or distributed.requested_procs(cfg.hardware)
     if rank is None:
         rank = distributed.launched_rank()
     b = cfg.get("backend")
-    par = {k: int(b[k]) for k in ("tp", "pp", "cp") if b is not None and k in b}
+    par = {k: int(b[k]) for k in ("tp", "pp", "cp", "sp") if b is not None and k in b}
     return Layout(rank=rank, world=world, **par)
