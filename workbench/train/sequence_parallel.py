@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from workbench.core.errors import UserError
+
 NAME = "workbench_sp"  # the attention implementation's name in transformers' registries
 
 # per-position tensors of a micro-batch, (rows, seq) or (rows, seq, ...): cut along the sequence
@@ -117,13 +119,28 @@ def _register() -> None:
 
 
 def install(model: torch.nn.Module) -> None:
-    """Point every config under `model` at the sp attention (a no-op without sp)."""
+    """Point every config under `model` at the sp attention (a no-op without sp); a UserError for
+    attention it cannot stand in for."""
     if _GROUP is None:
         return
     for m in model.modules():
         cfg = getattr(m, "config", None)
         if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            why = unsupported(cfg)
+            if why:
+                raise UserError(f"backend.sp={_GROUP.size}: {why}; use backend.sp=1")
             cfg._attn_implementation = NAME
+
+
+def unsupported(config) -> str | None:
+    """Why this decoder's attention is not plain softmax attention over the whole row (None if it is)."""
+    if getattr(config, "attn_logit_softcapping", None):
+        return f"{config.model_type} soft-caps its attention scores, which SDPA does not"
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if window and ("sliding_attention" in layer_types or (not layer_types and getattr(config, "use_sliding_window", True))):
+        return f"{config.model_type} attends over a sliding window of {window} tokens, not the whole row"
+    return None
 
 
 def start(sp: int, model: torch.nn.Module) -> None:
