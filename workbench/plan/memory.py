@@ -138,18 +138,23 @@ def activation_bytes(arch, s: Setup, tokens: int | None = None, seq: int | None 
 
 
 def sp_attention_bytes(arch, s: Setup, tokens: float, seq: int) -> float:
-    """What backend.sp's attention holds beyond the sliced blocks (workbench/train/sequence_parallel.py):
-    the boolean mask of its whole rows (rows x seq x seq bytes) and, where the key/value heads
-    cannot be split with the query heads, their copies repeated to one per query head, kept for
-    SDPA's backward in every block (one at a time under full checkpointing)."""
+    """What attention holds beyond the per-token block terms: the mask of packed rows, and under
+    backend.sp the key/value heads repeated to one per query head where they cannot be split with
+    them (workbench/train/sequence_parallel.py).
+
+    A packed row attends through a (seq x seq) boolean mask, and SDPA keeps it for its backward
+    converted to the compute dtype, once per decoder block (PyTorch's CPU flash kernel; one block
+    at a time under full checkpointing). Under backend.sp the mask covers the whole row on every
+    rank: it is not divided by sp."""
+    blocks = 1 if s.checkpointing == "full" else arch.layers
+    rows = tokens / max(seq, 1)
+    mask = rows * seq * seq * (1 + blocks * COMPUTE[s.precision]) if s.packed else 0.0
     if s.sp <= 1:
-        return 0.0
-    mask = tokens / max(seq, 1) * seq * seq
+        return mask
     heads, kv = arch.heads, arch.kv_heads or arch.heads
     d = arch.head_dim or arch.hidden // heads
     repeated = 0.0
     if kv != heads and (kv % s.sp or heads % s.sp):
-        blocks = 1 if s.checkpointing == "full" else arch.layers
         repeated = blocks * tokens / s.sp * 2 * (heads - kv) * d * COMPUTE[s.precision]
     return mask + repeated
 

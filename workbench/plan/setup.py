@@ -34,6 +34,7 @@ class Setup:
     checkpoint_every: int = 2
     select_fraction: float = 1.0  # share of positions whose logits a loss needs
     loss_chunk: int = 0  # model.loss_chunk: positions per checkpointed piece of the head; 0: all at once
+    packed: bool = False  # data.packing: rows of several documents, attended through a (seq x seq) mask
     dpo_ref: str = "adapter"  # reference model: adapter | copy | precompute | none (resolved.reference)
     teacher_scale: float = 1.0  # distillation: teacher parameters / student parameters
     generations: int = 8  # GRPO group size
