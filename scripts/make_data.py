@@ -1,8 +1,9 @@
-"""Write the embedded data files under data_recipes/data/ from workbench.data.arith and .calc.
+"""Write the embedded data files under data_recipes/data/ from workbench.data.arith, .calc and .needle.
 
     python scripts/make_data.py          # (re)write the files
     python scripts/make_data.py --check  # exit 1 if a shipped file differs from what it would write,
                                          # or two roles share a question (arith.role_overlaps)
+                                         # or a station (needle.role_overlaps)
 
 Roles follow the file name (arith.py's docstring): *_eval.jsonl is the test split,
 *_validation.jsonl the validation split, everything else trains.
@@ -18,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workbench.data import arith, calc  # noqa: E402
+from workbench.data import arith, calc, needle  # noqa: E402
 
 OUT = ROOT / "data_recipes" / "data"
 N_TRAIN = 4000
@@ -38,6 +39,7 @@ def files() -> dict[str, list[dict]]:
             out[f"arith_{task}_train.jsonl"] = [arith.chat_example(a, b, op) for a, b in s["train"][:N_TRAIN]]
     out.update(alignment_files())
     out.update(calc.files())  # env=calc: held-out questions, GRPO prompts, tool-use demonstrations
+    out.update(needle.files())  # the long-context retrieval task
     return out
 
 
@@ -99,7 +101,10 @@ def main() -> int:
     overlaps = arith.role_overlaps(OUT)
     for a, b, n, example in overlaps:
         print(f"{a} ({arith.role_of(a)}) and {b} ({arith.role_of(b)}) share {n} questions, e.g. {example}")
-    return 1 if stale or overlaps else 0
+    stations = needle.role_overlaps(OUT)
+    for a, b, n in stations:
+        print(f"{a} and {b} share {n} stations")
+    return 1 if stale or overlaps or stations else 0
 
 
 if __name__ == "__main__":

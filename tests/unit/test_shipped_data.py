@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.data import arith
+from workbench.data import arith, needle
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data_recipes" / "data"
@@ -60,8 +60,13 @@ def leaks(data: Path, task: str) -> list[str]:
     return out
 
 
+NEEDLE = ("needle_train.jsonl", "needle_validation.jsonl", "needle_eval.jsonl")  # split by station
+
+
 def test_every_shipped_file_has_a_role_and_is_checked():
-    assert {p.name for p in DATA.glob("*.jsonl")} == {f for pair in HELD_OUT.values() for f in pair} | set(TRAINING)
+    assert {p.name for p in DATA.glob("*.jsonl")} == ({f for pair in HELD_OUT.values() for f in pair} | set(TRAINING)
+                                                     | set(NEEDLE))
+    assert [arith.role_of(f) for f in NEEDLE] == ["train", "validation", "test"]
     assert {arith.role_of(f) for f in TRAINING} == {"train"}
     for val, test in HELD_OUT.values():
         assert (arith.role_of(val), arith.role_of(test)) == ("validation", "test")
@@ -94,7 +99,7 @@ def test_role_check_catches_swapped_operands(tmp_path):
     assert [(x, y, n) for x, y, n, _ in found] == [("arith_add2_eval.jsonl", "mine_train.jsonl", 1)]
 
 
-@pytest.mark.parametrize("task", ["arith_add2", "arith_add3", "arith_mul1", "arith_pref"])
+@pytest.mark.parametrize("task", ["arith_add2", "arith_add3", "arith_mul1", "arith_pref", "needle"])
 def test_eval_tasks_read_the_test_split_and_val_tasks_the_validation_split(task):
     from workbench.evals.hooks import eval_rows, lookup
 
@@ -102,3 +107,27 @@ def test_eval_tasks_read_the_test_split_and_val_tasks_the_validation_split(task)
     assert eval_rows(task, 1) == [first]
     assert eval_rows(f"{task}_val", 10**6) == [json.loads(line) for line in (DATA / f"{task}_validation.jsonl").open()]
     assert callable(lookup(f"{task}_val"))
+
+
+def test_needle_roles_share_no_station():
+    assert needle.role_overlaps(DATA) == []
+    held = {s for f in NEEDLE[1:] for line in (DATA / f).open() for s in needle.stations_of(json.loads(line))}
+    assert len(held) >= 40  # the validation and test pools are in use
+
+
+def test_needle_check_catches_a_held_out_station_in_training(tmp_path):
+    row = json.loads((DATA / "needle_eval.jsonl").open().readline())
+    leak = {"messages": [{"role": "user", "content": row["prompt"][0]["content"]},
+                         {"role": "assistant", "content": row["answer"]}]}
+    (tmp_path / "needle_train.jsonl").write_text((DATA / "needle_train.jsonl").read_text() + json.dumps(leak) + "\n")
+    (tmp_path / "needle_eval.jsonl").write_text(json.dumps(row) + "\n")
+    assert [(a, b) for a, b, _ in needle.role_overlaps(tmp_path)] == [("needle_eval.jsonl", "needle_train.jsonl")]
+
+
+def test_needle_answer_is_stated_once_in_its_log():
+    for line in (DATA / "needle_eval.jsonl").open():
+        row = json.loads(line)
+        text = row["prompt"][0]["content"]
+        asked = needle._ASKED.search(text).group(1)
+        facts = dict(needle._FACT.findall(text))
+        assert len(facts) == needle.FACTS and facts[asked] == row["answer"]

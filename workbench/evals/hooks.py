@@ -15,6 +15,8 @@ A registry, like the reward functions (workbench/rollout/rewards.py). A task is 
   `arith_rm` (a reward model's accuracy on the same pairs: chosen scored above rejected),
   all on the test split; `arith_add2_val`, `arith_add3_val`, `arith_mul1_val`, `arith_pref_val` are
   the same on the validation split that settings are chosen on (workbench/data/arith.py);
+- `needle` / `needle_val`: the long-context retrieval task's exact match, test and validation
+  (a 4-digit code stated once in 1,600-3,300 tokens; workbench/data/needle.py);
 - `env`: greedy episodes with the run's environment on its held-out rows (`env.eval_path`):
   accuracy, the share of final answers that follow a tool result, turns (workbench/evals/episodes.py);
 - `lm_eval:<task>` or `lm_eval:<task.yaml>`: an lm-evaluation-harness task, in-process on the
@@ -54,7 +56,8 @@ from workbench.rollout.generate import generate
 
 ARITH = ("arith_add2", "arith_add3", "arith_mul1", "arith_pref", "arith_rm",
          "arith_add2_val", "arith_add3_val", "arith_mul1_val", "arith_pref_val")
-TASKS = ARITH + ("loss", "preference", "reward", "reward_accuracy", "generate", "env")
+LONG = ("needle", "needle_val")  # the long-context retrieval task (workbench/data/needle.py), exact match
+TASKS = ARITH + LONG + ("loss", "preference", "reward", "reward_accuracy", "generate", "env")
 
 # What each task reports (`eval/<task>/<metric>`; run() adds `seconds` to every task). A task may
 # leave one out (`preference` without a reference reports no `accuracy`), never add another;
@@ -69,7 +72,7 @@ METRICS = {
     "generate": ("n", "mean_tokens"),
     "env": ("accuracy", "reward", "n"),
     "arith_rm": ("accuracy", "margin", "n"),
-    **{t: ("accuracy", "n") for t in ARITH if t != "arith_rm"},
+    **{t: ("accuracy", "n") for t in ARITH + LONG if t != "arith_rm"},
 }
 
 
@@ -118,7 +121,7 @@ def lookup(task: str) -> Callable:
         return builtin.TASKS[task]
     if lm_eval_task.is_lm_eval(task):
         return lambda ctx: lm_eval_task.run(ctx, task)
-    if task in ARITH:
+    if task in ARITH or task in LONG:
         return lambda ctx: _arith(ctx, task)
     if task == "env":  # greedy episodes with the run's environment (workbench/evals/episodes.py)
 
