@@ -72,7 +72,7 @@ def from_cfg(cfg, devices: int | None = None) -> Setup:
         checkpointing=ckpt, checkpoint_every=int(pick(cfg, "backend.selective_every", 2)),
         select_fraction=float(pick(cfg, "plan.select_fraction", 1.0)),
         loss_chunk=int(pick(cfg, "model.loss_chunk", 0)),
-        packed=_flag(pick(cfg, "data.packing", False)) and method == "sft",
+        packed=_flag(pick(cfg, "data.packing", False)),  # the methods that read data.packing pack their rows
         dpo_ref=ref, teacher_scale=float(pick(cfg, "plan.teacher_scale", 1.0)),
         generations=gens,
         completion_len=int(pick(cfg, "method.max_new_tokens", 256)),
