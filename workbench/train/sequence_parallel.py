@@ -149,14 +149,6 @@ def start(sp: int, model: torch.nn.Module) -> None:
     install(model)
 
 
-def active() -> bool:
-    return _GROUP is not None
-
-
-def size() -> int:
-    return _GROUP.size if _GROUP else 1
-
-
 @contextlib.contextmanager
 def rows(micro: dict):
     """This rank's slice of `micro` for one forward and its backward (the micro itself without sp)."""
