@@ -35,7 +35,14 @@ BACKENDS: dict[str, tuple[tuple[str, ...], int]] = {
     "zero3": (("backend=deepspeed", "backend.stage=3"), 2),
     "megatron-tp2": (("backend=megatron", "backend.tp=2"), 2),
     "megatron-pp2": (("backend=megatron", "backend.pp=2"), 2),
+    "sp2": (("backend=single", "backend.sp=2"), 2),
 }
+# backends whose 2 processes hold one replica between them (data-parallel size 1): they take
+# both micro-batches by accumulation, as backend=single does
+ONE_REPLICA = ("megatron-tp2", "megatron-pp2", "sp2")
+# sequence parallelism is in the default tier's share (DEFAULT) only: the whole matrix and its
+# generated page (docs/precision-matrix.md) cover the other backends
+MATRIX_BACKENDS = tuple(b for b in BACKENDS if b != "sp2")
 
 REWARD = 'reward.functions=["tests.rewards:char_length"]'
 # name -> overrides; distill's teacher is added by `overrides` (a directory the tests make)
@@ -78,29 +85,32 @@ class Cell:
 
     @property
     def reference(self) -> Cell:
-        """The cell this one's losses must equal: backend=single (DDP for a method that generates)."""
-        return Cell(self.method, "ddp" if self.method in GENERATES else "single", self.precision, self.peft)
+        """The cell this one's losses must equal: backend=single (DDP for a method that generates,
+        except under sp, whose ranks draw the rollouts of one replica, as one process does)."""
+        ddp = self.method in GENERATES and self.backend != "sp2"
+        return Cell(self.method, "ddp" if ddp else "single", self.precision, self.peft)
 
 
 def overrides(cell: Cell, teacher=None) -> list[str]:
     """The cell's overrides on top of tests/conftest.py's TINY (which pins precision=fp32: the
     cell's precision comes after it and wins)."""
     extra = [f"method.teacher={teacher}"] if cell.method == "distill" and teacher else []
-    accum = "train.grad_accum=2" if cell.procs == 1 or cell.backend.startswith("megatron") else "train.grad_accum=1"
+    accum = "train.grad_accum=2" if cell.procs == 1 or cell.backend in ONE_REPLICA else "train.grad_accum=1"
     return [*METHODS[cell.method], *extra, *BACKENDS[cell.backend][0], f"precision={cell.precision}",
             f"peft={cell.peft}", *SHAPE, accum, f"hardware.procs={cell.procs}"]
 
 
 def cells() -> list[Cell]:
-    return [Cell(m, b, p, f) for m in METHODS for b in BACKENDS for p in PRECISIONS for f in PEFTS]
+    return [Cell(m, b, p, f) for m in METHODS for b in MATRIX_BACKENDS for p in PRECISIONS for f in PEFTS]
 
 
 # The default tier's share: every backend under bf16-mixed for SFT with and without LoRA, and one
-# preference and one RL method under bf16-mixed on Megatron and FSDP2 (DPO with LoRA on FSDP2,
+# preference and one RL method under bf16-mixed on Megatron, FSDP2 and sp=2 (DPO with LoRA on FSDP2,
 # where a full copy of the reference is refused: rule sharded-copied-reference).
 DEFAULT = ([Cell("sft", b, "bf16-mixed", f) for b in BACKENDS for f in ("none", "lora")]
            + [Cell("dpo", "megatron-tp2", "bf16-mixed", "none"), Cell("dpo", "fsdp2", "bf16-mixed", "lora"),
-              Cell("grpo", "megatron-tp2", "bf16-mixed", "none"), Cell("grpo", "fsdp2", "bf16-mixed", "none")])
+              Cell("grpo", "megatron-tp2", "bf16-mixed", "none"), Cell("grpo", "fsdp2", "bf16-mixed", "none"),
+              Cell("dpo", "sp2", "bf16-mixed", "lora"), Cell("grpo", "sp2", "bf16-mixed", "none")])
 
 
 def classify(cell: Cell, env=None) -> tuple[str, str]:

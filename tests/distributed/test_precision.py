@@ -5,9 +5,10 @@ is refused by a named rule before weights load.
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/distributed/test_precision.py          # default share
     .venv/bin/python scripts/precision_matrix.py    # the whole matrix (slow tier) -> docs/precision-matrix.md
 
-The default tier runs DEFAULT (every backend under bf16-mixed for SFT with and without LoRA, DPO
-and GRPO on Megatron and FSDP2) in two torchrun jobs (Megatron's, and the rest's); the slow tier
-runs every method x backend x precision x peft, one job per backend. With WORKBENCH_MATRIX_JSON
+The default tier runs DEFAULT (every backend, sp=2 included, under bf16-mixed for SFT with and
+without LoRA, DPO and GRPO on Megatron, FSDP2 and sp=2) in two torchrun jobs (Megatron's, and the
+rest's); the slow tier runs every method x backend x precision x peft, one job per backend
+(sequence parallelism is in the default share only). With WORKBENCH_MATRIX_JSON
 set, the slow tier also writes every cell's verdict and losses there (scripts/precision_matrix.py
 renders the docs from it).
 """

@@ -261,3 +261,22 @@ def test_lm_eval_local_task_in_process_equals_its_cli_on_the_merged_export(tmp_p
     theirs = json.loads(found[-1].read_text())["results"]["my_mc"]
     assert mine["eval/lm_eval/my_mc/acc"] == theirs["acc,none"]
     assert mine["eval/lm_eval/my_mc/acc_norm"] == theirs["acc_norm,none"]
+
+
+def test_needle_found_tells_a_sentence_from_a_miss(monkeypatch):
+    """`needle`'s exact match counts only the bare code; `found` also counts the code given in a
+    sentence, and neither counts a wrong code or a code that merely contains the right digits."""
+    from types import SimpleNamespace
+
+    from workbench.evals import hooks
+
+    rows = hooks.eval_rows("needle", 4)
+    texts = [rows[0]["answer"], f"The access code of Station X is {rows[1]['answer']}.",
+             "The access code of Station X is 1000.", f"{rows[3]['answer']}7"]
+    monkeypatch.setattr(hooks, "generate", lambda model, tok, prompts, *a, **k: [[i] for i in range(len(prompts))])
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: texts[ids[0]])
+    cfg = SimpleNamespace(num_samples=4, batch_size=4, max_new_tokens=24)
+    res = hooks.exact_match(None, tok, SimpleNamespace(end_of_turn_id=0), "needle", cfg)
+    assert res["eval/needle/accuracy"] == 0.25
+    assert res["eval/needle/found"] == 0.5
+    assert res["eval/needle/n"] == 4

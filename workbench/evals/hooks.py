@@ -16,7 +16,8 @@ A registry, like the reward functions (workbench/rollout/rewards.py). A task is 
   all on the test split; `arith_add2_val`, `arith_add3_val`, `arith_mul1_val`, `arith_pref_val` are
   the same on the validation split that settings are chosen on (workbench/data/arith.py);
 - `needle` / `needle_val`: the long-context retrieval task's exact match, test and validation
-  (a 4-digit code stated once in 1,600-3,300 tokens; workbench/data/needle.py);
+  (a 4-digit code stated once in 1,600-3,300 tokens; workbench/data/needle.py), and `found`,
+  the share of completions that hold the right code anywhere (an answer given in a sentence);
 - `env`: greedy episodes with the run's environment on its held-out rows (`env.eval_path`):
   accuracy, the share of final answers that follow a tool result, turns (workbench/evals/episodes.py);
 - `lm_eval:<task>` or `lm_eval:<task.yaml>`: an lm-evaluation-harness task, in-process on the
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,7 +74,11 @@ METRICS = {
     "generate": ("n", "mean_tokens"),
     "env": ("accuracy", "reward", "n"),
     "arith_rm": ("accuracy", "margin", "n"),
-    **{t: ("accuracy", "n") for t in ARITH + LONG if t != "arith_rm"},
+    **{t: ("accuracy", "n") for t in ARITH if t != "arith_rm"},
+    # found: the right code anywhere in the completion as a number of its own, so a model that
+    # answers in a sentence ("The access code of Station X is 9636.") is told apart from one that
+    # cannot find the code (give it eval.max_new_tokens=24 to finish the sentence)
+    **{t: ("accuracy", "found", "n") for t in LONG},
 }
 
 
@@ -184,7 +190,7 @@ def metrics(tasks, cfg=None) -> dict[str, tuple[str, ...] | None]:
 
 def exact_match(model, tokenizer, contract, task: str, cfg_eval, autocast=None) -> dict:
     rows = eval_rows(task, cfg_eval.num_samples)
-    correct, samples = 0, []
+    correct, found, samples = 0, 0, []
     for i in range(0, len(rows), cfg_eval.batch_size):
         chunk = rows[i:i + cfg_eval.batch_size]
         outs = generate(model, tokenizer, [r["prompt"] for r in chunk], cfg_eval.max_new_tokens,
@@ -193,11 +199,15 @@ def exact_match(model, tokenizer, contract, task: str, cfg_eval, autocast=None) 
             text = tokenizer.decode(ids, skip_special_tokens=True)
             ok = arith.is_correct(text, r["answer"])
             correct += ok
+            found += r["answer"] in re.findall(r"\d+", text)
             if len(samples) < 5:
                 samples.append({"prompt": r["prompt"][-1]["content"], "completion": text, "answer": r["answer"],
                                 "correct": ok})
-    return {f"eval/{task}/accuracy": correct / max(1, len(rows)), f"eval/{task}/n": len(rows),
-            "samples": {task: samples}}
+    out = {f"eval/{task}/accuracy": correct / max(1, len(rows)), f"eval/{task}/n": len(rows),
+           "samples": {task: samples}}
+    if task in LONG:
+        out[f"eval/{task}/found"] = found / max(1, len(rows))
+    return out
 
 
 def _arith(ctx: EvalContext, task: str) -> dict:
