@@ -2,6 +2,7 @@
 
     python scripts/method_seeds.py dpo kto simpo orpo rm --seeds 0 1 2
     python scripts/method_seeds.py distill grpo_rm --seeds 0 --work /tmp/seeds
+    python scripts/method_seeds.py needle needle_base --seeds 0 1 2   # the long-context task
 
 The runs are those of tests/integration/test_learning_methods.py (SmolLM2-135M, LoRA, fp32, 60
 steps, KTO 100), evaluated on the whole test split (200 questions or pairs); each seed sets
@@ -21,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.integration import test_learning_long_context as N  # noqa: E402
 from tests.integration import test_learning_methods as L  # noqa: E402
 from workbench.evals.stats import wilson  # noqa: E402
 
@@ -43,9 +45,17 @@ def one(name: str, seed: int, work: Path) -> dict:
     elif name == "grpo_rm":
         rm_acc, before, after = L.grpo_with_reward_model(out, seed)
         row = {"rm_accuracy": rm_acc, "before": before, "after": after}
+    elif name == "needle":  # the long-context task, against the base model's figures (needle_base)
+        res = N.needle(seed, out)["eval_end"]
+        row = {"before": None, "after": res[N.ACCURACY], "found": res[N.FOUND]}
+    elif name == "needle_base":  # greedy, no training: the seed changes nothing
+        res = N.needle_base(out)["eval_start"]
+        row = {"before": None, "after": res[N.ACCURACY], "found": res[N.FOUND]}
     else:
-        raise SystemExit(f"unknown run {name!r}: choose from {[*L.RECIPES, 'rm_sft', 'distill', 'grpo_rm']}")
-    lo, hi = wilson(row["after"] * TEST_N, TEST_N)
+        raise SystemExit(f"unknown run {name!r}: choose from "
+                         f"{[*L.RECIPES, 'rm_sft', 'distill', 'grpo_rm', 'needle', 'needle_base']}")
+    n = N.EVAL_N if name.startswith("needle") else TEST_N
+    lo, hi = wilson(row["after"] * n, n)
     return {"run": name, "seed": seed, **row, "after_ci95": [round(lo, 3), round(hi, 3)],
             "seconds": round(time.perf_counter() - t)}
 
