@@ -45,11 +45,8 @@ def one(name: str, seed: int, work: Path) -> dict:
     elif name == "grpo_rm":
         rm_acc, before, after = L.grpo_with_reward_model(out, seed)
         row = {"rm_accuracy": rm_acc, "before": before, "after": after}
-    elif name == "needle":  # the long-context task, against the base model's figures (needle_base)
-        res = N.needle(seed, out)["eval_end"]
-        row = {"before": None, "after": res[N.ACCURACY], "found": res[N.FOUND]}
-    elif name == "needle_base":  # greedy, no training: the seed changes nothing
-        res = N.needle_base(out)["eval_start"]
+    elif name in ("needle", "needle_base"):  # the long-context task; its base model is greedy, the same at any seed
+        res = N.needle(seed, out)["eval_end"] if name == "needle" else N.needle_base(out)["eval_start"]
         row = {"before": None, "after": res[N.ACCURACY], "found": res[N.FOUND]}
     else:
         raise SystemExit(f"unknown run {name!r}: choose from "

@@ -6,7 +6,7 @@ about half an hour of CPU).
 
 A station log of 1,600-3,300 tokens states six 4-digit access codes once each; the question at
 the end asks for one. LoRA SFT on the 200 training logs (`data_recipes/needle_sft.yaml`), 60
-steps of one log each, bf16-mixed where the CPU has it (`precision=auto`), `model.loss_chunk=512`;
+steps of one log each, `precision=bf16-mixed` (the precision measured; pinned, not `auto`), `model.loss_chunk=512`;
 exact match on the first EVAL_N logs of the test split, whose stations no training log names.
 
 What the base model does (`needle_base`, greedy, 24 new tokens so a sentence can finish): it
@@ -28,7 +28,7 @@ EVAL_N = 100  # test logs evaluated (greedy, one at a time: ~8 s each on one cor
 NEEDLE = ["model=smollm2-135m", "method=lora", "data.recipe=needle_sft", "data.seq_len=4096",
           "train.micro_batch_size=1", "train.max_steps=60", "train.log_every=5", "model.loss_chunk=512",
           "eval=arith", "eval.tasks=[needle]", f"eval.num_samples={EVAL_N}", "eval.batch_size=1",
-          "train.export=false", "train.resume=never"]
+          "train.export=false", "train.resume=never", "precision=bf16-mixed"]
 ACCURACY, FOUND = "eval/needle/accuracy", "eval/needle/found"
 
 # Measured (scripts/method_seeds.py needle needle_base --seeds 0 1 2; docs/measurements/learning.md)
