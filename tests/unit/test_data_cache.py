@@ -161,3 +161,20 @@ def test_unpaired_rows_are_cached_like_pairs(tmp_path, monkeypatch):
     off = data_cfg(tmp_path / "off", cache=False, on_bad_row="skip")
     no_cache = unpaired.tokenise_unpaired(src, tokenizer, contract, off)
     assert no_cache.examples == changed.examples and not (tmp_path / "off" / "cache").exists()
+
+
+def test_meta_on_disk_is_scrubbed_of_secrets(tmp_path, monkeypatch):
+    """meta.json quotes bad rows and names the source: a token in either never reaches the disk."""
+    from workbench.data import cache
+
+    monkeypatch.setenv("HF_TOKEN", "plain-secret-value-1234")
+    builder = cache.ArrayBuilder()
+    builder.add([1, 2, 3], [-100, 2, 3])
+    arrays = builder.build()
+    meta = {"skipped": 1, "bad": ["rows.jsonl:3: no 'messages' in {'text': 'hf_" + "a" * 24 + "'}",
+                                  "rows.jsonl:4: plain-secret-value-1234 is not a list"]}
+    cache.save(tmp_path / "entry", arrays, meta)
+    text = (tmp_path / "entry" / "meta.json").read_text()
+    assert "hf_" + "a" * 24 not in text and "plain-secret-value-1234" not in text
+    _, back = cache.load(tmp_path / "entry")
+    assert back["skipped"] == 1 and back["bad"][0].startswith("rows.jsonl:3: no 'messages'")

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from workbench.core import cache as workbench_cache
+from workbench.core.secrets import redact
 from workbench.data.chat import IGNORE
 
 
@@ -102,7 +103,8 @@ def save(directory: Path, arrays: TokenArrays, meta: dict) -> None:
         np.save(tmp / "ids.npy", np.ascontiguousarray(arrays.ids, dtype=np.int32))
         np.save(tmp / "mask.npy", np.ascontiguousarray(arrays.mask, dtype=np.uint8))
         np.save(tmp / "offsets.npy", np.ascontiguousarray(arrays.offsets, dtype=np.int64))
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        # the bad-row messages quote rows and the source names a path or URL: scrubbed like a log
+        (tmp / "meta.json").write_text(json.dumps(redact(meta), indent=1))
 
     workbench_cache.build(Path(directory), make, "tokenised source", FILES)
 
