@@ -1,23 +1,25 @@
 """The longest sequence a model trains at on this machine, at each sequence-parallel size.
 
-    python scripts/longest_seq.py                        # SmolLM2-135M, LoRA, sp 1 and 2: plan, then a run
+    python scripts/longest_seq.py --known 8192           # SmolLM2-135M, LoRA, sp 1 and 2: plan, then runs
     python scripts/longest_seq.py --plan-only --sp 1 2 4
     python scripts/longest_seq.py --length 28672 --sp 1  # just the run, at a length of your choosing
 
-How the length is found: for each sp, the largest `data.seq_len` (a multiple of --step) whose
-plan fits this machine (`dry_run=true plan.json=true`, the `here` row: on a CPU the processes
-share the host's memory, so each of sp ranks gets 1/sp of it), by doubling then bisecting; no
-weights load for that. The memory the plan may use is what the host has available now less
---reserve GiB per rank (`hardware.memory_gb`): the planner counts tensors, and each process
-also holds its runtime (Python, torch, transformers: about 0.5 GiB resident beyond its tensors,
-read from the plan check's resident mark). Then one step at that length checks it: one
-document per row (no packing, so PyTorch's causal attention kernel runs with no mask),
-`model.loss_chunk` on, the plan check on that step (its tensor peak against the prediction) and
-its tokens/s. One step, because a step at ~30k tokens takes many minutes of CPU. While it runs
-the script samples the host's available memory, so the figure that decides "fits on this
-machine" is the host's own (all ranks, the runtime, the allocator), not only the tensors.
-`--margin` keeps that much of the host free; if the run dies or leaves less, the next shorter
-length is tried.
+How the length is found, for each sp: first the plan's bound, the largest `data.seq_len` (a
+multiple of --step) whose plan fits this machine (`dry_run=true plan.json=true`, the `here` row:
+on a CPU the processes share the host's memory, so each of sp ranks gets 1/sp of it), by
+doubling then bisecting; no weights load for that. The memory the plan may use is what the host
+has available now less --reserve GiB per rank (`hardware.memory_gb`). Then one-step runs
+bisect between --known (a length known to train) and that bound: a length counts when its step
+finishes and the host kept --margin GiB free throughout (sampled every 0.2 s), so what decides is
+the host's own memory (all ranks, the runtime, the allocator), not only the tensors the plan
+counts. One document per row (no packing, so PyTorch's causal attention kernel runs with no
+mask), `model.loss_chunk` on, the plan check on the step (its tensor peak against the
+prediction, the resident set) and its tokens/s. One step, because a step at ~20k tokens takes
+minutes of CPU.
+
+glibc's allocator keeps freed blocks for reuse, and on long rows that slack was most of the gap
+between the plan and the host; `MALLOC_MMAP_THRESHOLD_=131072 python scripts/longest_seq.py`
+returns large blocks at once (the row records it).
 
 Beyond the model's context (SmolLM2: 8,192 positions) `model.arch.max_position` is raised to
 the length: RoPE runs past the length it was trained at, which is what a context-extension run
@@ -133,7 +135,8 @@ def run(args, length: int, sp: int, data: Path, out: Path) -> dict:
                       env={"OMP_NUM_THREADS": str(threads)})
     row = {"sp": sp, "seq_len": length, "threads_per_rank": threads, "ok": p.returncode == 0,
            "host_used_gib": round(before - host.low, 2), "host_free_gib": round(host.low, 2),
-           "seconds": round(time.perf_counter() - t)}
+           "seconds": round(time.perf_counter() - t),
+           "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_")}  # glibc's, when set
     if p.returncode:
         row["error"] = (p.stderr or p.stdout).strip().splitlines()[-3:]
         return row
@@ -147,6 +150,24 @@ def run(args, length: int, sp: int, data: Path, out: Path) -> dict:
                resident_rank0_gib=check.get("resident_gib"),
                tokens_per_s=last.get("tokens_per_s"), step_seconds=last.get("step_seconds"))
     return row
+
+
+def longest_run(args, sp: int, planned: int, work: Path) -> dict:
+    """The longest multiple of args.step that trains one step and leaves the host args.margin
+    free: the plan's length first, then bisection between args.known (a length known to train,
+    else 0) and the shortest length that failed. The plan bounds it from above: it counts
+    tensors, and the host also holds the runtime and what the allocator keeps."""
+    lo, hi, best = args.known, planned + args.step, {"sp": sp, "seq_len": 0, "ok": False}
+    n = planned
+    while hi - lo > args.step:
+        row = run(args, n, sp, rows_file(n, 4, work / f"rows_{n}.jsonl"), work / f"sp{sp}_{n}")
+        print(json.dumps(row), flush=True)
+        if row["ok"] and row["host_free_gib"] >= args.margin:
+            lo, best = n, row
+        else:
+            hi = n
+        n = (lo + hi) // 2 // args.step * args.step
+    return best
 
 
 def rows_file(length: int, n: int, path: Path) -> Path:
@@ -177,6 +198,7 @@ def main() -> int:
     ap.add_argument("--reserve", type=float, default=0.75, help="GiB per rank beyond its tensors")
     ap.add_argument("--plan-only", action="store_true")
     ap.add_argument("--length", type=int, default=0, help="skip the search: run at this length")
+    ap.add_argument("--known", type=int, default=0, help="a length known to train: the runs' search starts there")
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("overrides", nargs="*", help="more workbench overrides for every run")
     args = ap.parse_args()
@@ -184,27 +206,25 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     results = []
     for sp in args.sp:
-        found = args.length
-        if not found:
-            found, _ = longest_planned(args, sp, rows_file(args.step, 1, work / "probe.jsonl"))
-            print(json.dumps({"sp": sp, "longest_planned": found}), flush=True)
-        if args.plan_only or not found:
-            results.append({"sp": sp, "seq_len": found, "planned_only": True})
-            continue
-        data = rows_file(found, 4, work / f"rows_{found}.jsonl")
-        length = found
-        while length >= args.step:
-            row = run(args, length, sp, data, work / f"sp{sp}_{length}")
+        if args.length:
+            row = run(args, args.length, sp, rows_file(args.length, 4, work / f"rows_{args.length}.jsonl"),
+                      work / f"sp{sp}_{args.length}")
             print(json.dumps(row), flush=True)
-            if row["ok"] and row["host_free_gib"] >= args.margin:
-                break
-            length -= args.step  # died or left the host too little: one step shorter
-        results.append(row)
-    print("\n| sp | longest seq_len | peak/rank predicted GiB | measured | host used GiB | tokens/s | step s |")
-    print("|---|---|---|---|---|---|---|")
+            results.append(row)
+            continue
+        planned, _ = longest_planned(args, sp, rows_file(args.step, 1, work / "probe.jsonl"))
+        print(json.dumps({"sp": sp, "longest_planned": planned}), flush=True)
+        if args.plan_only or not planned:
+            results.append({"sp": sp, "seq_len": planned, "planned_only": True})
+            continue
+        results.append(longest_run(args, sp, planned, work))
+    print("\n| sp | longest seq_len | tensor peak/rank predicted GiB | measured | resident rank 0 GiB "
+          "| host used GiB | tokens/s | step s |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         cells = [f"{r.get(k):.2f}" if isinstance(r.get(k), float) else str(r.get(k, "-"))
-                 for k in ("peak_predicted_gib", "peak_measured_gib", "host_used_gib", "tokens_per_s", "step_seconds")]
+                 for k in ("peak_predicted_gib", "peak_measured_gib", "resident_rank0_gib", "host_used_gib",
+                          "tokens_per_s", "step_seconds")]
         print(f"| {r['sp']} | {r['seq_len']:,} | " + " | ".join(cells) + " |")
     return 0
 

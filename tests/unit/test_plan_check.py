@@ -61,6 +61,18 @@ def test_off_figures_are_named():
     assert plan_check.line(check, 10).startswith("warning: plan check after 10 steps")
 
 
+def test_a_cpu_process_far_beyond_its_tensors_is_named():
+    # the sp=1 run at 21,504 tokens: 14.15 GiB of tensors, 22.31 resident
+    note = plan_check.resident_note(22.31, 14.15, "cpu")
+    assert "8.16 beyond its tensors" in note and "MALLOC_MMAP_THRESHOLD_" in note
+    check = plan_check.compare({"peak_gib": 16.98}, {"peak_gib": 14.15})
+    assert plan_check.line(check, 1, note).endswith(note)
+    # the runtime's usual half GiB, a GPU (its allocator's figure is the peak), nothing measured
+    assert plan_check.resident_note(6.19, 5.74, "cpu") == ""
+    assert plan_check.resident_note(22.31, 14.15, "cuda") == ""
+    assert plan_check.resident_note(None, 14.15, "cpu") == ""
+
+
 DEFAULT_RUN = ["train.max_steps=10", "plan.check_after_steps=10", "train.resume=never", "train.log_every=5"]
 
 

@@ -62,8 +62,9 @@ def plan_check(r) -> dict | None:
     out = check.compare(predicted, measured)
     if r.cfg.plan.calibrate:
         out["stored"] = check.store(r.cfg.hardware, r.run.precision.name, r.cfg.model.name, out, r.run_dir)
-    r.tracker.console(check.line(out, r.state.step))
-    return {"steps": r.state.step, **out, "resident_gib": check.resident_gib()}
+    resident = check.resident_gib()
+    r.tracker.console(check.line(out, r.state.step, check.resident_note(resident, peak, r.memory.device)))
+    return {"steps": r.state.step, **out, "resident_gib": resident}
 
 
 def _planned(r, shapes) -> dict:
