@@ -152,6 +152,13 @@ def run(args, length: int, sp: int, data: Path, out: Path) -> dict:
     return row
 
 
+def trial(args, length: int, sp: int, work: Path) -> dict:
+    """One step at this length on rows made for it, printed as it finishes."""
+    row = run(args, length, sp, rows_file(length, 4, work / f"rows_{length}.jsonl"), work / f"sp{sp}_{length}")
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def longest_run(args, sp: int, planned: int, work: Path) -> dict:
     """The longest multiple of args.step that trains one step and leaves the host args.margin
     free: the plan's length first, then bisection between args.known (a length known to train,
@@ -160,8 +167,7 @@ def longest_run(args, sp: int, planned: int, work: Path) -> dict:
     lo, hi, best = args.known, planned + args.step, {"sp": sp, "seq_len": 0, "ok": False}
     n = planned
     while hi - lo > args.step:
-        row = run(args, n, sp, rows_file(n, 4, work / f"rows_{n}.jsonl"), work / f"sp{sp}_{n}")
-        print(json.dumps(row), flush=True)
+        row = trial(args, n, sp, work)
         if row["ok"] and row["host_free_gib"] >= args.margin:
             lo, best = n, row
         else:
@@ -207,10 +213,7 @@ def main() -> int:
     results = []
     for sp in args.sp:
         if args.length:
-            row = run(args, args.length, sp, rows_file(args.length, 4, work / f"rows_{args.length}.jsonl"),
-                      work / f"sp{sp}_{args.length}")
-            print(json.dumps(row), flush=True)
-            results.append(row)
+            results.append(trial(args, args.length, sp, work))
             continue
         planned, _ = longest_planned(args, sp, rows_file(args.step, 1, work / "probe.jsonl"))
         print(json.dumps({"sp": sp, "longest_planned": planned}), flush=True)

@@ -99,8 +99,9 @@ class Memory:
     peak over the check's own step, under the profiler (before() opens the window, after()
     closes it before that step's checkpoint or evaluation). The step is past the first, so the
     optimizer's state is already alive and counted. The resident set is read beside it for the
-    record, never compared: it also holds the Python heap and what glibc keeps after a free (a
-    cold cache's model conversion, GRPO's rollouts), which no plan models."""
+    record, never held to the plan: it also holds the Python heap and what glibc keeps after a
+    free (a cold cache's model conversion, GRPO's rollouts), which no plan models; on a CPU a
+    large excess is named (resident_note)."""
 
     def __init__(self, device: str, check_after: int, max_steps: int):
         # no window when there is no check to read it: off (0), or past the run's last step
