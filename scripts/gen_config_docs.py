@@ -1,15 +1,18 @@
 """Write docs/reference/config.md from the config itself: every config group with its choices
 (conf/<group>/*.yaml), every key of the composed default config with its type, default and a
-one-line description, and the options of every method and backend.
+one-line description, and the options of every method, backend, launcher and tracker.
 
     python scripts/gen_config_docs.py          # rewrite the page
     python scripts/gen_config_docs.py --check  # exit 1 if the page is stale
 
-Types come from the schema dataclasses (workbench/config/schema.py, each method's and backend's
-`Config`), or from the value where a key has no schema. Descriptions come from the trailing
-`# comment` of the key in the YAML file that sets it (conf/train.yaml, the default choice's file),
-else from the dataclass field's comment (trailing, or the comment lines just above it).
-tests/unit/test_docs.py holds the committed page equal to this script's output.
+Types come from the schema dataclasses (workbench/config/schema.py, each method's, backend's and
+launcher's `Config`, the tracker options in schema.py), or from the value where a key has no
+schema. Descriptions come from the trailing `# comment` of the key in the YAML file that sets it
+(conf/train.yaml, the default choice's file; for a launcher's or tracker's options, the choice's
+own file), else from the dataclass field's comment (trailing, or the comment lines just above
+it); the method and backend options take the field's comment first, their conf/ file's after.
+tests/unit/test_docs.py holds the committed page equal to this script's output, and every key
+in it described.
 """
 
 from __future__ import annotations
@@ -157,7 +160,7 @@ def _schema_fields() -> dict[str, tuple[str, str]]:
                 walk(f.type, key)
             else:
                 sub = _nested_dataclass(cls, f.name)
-                if sub is not None and not ann.endswith("None"):
+                if sub is not None:
                     walk(sub, key)
 
     walk(Schema, "")
@@ -165,11 +168,14 @@ def _schema_fields() -> dict[str, tuple[str, str]]:
 
 
 def _nested_dataclass(cls, name):
+    """The dataclass a field holds: its type, or the one dataclass of an `X | None`."""
     import typing
 
-    hints = typing.get_type_hints(cls)
-    t = hints.get(name)
-    return t if dataclasses.is_dataclass(t) else None
+    t = typing.get_type_hints(cls).get(name)
+    if dataclasses.is_dataclass(t):
+        return t
+    inner = [a for a in typing.get_args(t) if dataclasses.is_dataclass(a)]
+    return inner[0] if len(inner) == 1 and type(None) in typing.get_args(t) else None
 
 
 def _defaults_list() -> dict[str, object]:
@@ -288,11 +294,75 @@ def options_section(group: str, registry) -> list[str]:
     for name in registry.SPECS:
         cls = registry.spec(name).config
         comments = dataclass_comments(cls)
+        path = CONF / group / f"{name}.yaml"
+        fallback = yaml_comments(path, group) if path.exists() else {}
         lines += [f"### `{group}={name}`", "", "| key | type | default | description |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             ann, doc = comments.get(f.name, ("", ""))
+            doc = doc or fallback.get(f"{group}.{f.name}", "")
             lines.append(f"| `{group}.{f.name}` | {_cell(ann)} | {_show(_field_default(f))} | {doc} |")
         lines.append("")
+    return lines
+
+
+def _choice_table(group: str, node: dict, cls, comments: dict[str, str]) -> list[str]:
+    """One choice's keys: the YAML file's values, then the fields of its dataclass (cls, may be
+    None) that the file leaves out; type from the dataclass, description from the file's comment
+    else the dataclass field's."""
+    fields = {f.name: f for f in dataclasses.fields(cls)} if cls is not None else {}
+    notes = dataclass_comments(cls) if cls is not None else {}
+    values = {**node, **{k: _field_default(f) for k, f in fields.items() if k not in node}}
+    lines = ["| key | type | default | description |", "|---|---|---|---|"]
+    for key, value in values.items():
+        ann, doc = notes.get(key, ("", ""))
+        doc = comments.get(f"{group}.{key}") or doc
+        lines.append(f"| `{group}.{key}` | {_cell(ann) or _kind(value)} | {_show(value)} | {doc} |")
+    return lines
+
+
+def _choice_node(path: Path, key: str | None = None) -> tuple[dict, dict[str, str]]:
+    """A conf file's values, unresolved (`key`: only the node under it, as in a `# @package _global_`
+    file or a tracker's), and its keys' comments, dotted from the file's top."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    raw.pop("defaults", None)
+    return raw.get(key, {}) if key else raw, yaml_comments(path)
+
+
+def launchers_section() -> list[str]:
+    from workbench import launch
+    from workbench.config.commandline import choices as _choices
+
+    lines = ["## Options of each launcher", "",
+             "`launcher=<name>` (`conf/launcher/<name>.yaml`) says where the run executes; each key is set",
+             "as `launcher.<key>=value`, and only the chosen launcher reads its keys. Defaults are the",
+             "file's; types come from the launcher module's `Config` (`workbench/launch/`), which refuses",
+             "an unknown key when the run starts. `local` runs in this process, or under torchrun.", ""]
+    for name in _choices("launcher"):
+        path = CONF / "launcher" / f"{name}.yaml"
+        glob = "@package _global_" in path.read_text()
+        node, comments = _choice_node(path, "launcher" if glob else None)
+        comments = {(k if glob else f"launcher.{k}"): v for k, v in comments.items()}
+        cls = launch._module(name).Config if name in launch.LAUNCHERS else None
+        lines += [f"### `launcher={name}`", "", *_choice_table("launcher", node, cls, comments), ""]
+    return lines
+
+
+def trackers_section() -> list[str]:
+    from workbench.config.commandline import choices as _choices
+    from workbench.config.schema import TrackerConfig
+
+    lines = ["## Options of each tracker", "",
+             "`tracker=[<name>,...]` (`conf/tracker/<name>.yaml`) picks any number of them; a chosen",
+             "tracker's options are `tracker.<name>.<key>=value`. Defaults are the file's; types come from",
+             "the tracker options in `workbench/config/schema.py`.", ""]
+    for name in _choices("tracker"):
+        path = CONF / "tracker" / f"{name}.yaml"
+        node, comments = _choice_node(path, name)
+        comments = {f"tracker.{k}": v for k, v in comments.items()}
+        cls = _nested_dataclass(TrackerConfig, name)
+        lines += [f"### `tracker={name}`", "", *_choice_table(f"tracker.{name}", node, cls, comments), ""]
     return lines
 
 
@@ -308,6 +378,8 @@ def render() -> str:
     lines += keys_section()
     lines += options_section("method", methods)
     lines += options_section("backend", backends)
+    lines += launchers_section()
+    lines += trackers_section()
     return "\n".join(lines).rstrip() + "\n"
 
 

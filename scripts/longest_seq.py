@@ -69,7 +69,7 @@ def plan(args, length: int, sp: int, data: Path) -> dict:
     budget = available() - args.reserve * sp
     p = workbench([*common(args, length, sp), f"data.path={data}", "dry_run=true", "plan.json=true",
                    f"hardware.memory_gb={budget:.2f}"])
-    if p.returncode:
+    if p.returncode not in (0, 4):  # 4: the plan does not fit, and it is printed (its `here` row below)
         return {"fits": False, "refused": (p.stderr or p.stdout).strip().splitlines()[-1]}
     out = json.loads(p.stdout[p.stdout.index("{"):])
     return out["plan"]["here"]

@@ -9,7 +9,10 @@ Exit status: 0 done; 2 a mistake in config, data or environment (one `error:` li
 weights load; in a multirun the failed job is listed in the sweep summary, the other jobs go on
 and the command exits 2 once the summary is written), a checkpoint that could not be written
 (disk full) or more NaN/Inf steps than `train.max_bad_steps`; 3 a rank stalled or another rank
-failed (the watchdog, workbench/train/watchdog.py: stacks in `<run>/stalls/`); 75 preempted by
+failed (the watchdog, workbench/train/watchdog.py: stacks in `<run>/stalls/`); 4 with dry_run=true,
+the plan does not fit the configured hardware (the whole plan is printed, then one `error:` line
+ending with the smallest change that fits; plan.json=true says `"fits": false` too; in a multirun
+it is a failed job of the sweep); 75 preempted by
 SIGTERM/SIGINT after writing a checkpoint (relaunch with the same output_dir to continue);
 143/130 a second SIGTERM/SIGINT, at once (workbench/train/faults.py).
 Secrets given on the command line are redacted from Hydra's own copies in `<run>/.hydra/` too,
@@ -44,7 +47,7 @@ from workbench.run.validate import validate
 from workbench.train.distributed import is_main_process, launched_here, launched_rank
 from workbench.train.faults import check_config
 from workbench.train.precision import describe
-from workbench.train.watchdog import save_traceback, traceback_path
+from workbench.train.watchdog import save_mistake, save_traceback, traceback_path
 
 
 def _redact_hydra_files(cfg: DictConfig) -> None:
@@ -107,22 +110,26 @@ def run_job(cfg: DictConfig) -> dict | None:
     facts = preflight.check(cfg)
     _say_precision(facts["run"])
     if cfg.dry_run:
-        from workbench.run.plan import render, to_json  # deferred: see above
+        from workbench.run.plan import DOES_NOT_FIT_EXIT, WEIGHTS_FROM, does_not_fit, render, to_json  # deferred
 
-        if cfg.plan.json:  # machine-readable: the plan plus what preflight found
-            print(to_json({k: v for k, v in facts.items() if k not in ("run", "tokenizer")}))
-            return facts
-        print(f"preflight ok: model={cfg.model.name} ({facts['n_params']:,} parameters, weights from "
-              f"{facts['model_source']}), method={cfg.method.name}, peft={facts['resolved']['peft']}, "
-              f"backend={cfg.backend.name}")
-        for w in facts.get("warnings", []):
-            print(f"warning: {w}")
-        if facts.get("resume"):  # an existing run directory: where it continues and at what batch
-            print(facts["resume"])
-        reason = torchrun_reason(cfg)
-        if reason:
-            print(f"launch: torchrun ({reason})")
-        render(facts["plan"])
+        plan = facts["plan"]
+        if cfg.plan.json:  # machine-readable: the plan plus what preflight found, and the verdict
+            shown = {k: v for k, v in facts.items() if k not in ("run", "tokenizer")}
+            print(to_json({**shown, "fits": plan["fits"], "exit_status": 0 if plan["fits"] else DOES_NOT_FIT_EXIT}))
+        else:
+            weights = WEIGHTS_FROM.get(facts["model_source"], facts["model_source"])
+            print(f"preflight ok: model={cfg.model.name} ({facts['n_params']:,} parameters), method={cfg.method.name}, "
+                  f"peft={facts['resolved']['peft']}, backend={cfg.backend.name}; weights: {weights}")
+            for w in facts.get("warnings", []):
+                print(f"warning: {w}")
+            if facts.get("resume"):  # an existing run directory: where it continues and at what batch
+                print(facts["resume"])
+            reason = torchrun_reason(cfg)
+            if reason:
+                print(f"launch: torchrun ({reason})")
+            render(plan)
+        if not plan["fits"]:  # the whole plan is printed; the status says it does not fit (4)
+            raise does_not_fit(plan)
         return facts
     remote = dispatch(cfg)
     if remote is not None:
@@ -135,14 +142,18 @@ def run_job(cfg: DictConfig) -> dict | None:
 def _drop_if_empty() -> None:
     """A dry run, a preview or a refused config (a UserError) leaves no run directory behind:
     Hydra made it for the job (`.hydra/` and an empty `cli.log`) and nothing of a run was written
-    there. A sweep's job directories stay (the sweep summary lists every job)."""
+    there, or only the TensorBoard event file the tracker opens when the run starts (a data error
+    found as the method prepares its rows comes after that). A sweep's job directories stay (the
+    sweep summary lists every job)."""
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.RUN:
         return
     out = Path(HydraConfig.get().runtime.output_dir)  # the directory Hydra made for this job
     try:
         names = {p.name for p in out.iterdir()}
         log = out / "cli.log"
-        if names <= {".hydra", "cli.log"} and (not log.exists() or log.stat().st_size == 0):
+        tb = out / "tensorboard"
+        events_only = not tb.is_dir() or all(p.name.startswith("events.out.tfevents") for p in tb.iterdir())
+        if names <= {".hydra", "cli.log", "tensorboard"} and events_only and (not log.exists() or log.stat().st_size == 0):
             shutil.rmtree(out, ignore_errors=True)
     except OSError:
         return
@@ -201,6 +212,7 @@ def _hydra_main(cfg: DictConfig):
             rank = launched_rank()
             if not traceback_path(cfg.output_dir, rank).exists():  # the runner's watchdog wrote it already
                 save_traceback(cfg.output_dir, rank, exc, secret_values(cfg))
+            save_mistake(cfg.output_dir, rank, exc, secret_values(cfg))  # a restart would meet it again
             sys.exit(getattr(exc, "exit_code", 1))
         if _sweep_job_failed(exc, cfg):
             return None
@@ -233,6 +245,9 @@ def main() -> None:
         print(commandline.usage())
         sys.exit(0)
     sys.argv[1:] = commandline.nulls_as_deletions(sys.argv[1:])
+    sys.argv[1:], shared = commandline.per_job_output_dir(sys.argv[1:])
+    if shared:
+        print(shared, file=sys.stderr)
     mistake = commandline.precheck(sys.argv[1:])
     if mistake:
         print(f"error: {scrub_text(mistake)}", file=sys.stderr)  # the message may quote a value

@@ -3,6 +3,10 @@
     python -m workbench.report runs/a runs/b ...          # one table + one figure for several runs
     python -m workbench.report multirun/2026-11-30_06-00-00   # a sweep dir: every job in it
     python -m workbench.report runs/a --out cmp/            # also write cmp/comparison.{md,png}
+
+Throughput and MFU in the table are each run's median over its logged steps
+(workbench/telemetry/compare.py `step_median`), so one unusually slow or fast step does not
+stand for the run.
 """
 
 from __future__ import annotations

@@ -47,3 +47,16 @@ def test_two_agents_on_loopback_form_one_job(tmp_path, reference):
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["world_size"] == 2
     assert logged_losses(tmp_path) == pytest.approx(reference[:2], rel=LOSS_RTOL)  # same global batch, same curve
+
+
+def test_a_mistake_met_by_a_rank_stops_the_job_without_using_the_restarts(tmp_path):
+    # NaN at step 1 with no skips allowed stops the run with a UserError (workbench/train/faults.py);
+    # a restart would resume from nothing and meet the same NaN, so the launcher stops at once
+    proc = workbench([*RUN, "precision=fp32", "hardware.procs=2", "++hardware.max_restarts=2",
+                      "debug.nan_at_step=1", f"output_dir={tmp_path}"])
+    out, _ = proc.communicate(timeout=600)
+    errors = [x for x in out.splitlines() if x.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, out[-4000:]
+    assert "restart 1 of 2" not in out
+    assert errors[0].startswith("error: rank ") and "the same on every restart" in errors[0], errors[0]
+    assert "NaN" in errors[0] or "nan" in errors[0].lower(), errors[0]

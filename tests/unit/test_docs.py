@@ -82,6 +82,34 @@ def test_config_reference_is_generated():
         "docs/reference/config.md is stale: run python scripts/gen_config_docs.py"
 
 
+KEY_HEADER = "| key | type | default | description |"
+
+
+def undescribed_keys(page: str) -> list[str]:
+    """The keys of a configuration reference's key tables whose description cell is empty."""
+    empty, in_table = [], False
+    for line in page.splitlines():
+        if line.strip() == KEY_HEADER:
+            in_table = True
+            continue
+        if not line.startswith("|"):
+            in_table = False
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if in_table and cells[0].startswith("`") and not cells[-1]:
+            empty.append(cells[0].strip("`"))
+    return empty
+
+
+def test_every_config_key_is_described():
+    """Every key in docs/reference/config.md has a description: a comment on the field of its schema
+    dataclass or on the key in the conf/ file that sets it (scripts/gen_config_docs.py reads both)."""
+    sample = f"{KEY_HEADER}\n|---|---|---|---|\n| `a` | int | `1` | one |\n| `b` | str \\| None | `null` |  |\n"
+    assert undescribed_keys(sample) == ["b"]  # the check itself finds an empty cell
+    missing = undescribed_keys((DOCS / "reference" / "config.md").read_text())
+    assert missing == [], f"{len(missing)} keys without a description (comment their field or YAML key): {missing}"
+
+
 def test_every_page_is_in_the_nav():
     nav = (ROOT / "mkdocs.yml").read_text()
     missing = [p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md") if p.relative_to(DOCS).as_posix() not in nav]

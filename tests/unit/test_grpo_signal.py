@@ -48,7 +48,7 @@ def test_flat_batch_is_refilled_not_stepped_on(tmp_path):
     assert CALLS["n"] == 2
     assert row["resample_rounds"] == 1 and row["groups_generated"] == 4 and row["groups_dropped"] == 2
     assert row["zero_std_groups"] == 0.5 and row["signal_groups_trained"] == 2
-    assert row["grad_norm"] > 0
+    assert row["grad_norm"] > 0 and row["signal_share"] == 1.0
 
 
 def test_without_dynamic_sampling_a_flat_batch_carries_no_gradient(tmp_path):
@@ -57,6 +57,23 @@ def test_without_dynamic_sampling_a_flat_batch_carries_no_gradient(tmp_path):
     (row,) = _rows(out)
     assert row["zero_std_groups"] == 1.0 and row["signal_groups_trained"] == 0
     assert row["grad_norm"] == 0.0 and "entropy" in row
+
+
+def test_a_short_run_without_reward_spread_says_so(tmp_path, capsys):
+    """debug=fast's 2 steps, fewer than method.stall_warn_steps (3): every group scored alike, so
+    the run trained on nothing; it warns at its end, and its `done:` line and report.md count the
+    steps that had reward spread."""
+    out = tmp_path / "run"
+    train(BASE + ['reward.functions=["tests.unit.test_grpo_signal:always_flat"]', "method.dynamic_sampling=false",
+                  "train.max_steps=2"], out)
+    assert [r["signal_share"] for r in _rows(out)] == [0.0, 0.0]
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ") and "reward spread" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: 2 step(s) in a row had no reward spread")
+    assert "adds no gradient" in warnings[0] and "try more generations per prompt (method.num_generations)" in warnings[0]
+    done = next(line for line in err.splitlines() if line.startswith("done: "))
+    assert done.endswith("; 0 of 2 steps had reward spread")
+    assert "- reward spread: 0 of 2 steps had groups with reward spread" in (out / "report.md").read_text()
 
 
 def test_refill_is_capped_and_warns(tmp_path, capsys):
@@ -98,3 +115,8 @@ def test_truncated_completions_take_the_truncated_reward(tmp_path):
     assert row["rewards/tests.unit.test_grpo_signal:always_flat/mean"] == pytest.approx(0.5)
     with pytest.raises(UserError, match="method.truncated_reward"):
         train(BASE + ["method.truncated_reward=inf"], tmp_path / "bad")
+
+
+def test_a_negative_stall_threshold_is_refused(tmp_path):
+    with pytest.raises(UserError, match="method.stall_warn_steps and method.stall_stop_steps must be >= 0"):
+        train(BASE + ["method.stall_warn_steps=-1"], tmp_path / "bad")

@@ -24,7 +24,7 @@ def spread_once(completions, **_) -> list[float]:
     return [1.0] * len(completions)
 
 
-def test_a_run_whose_groups_all_score_alike_stops_with_the_stall_report(tmp_path):
+def test_a_run_whose_groups_all_score_alike_stops_with_the_stall_report(tmp_path, capsys):
     CALLS.clear()
     res = train(["method=grpo", "reward.functions=[tests.unit.test_grpo_stall:spread_once]",
                  "method.num_generations=4", "train.micro_batch_size=8", "train.grad_accum=1",
@@ -44,6 +44,15 @@ def test_a_run_whose_groups_all_score_alike_stops_with_the_stall_report(tmp_path
     assert [r["zero_std_groups"] for r in rows if "loss" in r][1:] == [1.0, 1.0, 1.0]
     report = (tmp_path / "report.md").read_text()
     assert "Stopped early at step 4" in report and "| reward_std |" in report
+    # the stop says what happened, what it means and what to try, in one line
+    assert "no gradient signal for 3 steps in a row (in every group the completions all scored the same, so every " \
+           "advantage was 0); try more generations per prompt (method.num_generations)" in stalled["reason"]
+    err = capsys.readouterr().err
+    stop_lines = [line for line in err.splitlines() if line.startswith("stopped at step 4: no gradient signal")]
+    assert len(stop_lines) == 1 and "method.temperature" in stop_lines[0]
+    assert len([line for line in err.splitlines() if line.startswith("warning: ") and "reward spread" in line]) == 1
+    assert "; 1 of 4 steps had reward spread" in err  # the run's `done:` line
+    assert "- reward spread: 1 of 4 steps had groups with reward spread" in report
     assert json.loads((tmp_path / "results.json").read_text())["stalled"]["step"] == 4
     assert (tmp_path / "export" / "merged" / "model.safetensors").exists()
 
@@ -79,3 +88,41 @@ def test_the_warning_names_what_collapsed():
     assert lines[:2] == [None, None] and lines[3] is None
     assert "completion length (tokens) 7.6 -> 1.1 (collapsed), entropy (nats/token) 2 -> 1.8" in lines[2]
     assert "try a KL term" in lines[2]
+
+
+def test_a_stall_is_warned_about_once_not_every_few_steps():
+    watch = StallWatch(stop_after=0, warn_after=2, watched=("reward_std",), last_step=8)
+    warned = []
+    for step in range(1, 9):
+        watch.after({"step": step, "reward_std": 0.0}, 0.0)
+        warned += [step] if watch.warning({"step": step, "reward_std": 0.0}, 0.0) else []
+    assert warned == [2]
+    # signal again, then another stretch without: warned again, once
+    watch.after({"step": 9, "reward_std": 1.0}, 1.0)
+    for step in (10, 11, 12):
+        watch.after({"step": step, "reward_std": 0.0}, 0.0)
+        warned += [step] if watch.warning({"step": step, "reward_std": 0.0}, 0.0) else []
+    assert warned == [2, 11]
+
+
+def test_a_run_shorter_than_the_warning_threshold_warns_at_its_end():
+    """debug=fast trains 2 steps, method.stall_warn_steps is 3: a run none of whose steps had
+    signal still says so, at its last step, with what it means and what to try."""
+    watch = StallWatch(stop_after=10, warn_after=3, watched=("reward_std",), hint="a higher method.temperature",
+                       last_step=2)
+    lines = []
+    for step in (1, 2):
+        watch.after({"step": step, "reward_std": 0.0}, 0.0)
+        lines.append(watch.warning({"step": step, "reward_std": 0.0}, 0.0))
+    assert lines[0] is None
+    assert lines[1].startswith("warning: 2 step(s) in a row had no reward spread in most of the groups trained on "
+                               "(100% at step 2): a group whose completions all scored the same has advantages of 0 "
+                               "and adds no gradient")
+    assert lines[1].endswith("try a higher method.temperature") and "the run stops" not in lines[1]
+    # a run whose last steps alone lacked signal is not warned at its end: the threshold stands
+    watch = StallWatch(stop_after=10, warn_after=3, watched=(), last_step=4)
+    said = []
+    for step, sig in enumerate([1.0, 1.0, 0.0, 0.0], 1):
+        watch.after({"step": step}, sig)
+        said.append(watch.warning({"step": step}, sig))
+    assert said == [None] * 4

@@ -130,3 +130,60 @@ def test_a_failed_job_is_listed_with_its_error(tmp_path):
     (tmp_path / "1" / sweep.JOB_FILE).write_text(json.dumps({"overrides": ["optim.lr=-1"], "status": "COMPLETED"}))
     sweep.summarize(tmp_path, plot=False)
     assert "error" not in next(csv.reader((tmp_path / "sweep_summary.csv").open()))
+
+
+FIXED = ["model=tiny", "launcher=slurm", "+hardware.partition=gpu"] + [f"train.k{i}={i}" for i in range(22)]
+
+
+def _multirun_yaml(root, typed):
+    """The sweep dir's multirun.yaml as Hydra writes it: the command line's overrides as typed."""
+    (root / sweep.MULTIRUN_FILE).write_text(json.dumps({"hydra": {"overrides": {"task": typed}}}))
+
+
+@pytest.mark.parametrize("with_file", [True, False])
+def test_a_one_job_sweep_has_no_override_columns_and_lists_the_fixed_ones_once(tmp_path, with_file):
+    """One job's overrides.task holds every override, fixed or not: with nothing swept (by the
+    command line, or, without multirun.yaml, by differing between jobs) the table has no
+    override columns and the overrides are one line above it."""
+    if with_file:
+        _multirun_yaml(tmp_path, FIXED)
+    _job(tmp_path, 0, FIXED, [3.0, 2.0])
+    out = sweep.summarize(tmp_path, plot=False)
+    assert (out["swept"], out["fixed"]) == ([], FIXED)
+    assert next(csv.reader((tmp_path / "sweep_summary.csv").open())) == ["job", "steps", "final_loss", "status", "best"]
+    md = (tmp_path / "sweep_summary.md").read_text()
+    fixed_line = "Fixed overrides (every job): " + " ".join(f"`{o}`" for o in FIXED)
+    assert md.count(fixed_line) == 1 and md.index(fixed_line) < md.index("| job |")
+    assert "| job | steps | final_loss | status | best |" in md
+
+
+def test_the_columns_are_the_keys_the_command_line_swept(tmp_path):
+    """A key swept on the command line is a column even when the jobs at hand agree on it (the
+    others ran elsewhere); the fixed ones, `+` keys and all, are not."""
+    _multirun_yaml(tmp_path, [*FIXED, "optim.lr=1e-4,3e-4", "+peft.r=choice(8,16)", "train.seed=range(0,2)"])
+    _job(tmp_path, 0, [*FIXED, "optim.lr=1e-4", "+peft.r=8", "train.seed=0"], [3.0, 2.0])
+    _job(tmp_path, 1, [*FIXED, "optim.lr=1e-4", "+peft.r=16", "train.seed=1"], [3.0, 1.0])
+    out = sweep.summarize(tmp_path, plot=False)
+    assert (out["swept"], out["fixed"]) == (["optim.lr", "+peft.r", "train.seed"], FIXED)
+    rows = list(csv.DictReader((tmp_path / "sweep_summary.csv").open()))
+    assert list(rows[0]) == ["job", "optim.lr", "+peft.r", "train.seed", "steps", "final_loss", "status", "best"]
+    assert [(r["optim.lr"], r["+peft.r"], r["train.seed"]) for r in rows] == [("1e-4", "8", "0"), ("1e-4", "16", "1")]
+
+
+def test_an_optuna_sweeps_choices_are_columns(tmp_path):
+    """hydra/sweeper=optuna_accuracy: the command line sweeps nothing, the sweeper chose each
+    job's values; the keys whose values differ between jobs are the columns."""
+    _multirun_yaml(tmp_path, ["model=tiny", "eval=arith"])
+    for i, (lr, r) in enumerate([("1.2e-4", "8"), ("4.7e-4", "8"), ("2.2e-4", "32")]):
+        _job(tmp_path, i, ["model=tiny", "eval=arith", f"optim.lr={lr}", f"peft.r={r}"], [3.0, 2.0 - i / 10])
+    out = sweep.summarize(tmp_path, plot=False)
+    assert (out["swept"], out["fixed"]) == (["optim.lr", "peft.r"], ["model=tiny", "eval=arith"])
+    rows = list(csv.DictReader((tmp_path / "sweep_summary.csv").open()))
+    assert [(r["optim.lr"], r["peft.r"]) for r in rows] == [("1.2e-4", "8"), ("4.7e-4", "8"), ("2.2e-4", "32")]
+
+
+def test_an_unreadable_multirun_yaml_falls_back_to_what_differs(tmp_path):
+    (tmp_path / sweep.MULTIRUN_FILE).write_text("hydra: {overrides: {task: ['a=(']}}")
+    _job(tmp_path, 0, ["model=tiny", "optim.lr=1e-4"], [3.0, 2.0])
+    _job(tmp_path, 1, ["model=tiny", "optim.lr=3e-4"], [3.0, 1.0])
+    assert sweep.summarize(tmp_path, plot=False)["swept"] == ["optim.lr"]

@@ -54,14 +54,21 @@ def test_time_and_cost_are_the_whole_jobs_on_the_whole_cluster():
 
 
 def test_a_profile_where_it_does_not_fit_gives_the_time_on_the_devices_it_needs():
-    plan = make_plan(compose(["model=70b", "method=dpo", "plan.hardware=[b200,8xb200]", "plan.compare=true"]))
+    plan = make_plan(compose(["model=70b", "method=dpo", "plan.hardware=[b200,h100-80gb,8xb200]",
+                              "plan.compare=true"]))
     rows = {r["hardware"]: r for r in plan["profiles"]}
+    h100 = rows["h100-80gb"]  # no change fits on its one device: no time there
+    assert not h100["fits"] and not h100["fix"] and h100["hours"] is None and h100["cost_usd"] is None
+    need = h100["needed"]
+    assert need["devices"] > 1 and need["hours"] > 0 and need["backend"] == "fsdp2"
+    assert need["cost_usd"][0] == pytest.approx(need["hours"] * need["devices"] * h100["price_per_hour"][0])
+    text = " ".join(table(plan).split())  # lines wrap at 100 columns
+    assert f"h100-80gb: does not fit; smallest change that fits: {need['devices']} devices" in text
+    # a change fits on b200's one device: its time is the changed run's, and the row says so
     b200 = rows["b200"]
-    assert not b200["fits"] and b200["hours"] is None and b200["cost_usd"] is None
-    need = b200["needed"]
-    assert need["devices"] > 1 and need["hours"] > 0
-    assert need["cost_usd"][0] == pytest.approx(need["hours"] * need["devices"] * b200["price_per_hour"][0])
-    assert f"{need['devices']} devices (fsdp2" in table(plan)
+    assert not b200["fits"] and b200["fix"] == "peft=qlora" and b200["hours"] > 0
+    assert f"or {b200['needed']['devices']} devices with activation checkpointing and backend=fsdp2" in text
+    assert "with change" in text
 
 
 def test_more_cpu_processes_than_cores_is_refused_for_the_cores(monkeypatch):

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 from tests.conftest import ROOT, compose
 from workbench.core.errors import UserError
 from workbench.run import preflight, rules
+from workbench.run.plan import DoesNotFit
 
 ALL = frozenset({"bitsandbytes", "deepspeed", "megatron", "torchao", "vllm", "unsloth"})
 CPU = rules.Env(cuda=False, gpus=0, packages=ALL)
@@ -267,10 +268,14 @@ def test_70b_dpo_refuses_then_dry_run_plans(tmp_path, capsys):
     assert msg.startswith("model=llama3-70b method=dpo") and "GiB per device" in msg and "hardware=" in msg
     assert not (tmp_path / "run").exists()  # refused before the run directory or any weights
     capsys.readouterr()
-    facts = run_job(compose(ov + ["dry_run=true", "plan.json=true"], validate=False, base=[]))
+    # the dry run prints the whole plan, then ends with status 4: it does not fit (workbench/run/plan.py)
+    with pytest.raises(DoesNotFit) as stop:
+        run_job(compose(ov + ["dry_run=true", "plan.json=true"], validate=False, base=[]))
+    assert stop.value.exit_code == 4 and "it fits on" in str(stop.value)  # nothing fits this CPU
     out = capsys.readouterr().out
-    plan = json.loads(out[out.index("{"):])["plan"]
-    assert plan == json.loads(json.dumps(facts["plan"]))
+    facts = json.loads(out[out.index("{"):])
+    plan = facts["plan"]
+    assert facts["fits"] is False and facts["exit_status"] == 4
     assert plan["params"]["total"] == 70_553_706_496 and not plan["here"]["fits"]
     assert any(r["fits"] or r["devices_needed"] for r in plan["profiles"])
     assert facts["model_source"] == "not found here"  # planned without weights
@@ -289,7 +294,7 @@ def test_cli_70b_dpo_refuses_then_plans_without_download(tmp_path):
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert "error: model=llama3-70b method=dpo" in refused.stderr and "GiB per device" in refused.stderr
     planned = subprocess.run(cmd + ["dry_run=true"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert planned.returncode == 4, planned.stderr[-2000:]  # the plan, and it does not fit here
     assert "where it runs" in planned.stdout and "it fits on 8" in " ".join(planned.stdout.split())
     assert not any(Path(tmp_path / "hf").rglob("*.safetensors"))  # nothing was downloaded
     cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)

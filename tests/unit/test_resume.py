@@ -224,3 +224,30 @@ def test_keyed_noise_samples_the_same_completions_in_any_batch():
     whole = run(convs, keys, 0)
     assert run(convs[:1], keys[:1], 1) + run(convs[1:], keys[1:], 2) == whole
     assert run(convs, [(0, 6, k[2]) for k in keys], 0) != whole  # another step: other noise
+
+
+# -- shrinking to fewer nodes -------------------------------------------------------------------
+def test_survivors_that_cannot_split_with_this_micro_batch_take_a_smaller_one(tmp_path):
+    # 3 nodes x 1 rank at micro-batch 4 wrote a global batch of 12; 2 survivors cannot take 4-row
+    # micro-batches (6 rows each), so they take 3 x 2: the same 12 rows a step, the same gradient sum
+    cfg = compose(["train.micro_batch_size=4", "train.grad_accum=1"], tmp_path)
+    kept = resume.keep_global_batch(cfg, _rec(size=12, micro=4, accum=1, dp=3), Layout(world=2))
+    assert (kept.train.micro_batch_size, kept.train.grad_accum) == (3, 2)
+    assert resume.split(12, 4, 2) == (3, 2) and resume.split(12, 4, 3) == (4, 1) and resume.split(8, 2, 3) == (2, None)
+    assert resume.split(16, 4, 2, group=8) == (4, 2) and resume.split(12, 4, 2, group=4) == (4, None)  # whole groups
+
+
+def test_a_run_that_cannot_keep_its_batch_at_min_nodes_is_refused_at_start(tmp_path):
+    from workbench.run.resolved import resolve
+
+    ok = compose(["hardware.nodes=3", "hardware.min_nodes=2", "train.micro_batch_size=4"], tmp_path)
+    assert resolve(ok, planning=True).batch.size == 12  # 12 rows: 3 x 4 at 3 nodes, 2 x 3 x 2 at 2
+    bad = compose(["hardware.nodes=3", "hardware.min_nodes=2", "train.micro_batch_size=3"], tmp_path)
+    with pytest.raises(UserError) as exc:
+        resolve(bad, planning=True)
+    assert str(exc.value) == (
+        "hardware.min_nodes=2: at 2 node(s) (2 ranks) no micro-batch splits the global batch of 9 rows evenly, so "
+        "losing a node there would stop the run; use train.grad_accum=2 (global batch 18, which every node count "
+        "from 2 to 3 splits), or hardware.min_nodes=3")
+    rigid = compose(["hardware.nodes=3", "train.micro_batch_size=3"], tmp_path)  # min_nodes unset: no shrinking
+    assert resolve(rigid, planning=True).batch.size == 9

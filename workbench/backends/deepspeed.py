@@ -47,20 +47,22 @@ READ_CHUNK_BYTES = 1 << 30  # full fp32 tensors a rank reads at once when loadin
 
 @dataclass
 class Config:
-    name: str = "deepspeed"
-    stage: int = 3
+    name: str = "deepspeed"  # the backend; backend=deepspeed sets it
+    stage: int = 3  # ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters
     offload_optimizer: str = "none"  # none | cpu | nvme
     offload_param: str = "none"  # none | cpu | nvme (stage 3 only)
-    nvme_path: str = ""
-    pin_memory: bool = True
-    overlap_comm: bool = True
-    contiguous_gradients: bool = True
+    nvme_path: str = ""  # a directory on local NVMe, for offload_* = nvme
+    pin_memory: bool = True  # offload buffers in pinned host memory: faster copies, that RAM locked
+    overlap_comm: bool = True  # reduce gradients while the backward still runs
+    contiguous_gradients: bool = True  # copy gradients into one contiguous buffer as they are produced (less fragmentation)
+    # gradient elements reduced at once; this and the other bucket sizes are capped at the model's
+    # parameter count (a larger bucket only wastes memory)
     reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
+    allgather_bucket_size: int = 500_000_000  # parameter elements all-gathered at once (stages 1 and 2)
+    stage3_prefetch_bucket_size: int = 50_000_000  # stage 3: parameter elements fetched ahead of their use
+    stage3_param_persistence_threshold: int = 100_000  # stage 3: parameters smaller than this stay whole on every rank
+    stage3_max_live_parameters: int = 1_000_000_000  # stage 3: most gathered parameter elements a rank holds at once
+    stage3_max_reuse_distance: int = 1_000_000_000  # stage 3: a parameter used again within this many elements stays gathered
     # sequence parallelism: ranks sharing every row's tokens. The workbench's own Ulysses
     # (workbench/train/sequence_parallel.py), not DeepSpeed's UlyssesSPAttentionHF: under SDPA that
     # one drops the attention mask (is_causal over the whole row), so packed documents would attend

@@ -39,11 +39,11 @@ from workbench.train.optim import build_optimizer, build_scheduler
 
 @dataclass
 class Config:
-    name: str = "fsdp2"
+    name: str = "fsdp2"  # the backend; backend=fsdp2 sets it
     reshard_after_forward: bool = True  # free gathered weights after forward (ZeRO-3-like); False ~ ZeRO-2
     cpu_offload: bool = False  # keep sharded params, grads and optimizer state in host memory
     activation_checkpointing: str = "none"  # none | full (every block) | selective (every Nth block)
-    selective_every: int = 2
+    selective_every: int = 2  # activation_checkpointing=selective: blocks 0, N, 2N, ... recompute
     reduce_dtype: str = "float32"  # gradient reduce-scatter dtype under mixed precision
     async_checkpoint: bool = False  # DCP async_save: training continues while shards are written
     sp: int = 1  # sequence parallelism: ranks sharing every row's tokens (workbench/train/sequence_parallel.py)

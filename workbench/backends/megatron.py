@@ -65,15 +65,21 @@ from workbench.train.optim import build_optimizer, build_scheduler, lr_factor
 
 @dataclass
 class Config:
-    name: str = "megatron"
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
+    name: str = "megatron"  # the backend; backend=megatron sets it
+    tp: int = 1  # tensor parallelism: ranks splitting each linear; divides the heads, KV heads and MLP width
+    pp: int = 1  # pipeline parallelism: stages the layers are split into; divides the layers
+    cp: int = 1  # context parallelism: ranks splitting each sequence (> 1: Transformer Engine on a GPU)
+    ep: int = 1  # expert parallelism (MoE): ranks splitting the experts; divides the experts and the data-parallel size
+    # with tp > 1, split the norms' and dropout's activations over the sequence across TP ranks;
+    # needs Transformer Engine or Apex (GPU); required for a MoE model at tp > 1
     sequence_parallel: bool = False
+    # Megatron-Core's distributed optimizer: Adam state and fp32 main weights sharded over the
+    # data-parallel ranks (optim.name=adamw; not with precision=fp16)
     distributed_optimizer: bool = False
-    recompute: str = "none"  # none | selective | full
-    fp8: str | None = None  # e4m3 | hybrid: Transformer Engine on a GPU
+    recompute: str = "none"  # activation recompute: none | selective (the attention core) | full (every layer)
+    # e4m3 | hybrid: Transformer Engine fp8; refused for now (rule megatron-fp8: the backend does not
+    # build Transformer Engine layer specs), so keep null
+    fp8: str | None = None
 
 
 def parallel(cfg):

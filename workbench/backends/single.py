@@ -22,7 +22,9 @@ from workbench.train.optim import build_optimizer, build_scheduler
 
 @dataclass
 class Config:
-    name: str = "single"
+    name: str = "single"  # the backend; backend=single sets it
+    # DDP (more than one process): allow trainable parameters that get no gradient in a step, at the
+    # cost of a graph walk per step (DistributedDataParallel's flag of this name)
     find_unused_parameters: bool = False
     sp: int = 1  # sequence parallelism: ranks sharing every row's tokens (workbench/train/sequence_parallel.py)
 

@@ -70,8 +70,9 @@ def usage() -> str:
         "",
         f"docs: {docs} (guides, the configuration reference, measurements; `mkdocs serve` shows them as a site)",
         "      python -m workbench.export --help, python -m workbench.report --help; Hydra's flags: --hydra-help",
-        "exit status: 0 done, 2 a mistake in config, data or environment (one `error:` line), "
-        "75 preempted (relaunch to resume)",
+        "exit status: 0 done, 2 a mistake in config, data or environment (one `error:` line), 3 a rank stalled,",
+        "             4 dry_run=true and the plan does not fit the configured hardware (the plan, then one",
+        "             `error:` line with the smallest change that fits), 75 preempted (relaunch to resume)",
     ])
 
 
@@ -140,6 +141,13 @@ def _unknown_key(key: str, value: str, argv: list[str]) -> str:
     sections = {k for k, leaf in keys.items() if not leaf}
     keys.update({g: True for g in names})  # method=dpo, env=calc: a group takes a choice
     parent, _, leaf = key.rpartition(".")
+    # the sections a run is most often tuned in first: `max_new_tokens` is method.max_new_tokens before debug's
+    first = ("method", "optim", "train", "data", "model", "peft")
+    elsewhere = sorted((k for k, is_leaf in keys.items() if is_leaf and k.rpartition(".")[2] == leaf and k != key),
+                       key=lambda k: (first.index(k.split(".")[0]) if k.split(".")[0] in first else len(first), k))
+    if elsewhere:  # `lr`, `train.lr`: the key of that name in another section
+        return f"{key} is not a config key; did you mean {elsewhere[0]}={value}?" + (
+            f" ({leaf} is also under: {', '.join(elsewhere[1:])})" if len(elsewhere) > 1 else "")
     if parent in sections:  # a known section: the closest of its keys
         siblings = [k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent]
         close = [f"{parent}.{m}" for m in difflib.get_close_matches(leaf, siblings, n=1, cutoff=0.6)]
@@ -169,6 +177,42 @@ def _sweep_points(argv: list[str]) -> list[list[str]] | None:
     return points
 
 
+def per_job_output_dir(argv: list[str]) -> tuple[list[str], str | None]:
+    """A multirun whose command line fixes `output_dir=DIR` would train every job in that one
+    directory: the second job would resume the first one's checkpoint and report its results. Each
+    job trains in `DIR/<job number>` instead (Hydra's `${hydra:job.num}`, resolved per job, so the
+    sweep summary and every job's files name the directory it used). Returns the command line to
+    give Hydra and the line that says so (None when nothing changed)."""
+    if not any(a in ("-m", "--multirun") for a in argv):
+        return argv, None
+    out = []
+    note = None
+    for a in argv:
+        key, eq, value = a.partition("=")
+        if eq and key.lstrip("+") == "output_dir" and value and "${" not in value and not _is_sweep(a):
+            quoted = value.strip("'\"").replace("\\", "\\\\").replace("'", "\\'")
+            a = f"{key}='{quoted.rstrip('/')}/${{hydra:job.num}}'"
+            note = (f"sweep: output_dir={value} holds one directory per job ({value.rstrip('/')}/<job number>): "
+                    "a run directory belongs to one config")
+        out.append(a)
+    return out, note
+
+
+def _is_sweep(override: str) -> bool:
+    try:
+        return OverridesParser.create().parse_overrides([override])[0].is_sweep_override()
+    except HydraException:
+        return False
+
+
+# Hydra's flags that print or change how a run is shown, not which config composes: the
+# overrides beside them are checked like any run's (`--cfg job train.max_step=3` gets the same
+# one line). `--info`'s value is optional; every other listed flag takes one.
+VALUE_FLAGS = ("--cfg", "-c", "--package", "-p", "--info", "-i")
+OPTIONAL_VALUE = ("--info", "-i")
+PLAIN_FLAGS = ("--resolve", "--run", "-r")
+
+
 def precheck(argv: list[str]) -> str | None:
     """The one-line message for Hydra's own composition errors (a group choice that does not exist, a key that does not,
     a value of the wrong type) as one `error:` line and status 2, like every other mistake,
@@ -178,10 +222,18 @@ def precheck(argv: list[str]) -> str | None:
     (which only fails later, in validation). A multirun (-m) is checked at every value of its
     sweeps before the first job starts. Composing once more costs ~0.1 s a point; Hydra's other
     flags and --config-path runs are left to Hydra."""
-    flags = [a for a in argv if a.startswith("-")]
-    if any(f not in ("-m", "--multirun") for f in flags):
-        return None
-    overrides = [a for a in argv if not a.startswith("-")]
+    overrides, flags, rest = [], [], list(argv)
+    while rest:
+        a = rest.pop(0)
+        if not a.startswith("-"):
+            overrides.append(a)
+        elif a in ("-m", "--multirun"):
+            flags.append(a)
+        elif a in VALUE_FLAGS:  # `--cfg job`: the flag's value is not an override
+            if rest and not rest[0].startswith("-") and (a not in OPTIONAL_VALUE or "=" not in rest[0]):
+                rest.pop(0)
+        elif a.split("=")[0] not in VALUE_FLAGS and a not in PLAIN_FLAGS:
+            return None  # --config-path, --config-name, ...: another config than conf/, left to Hydra
     typed = dict(a.split("=", 1) for a in overrides if "=" in a)  # a sweep's hint keeps its values
     for point in (_sweep_points(overrides) or []) if flags else [overrides]:
         mistake = _mistake(point, typed)

@@ -62,40 +62,48 @@ class ArchConfig:
     """Architecture numbers: enough to build the model on the meta device and plan it."""
 
     family: str = "llama"  # llama | qwen2 | qwen3 | mixtral
-    layers: int = 2
-    hidden: int = 64
-    heads: int = 4
-    kv_heads: int = 4
-    head_dim: int | None = None
-    intermediate: int = 128
-    vocab: int = 49152
-    max_position: int = 2048
+    layers: int = 2  # decoder blocks
+    hidden: int = 64  # model width (hidden size)
+    heads: int = 4  # attention (query) heads
+    kv_heads: int = 4  # key/value heads; fewer than heads: grouped-query attention
+    head_dim: int | None = None  # width of one attention head; null: hidden / heads
+    intermediate: int = 128  # inner width of each MLP (of each expert in a MoE)
+    vocab: int = 49152  # vocabulary size: rows of the embedding and the output head
+    max_position: int = 2048  # longest context in tokens; data.seq_len may not exceed it
     experts: int = 0  # MoE: experts per layer (0 = dense)
-    experts_per_token: int = 0
-    tie_embeddings: bool = True
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
+    experts_per_token: int = 0  # MoE: experts each token is routed to (top-k)
+    tie_embeddings: bool = True  # the output head shares the input embedding's weights
+    rope_theta: float = 10000.0  # RoPE base frequency
+    rms_norm_eps: float = 1e-5  # epsilon added to the mean square in RMSNorm
 
 
 @dataclass
 class ModelConfig:
+    # the conf/model/ entry, or a label for a model given by path or hub_id; tiny (or no hub_id,
+    # path and gguf_package at all): random weights built from `arch`
     name: str = "smollm2-135m"
     # Where weights come from: `hub_id` (HF cache, then hub), `path` (a local HF dir wins over
     # hub_id), `gguf_package` (a Python package shipping a .gguf file), or `tiny` (random init
     # from `arch`, fixed seed; no weights at all).
     hub_id: str | None = None
-    path: str | None = None
+    path: str | None = None  # a local HF model directory (with config.json): the only place weights are read from
+    # a Python package shipping a .gguf of the weights, dequantised once into $WORKBENCH_CACHE;
+    # read when the HF cache has no copy, before the hub is asked
     gguf_package: str | None = None
     tokenizer: str | None = None  # a model name or dir whose tokenizer to use (tiny borrows one)
-    init_seed: int = 0
+    init_seed: int = 0  # seed of the random weights of a model built from `arch` (model=tiny)
     loader: str = "hf"  # hf | unsloth
+    # sdpa | eager | flash_attention_2 | flash_attention_3 (both CUDA + flash-attn) | auto
+    # (flash_attention_2 on a GPU that has flash-attn installed, else sdpa)
     attn_implementation: str = "sdpa"
+    # recompute each decoder block's activations in the backward: less activation memory for
+    # about one more forward per step
     gradient_checkpointing: bool = False
     # positions per piece of the head and log-softmax when a loss reads target log-probs; each
     # piece is recomputed in the backward, so the (positions x vocabulary) logits never exist at
     # once (workbench/models/head.py). 0: all positions in one piece
     loss_chunk: int = 0
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run the model repository's own Python code (config, tokenizer, model)
     arch: ArchConfig = field(default_factory=ArchConfig)
     # Set by validation, not by hand: the config.json that `arch` was read from when the model is
     # given by path or by a hub id of its own (workbench/models/auto.py); null for catalog entries.
@@ -105,14 +113,14 @@ class ModelConfig:
 @dataclass
 class PeftConfig:
     kind: str = "none"  # none | lora | qlora | dora
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
+    r: int = 16  # adapter rank: the width of each A x B bottleneck
+    alpha: int = 32  # the adapter's output is scaled by alpha / r
+    dropout: float = 0.0  # dropout on each adapter's input while training; 0: none (backend=megatron needs 0)
     # "all-linear" = every Linear in the decoder blocks; or an explicit list of module names.
     target_modules: Any = "all-linear"
     # QLoRA: frozen base weights stored as NF4 with double-quantised constants.
-    quant_type: str = "nf4"
-    double_quant: bool = True
+    quant_type: str = "nf4"  # nf4 | fp4 (bitsandbytes' 4-bit types); peft=qlora only
+    double_quant: bool = True  # quantise the 4-bit blocks' scale constants too: about 0.4 bits less per weight
     # The dtype the packed 4-bit weights are stored in. uint8 is bitsandbytes' default; FSDP
     # needs a float dtype it can shard (accelerate#3983), so backends may override it.
     quant_storage: str = "uint8"
@@ -121,16 +129,16 @@ class PeftConfig:
 @dataclass
 class DataConfig:
     recipe: str | None = None  # data_recipes/<recipe>.yaml; null: the method's own (method.recipe)
-    seq_len: int = 256
+    seq_len: int = 256  # tokens per example at most (prompt + completion); longer ones are truncated
     packing: bool = False
     # SFT: a micro-batch whose examples fit in fewer rows is packed into them (same examples,
     # same loss, no compute on padding; workbench/data/packing.py pad_free)
     pad_free: bool = True
     chat_template: str | None = None  # a named override; default: the tokenizer's own
-    shuffle_seed: int = 1234
+    shuffle_seed: int = 1234  # the order training rows are drawn in (kept apart from train.seed)
     on_bad_row: str = "error"  # error | skip
     preview: bool = False
-    preview_samples: int = 3
+    preview_samples: int = 3  # samples data.preview=true prints
     pack_len: int = 0  # tokens per packed row (0 = seq_len); must be >= seq_len
     cache: bool = True  # reuse tokenised sources by fingerprint (workbench/data/cache.py)
     cache_dir: str | None = None  # default: $WORKBENCH_CACHE/tokenised
@@ -148,14 +156,14 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # adamw | sgd
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    lr: float = 2e-4  # peak learning rate, reached at the end of warmup
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW; SGD: L2); 0: none
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW's moment decay rates [beta1, beta2]
+    eps: float = 1e-8  # AdamW's epsilon in the update's denominator
     max_grad_norm: float = 1.0
     scheduler: str = "cosine"  # constant | linear | cosine
-    warmup_steps: int = 5
-    min_lr_ratio: float = 0.1
+    warmup_steps: int = 5  # lr rises linearly from lr / warmup_steps to lr over these steps; 0: no warmup
+    min_lr_ratio: float = 0.1  # linear and cosine decay towards min_lr_ratio x lr, reached at max_steps
 
 
 @dataclass
@@ -168,13 +176,16 @@ class PrecisionConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 100
+    max_steps: int = 100  # optimizer steps the run trains
+    # examples per forward/backward on each rank (preference methods: pairs; grpo: completions)
     micro_batch_size: int = 16
     grad_accum: int = 1
+    # seeds torch, numpy and random before the model is built (adapter init, dropout) and keys the
+    # sampling noise of methods that generate; the data order is data.shuffle_seed
     seed: int = 0
-    log_every: int = 10
+    log_every: int = 10  # a progress line on stdout every N steps; metrics.jsonl and the trackers get every step
     checkpoint_every: int = 0  # 0 = only at the end
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the newest N step checkpoints are kept, older ones deleted; 0: keep all
     resume: str = "auto"  # auto (latest in output_dir, if any) | never | <checkpoint dir>
     # Resuming at another world size keeps the checkpoint's global batch by recomputing grad_accum
     # (workbench/train/resume.py); false: this run's micro x accum x ranks is the new global batch.
@@ -182,7 +193,13 @@ class TrainConfig:
     # The replay certificate on every resume (workbench/train/replay.py): error stops a run whose
     # loaded weights do not reproduce the saved probe loss; warn reports it and goes on.
     resume_check: str = "error"
+    # A resume whose config changes what the run computes (optimizer, schedule, data, model,
+    # method, precision, seed; workbench/train/resume_changes.py) is refused naming each change;
+    # allow: it continues, and the changes are recorded in manifest.json and report.md.
+    resume_changes: str = "refuse"
     export: bool = True
+    # export/merged: full safetensors weights (adapters merged into the base); false: only
+    # export/adapter, so a full fine-tuning run exports nothing
     export_merged: bool = True
     compile: bool = False
     # NaN/Inf loss or gradients: skip up to this many steps, then stop (workbench/train/faults.py); 0 = stop
@@ -201,23 +218,25 @@ class LmEvalConfig:
     """eval.tasks=[lm_eval:<task or task.yaml>] (workbench/evals/lm_eval_task.py)."""
 
     limit: int | None = None  # at most this many documents per task (None: all)
-    batch_size: int = 8
+    batch_size: int = 8  # lm-eval-harness's batch size
     num_fewshot: int | None = None  # None: the task's own default
 
 
 @dataclass
 class EvalConfig:
     every_n_steps: int = 0  # 0 = only before and after training
-    at_start: bool = True
-    at_end: bool = True
+    at_start: bool = True  # evaluate before the first step (not when resuming)
+    at_end: bool = True  # evaluate after the last step
     # built-ins (loss, preference, reward, generate, arith_*) or `package.module:function`
     # (workbench/evals/hooks.py)
     tasks: list[str] = field(default_factory=lambda: ["arith_add2"])
     num_samples: int = 100  # at most this many held-out rows / questions per task
-    batch_size: int = 50
+    batch_size: int = 50  # rows or questions per evaluation forward / generate call
+    # tokens a greedy answer may take in the generating tasks (arith_*, needle, a hook's
+    # ctx.generate); the reward task uses method.max_new_tokens where the method has one
     max_new_tokens: int = 8
     prompts: Any = None  # `generate`: a list of prompts, or a .txt (one per line) / .jsonl file
-    generate_max_new_tokens: int = 64
+    generate_max_new_tokens: int = 64  # tokens each completion of the `generate` task may take
     # an evaluation hook that runs longer stops the run naming it; also the watchdog's budget for
     # evaluations, checkpoints and the export
     timeout_s: float = 1800.0
@@ -226,23 +245,23 @@ class EvalConfig:
 
 @dataclass
 class HardwareConfig:
-    name: str = "cpu"
+    name: str = "cpu"  # the profile (conf/hardware/<name>.yaml), as plans and the calibration cache name it
     device: str = "cpu"  # cpu | cuda
     procs: int = 1  # processes per node (torchrun's nproc_per_node)
-    nodes: int = 1
+    nodes: int = 1  # machines; devices = procs x nodes (> 1: set rdzv_endpoint, or use launcher=slurm / ray)
     threads: int = 0  # torch intra-op threads per process; 0 = leave as is
     # Catalog facts (per device) used by the planner; 0 / empty where unknown.
-    accelerator: str = "cpu"
+    accelerator: str = "cpu"  # the device model (e.g. H100 SXM 80GB); bandwidth and cloud GPU types are looked up by it
     memory_gb: float = 0.0
-    bf16_tflops: float = 0.0
-    fp8_tflops: float = 0.0
-    interconnect: str = ""
+    bf16_tflops: float = 0.0  # dense bf16 TFLOP/s per device (datasheet): time estimates and MFU; 0: unknown
+    fp8_tflops: float = 0.0  # dense fp8 TFLOP/s per device; 0 with bf16_tflops set: no fp8 units (precision=fp8 refused)
+    interconnect: str = ""  # how the devices are linked, as text for people (no code reads it)
     price_per_hour: list[float] = field(default_factory=list)  # [low, high] USD per device-hour
-    price_date: str = ""
+    price_date: str = ""  # when price_per_hour was quoted (YYYY-MM), printed with the plan's costs
     # Launch: torchrun elastic agent and rendezvous.
-    max_restarts: int = 0
+    max_restarts: int = 0  # torchrun restarts of the worker group after a failure (each resumes from the last checkpoint)
     rdzv_endpoint: str = ""  # host:port of the rendezvous (multi-node)
-    rdzv_id: str = "workbench"
+    rdzv_id: str = "workbench"  # torchrun's rendezvous id: the same on every node of a run, distinct between runs
     node_rank: int = -1  # -1: let the rendezvous assign it
     # this node's address the others connect to; "": the address that routes to rdzv_endpoint
     # (workbench/launch/network.py), whose interface gloo/NCCL are then pinned to
@@ -289,16 +308,18 @@ class ExportConfig:
 
 @dataclass
 class DebugConfig:
-    crash_at_step: int = -1  # fault injection for restart tests
+    # fault injection: crash_rank exits like a killed process at this step, on the first attempt
+    # only (restart tests); -1: off
+    crash_at_step: int = -1
     nan_at_step: int = -1  # fault injection: this step's loss is NaN (workbench/train/faults.py)
-    crash_rank: int = 0
+    crash_rank: int = 0  # the rank crash_at_step kills
     step_sleep_s: float = 0.0  # fault injection: every step takes this much longer (signal and node-loss tests)
-    overfit_batches: int = 0
+    overfit_batches: int = 0  # N > 0: every step trains on the first N batches in turn (debug=overfit); 0: off
     # fault injection for the watchdog: hang_rank sleeps when it enters hang_phase (data, rollout,
     # reward function, forward, backward, optimizer, ...) at step hang_at_step (0-based)
     hang_phase: str | None = None
     hang_at_step: int = -1
-    hang_rank: int = 0
+    hang_rank: int = 0  # the rank that hangs (hang_phase, hang_at_step)
     # smoke runs (debug=fast sets 8): every sampled completion and episode turn at most this many
     # tokens, at most 2 turns an episode, no refill rounds (workbench/run/validate.py), so a method
     # that generates finishes in seconds on a random model, which never stops on its own
@@ -308,30 +329,30 @@ class DebugConfig:
 # -- trackers (workbench/telemetry/trackers.py; a chosen tracker's node is not None) --------------------
 @dataclass
 class TensorBoardOptions:
-    dir: str = "tensorboard"  # relative to the run dir
-    flush_secs: int = 30
+    dir: str = "tensorboard"  # the event files' directory, relative to the run dir
+    flush_secs: int = 30  # seconds between writes of pending events to disk
 
 
 @dataclass
 class WandbOptions:
-    project: str = "workbench"
-    entity: str | None = None
+    project: str = "workbench"  # the W&B project the run logs to
+    entity: str | None = None  # W&B team or user; null: your default entity
     name: str | None = None  # default: the run dir's name
     mode: str = "online"  # online | offline | disabled
-    tags: list[str] | None = None
+    tags: list[str] | None = None  # W&B run tags; null: none
 
 
 @dataclass
 class MlflowOptions:
-    tracking_uri: str | None = None  # default: a file store in <run_dir>/mlruns
-    experiment: str = "workbench"
-    run_name: str | None = None
+    tracking_uri: str | None = None  # an MLflow server or database URI; null: a file store in <run_dir>/mlruns
+    experiment: str = "workbench"  # MLflow experiment, created when missing
+    run_name: str | None = None  # null: the run dir's name
 
 
 @dataclass
 class TrackioOptions:
-    project: str = "workbench"
-    name: str | None = None
+    project: str = "workbench"  # trackio project (`trackio show --project <project>`)
+    name: str | None = None  # null: the run dir's name
 
 
 @dataclass
@@ -359,9 +380,11 @@ class Schema:
     debug: DebugConfig = field(default_factory=DebugConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    # the run directory: checkpoints, export/, metrics.jsonl, report.md, manifest.json;
+    # conf/train.yaml sets runs/<date>_<time>, and under -m each job gets its sweep subdir
     output_dir: str = "runs/default"
     dry_run: bool = False
-    launcher: Any = None
+    launcher: Any = None  # where the run executes (conf/launcher/; options checked by workbench/launch/)
     reward: Any = None  # GRPO reward functions (conf/reward/)
     env: Any = None  # GRPO environment for multi-turn episodes (conf/env/, workbench/envs/)
     kernels: str = "none"  # none | liger

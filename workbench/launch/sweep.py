@@ -8,7 +8,11 @@ resolver that `output_dir` in conf/train.yaml goes through). When the sweep ends
 callback registered in conf/train.yaml) writes into the sweep dir:
 
 - sweep_summary.md / sweep_summary.csv: swept overrides -> final train loss and eval metrics,
-  the best job marked;
+  the best job marked. The columns are the keys the sweep varied: those whose value on the
+  multirun's command line is a sweep (`a,b`, `range(...)`, `choice(...)`, `glob(...)`,
+  `interval(...)`; read from the `multirun.yaml` Hydra writes into the sweep dir), and those whose
+  values differ between jobs (what an Optuna sweeper chose, or any sweep without that file). The
+  overrides every job shared are listed once above the table;
 - loss_curves.png: each job's loss curve, side by side, on a shared y axis.
 
 Each job also leaves `sweep_job.json` in its Hydra job dir (where its results live, its status),
@@ -27,6 +31,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -36,6 +41,7 @@ from workbench.telemetry import compare, plots
 log = logging.getLogger(__name__)
 JOB_FILE = "sweep_job.json"
 ERROR_FILE = "error.json"  # a failed job's error line, beside JOB_FILE
+MULTIRUN_FILE = "multirun.yaml"  # Hydra's copy of the multirun's config, in the sweep dir
 
 
 def record_error(job_dir, line: str) -> None:
@@ -87,14 +93,49 @@ def collect(sweep_dir: Path) -> list[dict]:
     return sorted(jobs, key=lambda j: (isinstance(j["num"], str), j["num"]))
 
 
-def _swept(jobs: list[dict]) -> list[str]:
-    """Override keys whose values differ between jobs, in first-seen order."""
-    seen: dict[str, set] = {}
-    for j in jobs:
-        for o in j["overrides"]:
-            k, _, v = o.partition("=")
-            seen.setdefault(k, set()).add(v)
-    return [k for k, vals in seen.items() if len(vals) > 1 or len(jobs) == 1]
+def command_line_sweeps(sweep_dir) -> set[str] | None:
+    """The override keys the multirun's command line swept (`optim.lr=1e-4,3e-4`, `range(...)`,
+    `choice(...)`, `glob(...)`, `interval(...)`), as the per-job overrides spell them (`+` and
+    package included); None when the sweep dir has no readable multirun.yaml.
+
+    Each job's own overrides (`hydra.overrides.task`) hold one value per key, the fixed ones
+    alongside the swept ones, so with one job nothing tells them apart; multirun.yaml keeps the
+    command line as typed."""
+    path = Path(sweep_dir) / MULTIRUN_FILE
+    if not path.is_file():
+        return None
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        # plain YAML, not OmegaConf: an override may quote an interpolation, never resolved here
+        hydra = (yaml.safe_load(path.read_text()) or {}).get("hydra") or {}
+        typed = (hydra.get("overrides") or {}).get("task") or []
+        parsed = OverridesParser.create().parse_overrides([str(o) for o in typed])
+    except Exception as e:  # unreadable: the columns fall back to what differs between jobs
+        # the type only: a parse error quotes the override, which may hold a secret
+        log.warning(f"sweep summary: {path} unreadable ({type(e).__name__}); swept keys taken from the jobs")
+        return None
+    return {o.get_key_element() for o in parsed if o.is_sweep_override()}
+
+
+def _pairs(job: dict) -> dict[str, str]:
+    return dict(o.partition("=")[::2] for o in job["overrides"])
+
+
+def _swept(jobs: list[dict], from_command_line: set[str] | None = None) -> list[str]:
+    """The override keys the sweep varied, in first-seen order: those the command line swept, and
+    those whose values differ between jobs (a key some jobs lack differs too). A job that recorded
+    no overrides at all is left out of the comparison: it says nothing about them."""
+    maps = [_pairs(j) for j in jobs if j["overrides"]]
+    keys = list(dict.fromkeys(k for m in maps for k in m))
+    varied = set(from_command_line or ()) | {k for k in keys if len({m.get(k) for m in maps}) > 1}
+    return [k for k in keys if k in varied]
+
+
+def _fixed(jobs: list[dict], swept: list[str]) -> list[str]:
+    """The overrides every job shared (the keys not swept), as the first job spelt them."""
+    first = next((j for j in jobs if j["overrides"]), None)
+    return [o for o in first["overrides"] if o.partition("=")[0] not in swept] if first else []
 
 
 def _value(job: dict, key: str) -> str:
@@ -103,6 +144,11 @@ def _value(job: dict, key: str) -> str:
         if k == key:
             return v
     return ""
+
+
+def _label(job: dict, swept: list[str], form: str, sep: str = " ") -> str:
+    """The job's swept values, `key=value` joined by `sep` into `form`; "" when nothing was swept."""
+    return form.format(sep.join(f"{k}={_value(job, k)}" for k in swept)) if swept else ""
 
 
 # -- writing the summary ------------------------------------------------------------------------
@@ -116,7 +162,8 @@ def summarize(sweep_dir: Path, metric: str = "auto", mode: str = "auto", plot: b
     measured = [compare.final_metrics(j["run"]) for j in jobs]
     metric, mode, index = compare.rank(measured, metric, mode)
     best = None if index is None else jobs[index]["num"]
-    swept = _swept(jobs)
+    swept = _swept(jobs, command_line_sweeps(sweep_dir))
+    fixed = _fixed(jobs, swept)
     mkeys = ["final_loss"] + sorted({k for m in measured for k in m} - {"final_loss", "steps"})
 
     header = ["job", *swept, "steps", *mkeys, "status", "best"]
@@ -135,18 +182,20 @@ def summarize(sweep_dir: Path, metric: str = "auto", mode: str = "auto", plot: b
         else "no job reported a metric to rank by"
     count = f"{len(jobs)} jobs" + (f", {len(failed)} failed" if failed else "")
     md = [f"# Sweep summary: {sweep_dir}", "", f"{count}; {title}.", ""]
+    if fixed:  # once here rather than a column of one value per job
+        md += ["Fixed overrides (every job): " + " ".join(f"`{o}`" for o in fixed), ""]
     md += compare.markdown(header, [[compare.fmt(c) for c in r[:-1]] + ["**best**" if r[-1] else ""] for r in rows])
     if failed:
-        md += ["", "Failed jobs:", ""] + [f"- job {j['num']} ({' '.join(f'{k}={_value(j, k)}' for k in swept)}): {j['error']}"
-                                         for j in failed]
+        md += ["", "Failed jobs:", ""] + [f"- job {j['num']}{_label(j, swept, ' ({})')}: {j['error']}" for j in failed]
     md += ["", "Run dirs:", ""] + [f"- job {j['num']}: `{j['dir']}`" for j in jobs]
     (sweep_dir / "sweep_summary.md").write_text("\n".join(md) + "\n")
 
     written = {"markdown": str(sweep_dir / "sweep_summary.md"), "csv": str(sweep_dir / "sweep_summary.csv"),
-               "best_job": best, "metric": metric, "mode": mode, "failed": [j["num"] for j in failed]}
+               "best_job": best, "metric": metric, "mode": mode, "failed": [j["num"] for j in failed],
+               "swept": swept, "fixed": fixed}
     if plot and any(j["run"].rows for j in jobs):
         panels = [(f"#{j['num']}{' (best)' if j['num'] == best else ''}\n"
-                   + (", ".join(f"{k}={_value(j, k)}" for k in swept) or "(no overrides)"),
+                   + (_label(j, swept, "{}", ", ") or "(nothing swept)"),
                    j["run"].rows, j["num"] == best, f"no results ({j['status']})") for j in jobs]
         written["plot"] = str(plots.side_by_side(panels, sweep_dir / "loss_curves.png"))
     return written

@@ -22,10 +22,11 @@ import sys
 from pathlib import Path
 
 from workbench.config.files import CONF_DIR
+from workbench.core.errors import UserError
 from workbench.launch import network
 from workbench.run.resolved import resolve
 from workbench.train.distributed import LAUNCHED_BY, requested_procs
-from workbench.train.watchdog import RankFailure
+from workbench.train.watchdog import MISTAKE, RankFailure
 
 
 def _free_port() -> int:
@@ -150,6 +151,12 @@ class _Restarts(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if "will restart worker group" in record.getMessage():  # logged at INFO: shown as this line only
+            mistake = _mistake(self.stalls)
+            if mistake is not None and "attempts left" in record.getMessage():
+                # A mistake in config, data or environment is met again by every restart: stop now,
+                # keeping the restarts for lost nodes. Raised from the agent's own log call, before
+                # it restarts the group; its run loop then shuts the workers down and re-raises.
+                raise mistake
             self.count += 1
             failure = _failure(self.stalls)
             nodes = f"at least {self.hw.min_nodes} of {self.hw.nodes} nodes" if self.hw.min_nodes else "every node"
@@ -159,8 +166,18 @@ class _Restarts(logging.Filter):
         return record.levelno >= logging.WARNING
 
 
+def _mistake(stalls: Path) -> UserError | None:
+    """A rank's mistake (workbench/train/watchdog.py `save_mistake`) as the one error line."""
+    try:
+        found = json.loads((stalls / MISTAKE).read_text())
+    except (OSError, ValueError):
+        return None
+    return UserError(f"rank {found.get('rank', '?')} stopped: {found.get('message', '?')} (the same on every "
+                     "restart, so the job stops without using the rest of hardware.max_restarts)")
+
+
 def _clear(stalls: Path) -> None:
-    for name in ("stall.json", "failure.json"):
+    for name in ("stall.json", "failure.json", MISTAKE):
         (stalls / name).unlink(missing_ok=True)
     for old in stalls.glob("traceback-rank*.txt"):
         old.unlink()

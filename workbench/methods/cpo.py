@@ -55,10 +55,10 @@ AVERAGED = ("ipo", "simpo")  # losses on per-token mean log-probs (length-normal
 
 @dataclass
 class Config:
-    name: str = "cpo"
+    name: str = "cpo"  # the method; method=cpo (or the alias simpo) sets it
     recipe: str = "arith_dpo"  # data_recipes/<recipe>.yaml when data.recipe is null
     loss_type: str = "sigmoid"  # sigmoid | hinge | ipo | simpo
-    beta: float = 0.1
+    beta: float = 0.1  # > 0: scale of the reward beta x log pi (simpo: of the length-normalised log pi)
     label_smoothing: float = 0.0  # sigmoid and simpo: probability that a pair's label is flipped
     # weight of the chosen completions' NLL (CPO's behaviour-cloning term); 0 for plain SimPO
     cpo_alpha: float = 1.0

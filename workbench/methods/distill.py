@@ -71,7 +71,7 @@ from workbench.train.batch import StepBatch
 
 @dataclass
 class Config:
-    name: str = "distill"
+    name: str = "distill"  # the method; method=distill sets it
     recipe: str = "arith_sft"  # data_recipes/<recipe>.yaml (SFT-shaped rows) when data.recipe is null
     teacher: str | None = None  # model directory | run or export directory | conf/model/ name | hub id
     beta: float = 0.5  # 0: forward KL(teacher||student), 1: reverse KL(student||teacher), between: JSD

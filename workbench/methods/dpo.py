@@ -56,9 +56,11 @@ LOSSES = ("sigmoid", "ipo", "hinge")
 
 @dataclass
 class Config:
-    name: str = "dpo"
+    name: str = "dpo"  # the method; method=dpo sets it
     recipe: str = "arith_dpo"  # data_recipes/<recipe>.yaml when data.recipe is null
     loss_type: str = "sigmoid"  # sigmoid | ipo | hinge
+    # > 0: scale of the implicit reward beta x log(pi / ref); higher keeps the policy nearer the
+    # reference (ipo: the target margin is 1 / (2 beta))
     beta: float = 0.1
     label_smoothing: float = 0.0  # sigmoid only: probability that a pair's label is flipped
     # weight of the chosen completion's NLL (per-token mean) added to each pair's loss: RPO
@@ -66,6 +68,8 @@ class Config:
     # only widening the gap, which is what lets a small model learn which number is right.
     rpo_alpha: float = 0.0
     reference: str = "auto"  # auto (adapter with peft, copy without) | adapter | copy | precomputed
+    # reference=precomputed: pairs per forward when the reference log-probs are computed (once,
+    # then cached)
     precompute_batch_size: int = 16
     # one row per pair, the prompt shared by both completions (workbench/data/pair_tree.py);
     # false, or a model that cannot take it, gives two rows per pair

@@ -30,8 +30,10 @@ num_generations times, and every log-prob is the one the row-per-completion layo
 
 The global batch is train.micro_batch_size x grad_accum x ranks completions, i.e. that divided
 by num_generations prompts; each rank generates and scores its own whole groups. Logged: reward
-mean/std per function, completion lengths, clip fractions, KL; a few sample completions of each
-generation go to <run_dir>/samples/grpo.jsonl.
+mean/std per function, completion lengths, clip fractions, KL, the share of the trained groups
+with reward spread (`signal_share`; steps without any are warned about and can stop the run,
+workbench/train/signal.py); a few sample completions of each generation go to
+<run_dir>/samples/grpo.jsonl.
 """
 
 from __future__ import annotations
@@ -68,18 +70,18 @@ from workbench.train.signal import StallWatch
 
 @dataclass
 class Config:
-    name: str = "grpo"
+    name: str = "grpo"  # the method; method=grpo (or the aliases gspo, rloo) sets it
     recipe: str = "arith_grpo"  # data_recipes/<recipe>.yaml (prompt rows) when data.recipe is null
     num_generations: int = 8  # completions per prompt (a group); >= 2
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_new_tokens: int = 8  # tokens a sampled completion may take (with env=: env.max_new_tokens per turn)
+    temperature: float = 1.0  # sampling temperature; the log-probs divide the logits by it too
+    top_p: float = 1.0  # nucleus sampling: the smallest token set holding this probability; 1.0: every token
     loss_type: str = "dapo"  # grpo | dapo | dr_grpo | cispo | sapo (workbench/rollout/objectives.py)
     importance_sampling_level: str = "token"  # token | sequence (GSPO) | sequence_sum (RLOO)
     advantage: str = "group"  # group | rloo (leave-one-out baseline)
     scale_rewards: str = "group"  # advantage=group: group | batch | none (Dr. GRPO)
     normalize_advantages: bool = False  # advantage=rloo: centre and scale over the batch
-    epsilon: float = 0.2
+    epsilon: float = 0.2  # the importance ratio is clipped to [1 - epsilon, 1 + epsilon_high]
     epsilon_high: float | None = None  # None: same as epsilon (DAPO suggests 0.28); cispo: the weight cap
     sapo_temperature_pos: float = 1.0  # loss_type=sapo: gate temperature where A > 0
     sapo_temperature_neg: float = 1.05  # ... and where A <= 0
@@ -94,6 +96,8 @@ class Config:
     # completion as a finished turn it never saw in training; set this below what a finished
     # completion scores (the overlong penalty of DAPO, OpenRLHF and verl in its simplest form).
     truncated_reward: float | None = None
+    # completions (with env=: episodes) per generation batch written to <run_dir>/samples/grpo.jsonl
+    # (episodes.jsonl), with their rewards; 0: none
     log_completions: int = 3
     # generate the next step's rollout in a background thread while this step trains, with a
     # snapshot of the weights (one step off-policy, corrected by the ratio to the behaviour
@@ -106,18 +110,23 @@ class Config:
     # DAPO's dynamic sampling: drop groups whose rewards do not vary (zero advantage, no
     # signal) and refill from further prompts, at most max_resample_rounds times per step.
     dynamic_sampling: bool = True
-    max_resample_rounds: int = 4
+    max_resample_rounds: int = 4  # refill rounds per step at most; 0: none
     stall_warn_steps: int = 3  # warn when most groups carried no signal this many steps in a row
     # end the run after stall_stop_steps steps in a row where no group carried signal (no gradient),
     # evaluating and exporting the last weights trained with signal (workbench/train/signal.py)
     stop_on_stall: bool = True
-    stall_stop_steps: int = 10
+    stall_stop_steps: int = 10  # steps in a row without signal that end the run (stop_on_stall)
     # the colocated vLLM engine (method.engine=vllm; workbench/rollout/vllm_engine.py)
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: float = 0.3  # share of the GPU's memory the vLLM engine may take (weights + KV cache)
+    # vLLM's sleep between rollouts: 1 frees the KV cache and offloads the weights to host memory,
+    # 2 discards the weights too
     vllm_sleep_level: int = 1
+    # check the first weight sync and every Nth after it (layer checksums and a log-prob probe); 0: never
     vllm_verify_every: int = 1
     vllm_max_model_len: int | None = None  # None: 2 x data.seq_len
-    vllm_enforce_eager: bool = False
+    vllm_enforce_eager: bool = False  # no CUDA graphs: slower decoding, less memory and a faster start
+    # the run stops when vLLM's and the training model's log-probs on the probe prompt differ by more
+    # than this (mean absolute difference per token)
     vllm_probe_tolerance: float = 0.25
 
 
@@ -346,8 +355,10 @@ class GRPO(Method):
                  "dr_grpo": float(per_rank * (self.episodes.budget if self.episodes else c.max_new_tokens))}[c.loss_type]
         tokens = int(sum(m["real_tokens"] for m in micro))
         self._step_tokens = n_tok
+        # over all ranks, in the row too: the run's end counts the steps that had any (workbench/run/finish.py)
+        info["signal_share"] = _signal_share(info["signal_groups_trained"], len(groups))
         return StepBatch(micro=micro, denom=denom, tokens=tokens, info=info, forward_passes=self._passes,
-                         signal=_signal_share(info["signal_groups_trained"], len(groups)))
+                         signal=info["signal_share"])
 
     def _signal_info(self, acct: dict, total, per_fn, comp) -> dict:
         """What a person needs to see a stalled run at once: the share of generated groups with
@@ -375,8 +386,11 @@ class GRPO(Method):
         tries = "more refill rounds (method.max_resample_rounds)" if c.dynamic_sampling else "method.dynamic_sampling=true"
         return StallWatch(stop_after=c.stall_stop_steps if c.stop_on_stall else 0, warn_after=c.stall_warn_steps,
                           watched=("completion_length", "entropy", "reward_std"),
-                          hint=f"{tries}, a partial-credit reward, a KL term (method.beta), more prompts per step "
-                               "(method.prompts_per_step) or a higher method.temperature")
+                          # a run shorter than stall_warn_steps (debug=fast: 2) still warns, at its end
+                          last_step=int(self.ctx.cfg.train.max_steps),
+                          hint="more generations per prompt (method.num_generations), a higher method.temperature, "
+                               f"a reward with partial credit, {tries}, more prompts per step "
+                               "(method.prompts_per_step) or a KL term (method.beta)")
 
     def _write_samples(self, texts, prompts, total) -> None:
         if not self.ctx.run.layout.is_main or not self.cfg.log_completions:

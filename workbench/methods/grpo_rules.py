@@ -44,6 +44,9 @@ def check(cfg) -> None:
         raise UserError(f"method.beta must be >= 0 (got {cfg.beta})")
     if cfg.max_resample_rounds < 0:
         raise UserError(f"method.max_resample_rounds must be >= 0 (got {cfg.max_resample_rounds})")
+    if cfg.stall_warn_steps < 0 or cfg.stall_stop_steps < 0:  # 0 turns each off; below that would silently too
+        raise UserError(f"method.stall_warn_steps and method.stall_stop_steps must be >= 0, 0 for never "
+                        f"(got {cfg.stall_warn_steps} and {cfg.stall_stop_steps})")
     if cfg.truncated_reward is not None and not math.isfinite(cfg.truncated_reward):
         raise UserError(f"method.truncated_reward must be a finite number or null (got {cfg.truncated_reward})")
     # how these options combine with train.* and the rank layout are the rules below

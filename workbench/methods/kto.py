@@ -69,14 +69,14 @@ LOSSES = ("kto", "apo_zero_unpaired")
 
 @dataclass
 class Config:
-    name: str = "kto"
+    name: str = "kto"  # the method; method=kto sets it
     recipe: str = "arith_dpo"  # data_recipes/<recipe>.yaml when data.recipe is null (pairs are unpaired)
     loss_type: str = "kto"  # kto | apo_zero_unpaired
-    beta: float = 0.1
+    beta: float = 0.1  # > 0: scale of the implicit reward beta x log(pi / ref) against the KL reference point
     # Weights of the desirable and undesirable losses; the KTO paper (eq. 8) suggests
     # desirable_weight * n_desirable / (undesirable_weight * n_undesirable) in [1, 4/3].
     desirable_weight: float = 1.0
-    undesirable_weight: float = 1.0
+    undesirable_weight: float = 1.0  # weight of the undesirable rows' loss (see desirable_weight)
     reference: str = "auto"  # auto (adapter with peft, copy without) | adapter | copy
 
 

@@ -49,7 +49,7 @@ from workbench.train.batch import StepBatch
 
 @dataclass
 class Config:
-    name: str = "orpo"
+    name: str = "orpo"  # the method; method=orpo sets it
     recipe: str = "arith_dpo"  # data_recipes/<recipe>.yaml when data.recipe is null
     beta: float = 0.1  # lambda: weight of the odds-ratio term against the NLL
     nll_on_prompt: bool = True  # true: NLL over prompt + completion (TRL) | false: the completion only

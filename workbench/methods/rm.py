@@ -57,7 +57,7 @@ from workbench.train.batch import StepBatch
 
 @dataclass
 class Config:
-    name: str = "rm"
+    name: str = "rm"  # the method; method=rm sets it
     recipe: str = "arith_dpo"  # data_recipes/<recipe>.yaml when data.recipe is null
     # weight of the mean squared summed reward (r_c + r_r)^2 added to the loss; 0: off
     center_rewards_coefficient: float = 0.0

@@ -26,7 +26,7 @@ from workbench.train.batch import StepBatch
 
 @dataclass
 class Config:
-    name: str = "sft"
+    name: str = "sft"  # the method; method=sft (or the aliases lora, qlora) sets it
     recipe: str = "arith_sft"  # data_recipes/<recipe>.yaml when data.recipe is null
     loss_on: str = "assistant"  # assistant | all
 

@@ -47,8 +47,10 @@ def _catalog(name: str):
 
 
 def own_source(model_cfg) -> bool:
-    """True when the weights are the user's own (a path, or a hub id the catalog entry does not name)."""
-    if model_cfg.name == "tiny" and not model_cfg.path:
+    """True when the weights are the user's own (a path, or a hub id the catalog entry does not name).
+    model=tiny names no weights, so a path or hub id given with it (`debug=fast` picks tiny) is the
+    user's explicit choice and wins: the smoke run trains that model."""
+    if model_cfg.name == "tiny" and not (model_cfg.path or model_cfg.hub_id):
         return False
     if model_cfg.path:
         return True
@@ -172,6 +174,11 @@ def adopt(model_node) -> None:
     Called by workbench.run.validate on the merged config, before it is frozen; a no-op for
     catalog entries and the tiny model.
     """
+    if model_node.name == "tiny" and model_node.gguf_package and not own_source(model_node):
+        # a packaged GGUF is converted into the cache under its catalog entry's name: tiny has none
+        raise UserError(f"model.gguf_package={model_node.gguf_package}: model=tiny (which debug=fast picks) has "
+                        "random weights and converts no package; name the catalog entry that ships it "
+                        "(e.g. model=smollm2-135m debug=fast), or give model.path")
     if not own_source(model_node):
         return
     f = config_file(model_node)

@@ -10,5 +10,6 @@ per-device memory term by term (memory.py), gives a verdict for the configured h
 every profile in conf/hardware/ with the smallest change that fits (fit.py), and the time and
 cost of the whole job on all of a profile's devices at plan.mfu, with a rollout method's
 generation timed apart (speed.py). The table shows the configured hardware; plan.compare=true
-lists the other profiles too.
+lists the other profiles too. A dry run whose plan does not fit the configured hardware exits 4
+after printing it, its `error:` line ending with the smallest change that fits.
 """

@@ -1,7 +1,9 @@
 """Per-device memory of a training step, term by term.
 
     weights      trainable and frozen parameters (NF4 blocks with their quantisation constants);
-                 under FSDP2 / ZeRO-3 the local shard plus the gathered root unit and two blocks
+                 under FSDP2 / ZeRO-3 the local shard plus the gathered root unit and two blocks;
+                 under Megatron also the whole HF model where the run keeps it beside the
+                 GPTModel shards (run.keeps_hf_base; Estimate.hf_copy says how much)
     master       fp32 master weights where the backend keeps bf16 params (DeepSpeed, Megatron)
     grads        gradients of trainable parameters
     optimizer    AdamW moments (2 per trainable parameter)
@@ -81,6 +83,7 @@ class Estimate:
     host: float  # offloaded to CPU memory
     peak: float
     vllm_fraction: float = 0.0  # share of device memory a colocated vLLM engine reserves
+    hf_copy: float = 0.0  # of `weights`: the whole HF model a bridging backend keeps beside its own shards
 
     def terms(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in ("weights", "master", "grads", "optimizer", "activations",
@@ -330,4 +333,4 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     transient = max(0.0, transient - gather)
     return Estimate(weights=weights, master=master, grads=grads, optimizer=optim, activations=acts, casts=casts,
                     logits=logit, transient=transient, reference=reference, generation=generation, host=host,
-                    peak=peak, vllm_fraction=vllm)
+                    peak=peak, vllm_fraction=vllm, hf_copy=hf_copy)

@@ -1,9 +1,16 @@
-"""The plan as rich tables on stdout, for people (plan.json=true gives the same as JSON)."""
+"""The plan as rich tables on stdout, for people (plan.json=true gives the same as JSON).
+
+Everything is laid out for 100 columns (a terminal, a pipe or a log file alike): the tables hold
+numbers, and what is long (a change of several overrides, a note) is a line of its own below,
+which wraps at spaces.
+"""
 
 from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
+
+WIDTH = 100
 
 
 def money(cost) -> str:
@@ -21,42 +28,68 @@ def duration(h) -> str:
     return f"{h:.1f} h" if h >= 1 else f"{h * 60:.1f} min" if h * 60 >= 1 else f"{h * 3600:.1f} s"
 
 
+def tokens_line(plan: dict) -> str:
+    """The token count with where it comes from: with train.max_steps it is steps x the global
+    batch, and the global batch is micro-batches per rank x data-parallel ranks, so the count
+    follows the devices of the configured hardware."""
+    t, f = plan["tokens"], plan.get("tokens_from")
+    if not f or f["plan_tokens"]:
+        return f"tokens: {t:,.0f} (plan.tokens)"
+    dp, accum = f["data_parallel"], f["grad_accum"]
+    return (f"tokens: {t:,.0f} = {f['steps']:,} steps x {dp} data-parallel rank{'s' * (dp != 1)} x "
+            f"{accum} micro-batch{'es' * (accum != 1)} x {f['tokens_per_micro']:,} tokens: every data-parallel "
+            "rank takes its own micro-batches, so the count grows with the devices (plan.tokens fixes it)")
+
+
+def change_line(r: dict) -> str:
+    """A row that does not fit: the smallest change that does, and the devices it needs."""
+    from workbench.run.plan import change_here, needed_how  # the words the refusal uses
+
+    line = f"{r['hardware']}: does not fit; {change_here(r)}"
+    need = r.get("needed")
+    if r["fix"] and need and need["devices"] > r["devices"]:
+        line += f"; or {need['devices']} devices with {needed_how(need)}"
+    if need and need["devices"] > r["devices"] and need["hours"] is not None:
+        line += f" ({duration(need['hours'])}" + (f", {money(need['cost_usd'])})" if need["cost_usd"] else ")")
+    return line
+
+
+WITH_CHANGE = "with change"  # the fits cell of a row whose speed columns are the changed run's
+
+
 def show(plan: dict, console: Console | None = None) -> None:
     con = console or Console(highlight=False)
-    if not con.is_terminal:
-        con.width = max(con.width, 150)  # a pipe or a log file: do not wrap the table at 80 columns
+    con.width = min(con.width, WIDTH) if con.is_terminal else WIDTH
     p = plan["params"]
     con.print(f"[bold]plan[/bold] model={plan['model']} method={plan['method']} peft={plan['peft']} "
               f"backend={plan['backend']} precision={plan['precision']}: {p['total']:,} params "
-              f"({p['active']:,} active, {p['trainable']:,} trainable), {plan['tokens']:,.0f} tokens, "
-              f"MFU {plan['mfu']:.0%}")
-    mem = Table(title=f"memory per device on hardware={plan['here']['hardware']} (GiB)")
+              f"({p['active']:,} active, {p['trainable']:,} trainable), MFU {plan['mfu']:.0%}")
+    con.print(tokens_line(plan))
+    mem = Table(title="memory per device (GiB)")  # per device of the layout in the title below
     mem.add_column("term")
     mem.add_column("GiB", justify="right")
     for k, v in plan["memory_gb"].items():
-        mem.add_row(k, f"{v:.3f}")
+        name = "weights (2 models, see below)" if k == "weights" and plan.get("hf_copy_gb") else k
+        mem.add_row(name, f"{v:.3f}")
     con.print(mem)
+    for note in plan.get("notes", []):
+        con.print(note)
     rows = [plan["here"], *plan["profiles"]] if plan.get("compare") else [plan["here"]]
     t = Table(title="where it runs" + ("" if plan.get("compare") else
-                                       f" on hardware={plan['here']['hardware']} (plan.compare=true lists every profile)"))
-    cols = ("hardware", "devices", "GiB/device", "usable", "fits", "smallest change / devices needed",
-            "tokens/s (all devices)", "time (whole job)", "cost (whole job, all devices)")
-    for col in cols:
-        t.add_column(col, justify="right" if col not in ("hardware", "smallest change / devices needed") else "left")
+                                       f" on hardware={plan['here']['hardware']} (plan.compare=true: every profile)"))
+    for col in ("hardware", "devices", "GiB/device", "usable", "fits", "tokens/s", "time", "cost"):
+        t.add_column(col, justify="left" if col == "hardware" else "right")
     for r in rows:
-        if r["fits"]:
-            fix = ""
-        else:
-            fix = r["fix"] or ""
-            need = r.get("needed")
-            if need and need["devices"] > r["devices"]:
-                fix = (fix + "; " if fix else "") + f"{need['devices']} devices (fsdp2"
-                fix += (f": {duration(need['hours'])}, {money(need['cost_usd'])})" if need["hours"] is not None else ")")
-        t.add_row(r["hardware"], str(r["devices"]), f"{r['peak_gb']:.1f}", f"{r['usable_gb']:.1f}",
-                  "yes" if r["fits"] else "no", fix or "-",
+        fits = "yes" if r["fits"] else WITH_CHANGE if r["fix"] and r["tokens_per_s"] else "no"
+        t.add_row(r["hardware"], str(r["devices"]), f"{r['peak_gb']:.1f}", f"{r['usable_gb']:.1f}", fits,
                   f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-", duration(r["hours"]),
                   money(r["cost_usd"]))
     con.print(t)
+    for r in rows[1:]:  # the configured hardware's is the verdict below
+        if not r["fits"]:
+            con.print(change_line(r))
+    if any(not r["fits"] and r["fix"] and r["tokens_per_s"] for r in rows):
+        con.print(f"fits '{WITH_CHANGE}': tokens/s, time and cost are the run's with the smallest change that fits")
     cal = plan["here"].get("calibrated")
     if cal:  # workbench/telemetry/plan_check.py: an earlier run on this hardware measured the plan
         con.print(f"hardware={plan['here']['hardware']}: calibrated by the run {cal['from']} ({cal['time']}): "
@@ -64,11 +97,15 @@ def show(plan: dict, console: Console | None = None) -> None:
                   "(measured/predicted, plan.calibrate=true)")
     over = plan["here"].get("cores")
     if plan.get("refusal"):
-        con.print(f"not on hardware={plan['here']['hardware']} as configured: {plan['refusal']}")
+        con.print(f"verdict: does not fit hardware={plan['here']['hardware']} as configured: {plan['refusal']}")
     elif over:
         con.print(f"hardware.procs asks for {over['asked']} processes on {over['available']} CPU cores: "
                   f"set hardware.procs<={over['available']}")
+    else:
+        h = plan["here"]
+        con.print(f"verdict: fits hardware={h['hardware']} ({h['peak_gb']:.1f} GiB per device of "
+                  f"{h['usable_gb']:.1f} usable)")
     dated = next((r["price_date"] for r in rows if r.get("price_date")), None)
     con.print((f"prices per device-hour as quoted {dated}; " if dated else "")
-              + f"time and cost: all {plan['tokens']:,.0f} tokens of the job on all of a profile's devices, "
-              "where the run fits, at the listed MFU (set plan.mfu, plan.tokens)")
+              + "time and cost: the whole job on all of a profile's devices, where it fits, at the "
+              "listed MFU (set plan.mfu, plan.tokens)")

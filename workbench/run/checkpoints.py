@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from workbench.core import heartbeat
 from workbench.core.errors import UserError
-from workbench.train import canonical, checkpoint, keep_best, noise, replay, resume
+from workbench.train import canonical, checkpoint, keep_best, noise, replay, resume, resume_changes
 from workbench.train.state import TrainState, rng_state, seed_everything, set_rng_state
 
 
@@ -31,6 +31,7 @@ class Checkpoints:
         self.tracker = None  # set by the runner once it has one (the save's status line)
         self.resumed: dict | None = None  # where the run resumed from, its certificate
         self.resumed_step = 0  # the step the run continued from (0: a fresh start)
+        self.changes = resume_changes.Changes()  # settings the resume changed (workbench/train/resume_changes.py)
 
     def latest_valid(self):
         return checkpoint.latest_valid(self.run_dir)
@@ -47,6 +48,9 @@ class Checkpoints:
         self.resumed_step = state.step
         if self.is_main:
             print(f"resuming from step {state.step} ({path})", file=sys.stderr, flush=True)
+            line = resume_changes.say(self.changes)
+            if line:
+                print(line, file=sys.stderr, flush=True)
         return path_, state
 
     def _load(self, path: Path, state: TrainState) -> tuple[str, TrainState]:
@@ -77,7 +81,9 @@ class Checkpoints:
                                   resume.describe(written), resume.describe(here),
                                   (written["precision"], here["precision"]))
         b = self.run.batch
-        self.resumed = {"from": str(path), "certificate": cert, "batch": (
+        # a change to what a step computes was refused before weights loaded unless allowed (runner.build)
+        self.changes = resume_changes.compare({**rec, "name": path.name}, self.cfg)
+        self.resumed = {"from": str(path), "certificate": cert, "changes": self.changes.to_dict(), "batch": (
             f"global batch {b.size} = {b.micro} x {b.accum} x {b.dp} data-parallel (written as {written['micro']} x "
             f"{written['accum']} x {written['dp']}), {state.samples_seen} samples seen, RNG "
             + ("restored" if saved_rng is not None else "re-seeded for the new layout"))}
@@ -96,6 +102,7 @@ class Checkpoints:
                       "global_batch": self.run.batch.size, "train_state": state.to_dict(),
                       "layout": resume.layout_of(self.cfg, self.run), "method": self.method.state_dict(),
                       "schedule": self.backend.schedule_state(), "identity": self.identity,
+                      "settings": resume_changes.settings(self.cfg),  # what a resume compares against
                       "probe": {**spec, "loss": probe}}
             barrier = dist.barrier if dist.is_initialized() else (lambda: None)
             with self.tracker.progress.status(f"checkpoint step {state.step}"):

@@ -25,6 +25,7 @@ from workbench.models.load import resolve
 from workbench.run.plan import make_plan
 from workbench.telemetry import manifest, report
 from workbench.telemetry import plan_check as check
+from workbench.train import signal
 from workbench.train.distributed import all_max
 
 
@@ -98,7 +99,7 @@ def export_and_report(r, results: dict) -> None:
 def summary(r, results: dict) -> list[str]:
     """The lines a run ends with on rank 0: what was trained, how it scored, where everything is.
 
-        done: 150 steps (step 0 -> 150) in 3.1 min; loss 2.412 -> 0.318
+        done: 150 steps (step 0 -> 150) in 3.1 min; loss 2.412 -> 0.318  [; 148 of 150 steps had reward spread]
         eval arith_add2/accuracy 0.000 -> 0.920 [0.874, 0.950] (200 questions)
         run directory: runs/2026-12-03_10-14-44 (report.md, results.json, metrics.jsonl)
         export: runs/2026-12-03_10-14-44/export/merged (parity passed), .../export/adapter
@@ -108,6 +109,9 @@ def summary(r, results: dict) -> list[str]:
     wall = results.get("wall_seconds") or 0.0
     lines = [f"done: {r.state.step - first} steps (step {first} -> {r.state.step}) in {wall / 60:.1f} min"
              + (f"; loss {losses[0]:.4g} -> {losses[-1]:.4g}" if losses else "")]
+    spread = signal.steps_with_signal(r.tracker.rows)  # GRPO family: a step without spread has no gradient
+    if spread:
+        lines[0] += f"; {spread[0]} of {spread[1]} steps had reward spread"
     start, end = results.get("eval_start") or {}, results.get("eval_end") or {}
     intervals = stats.intervals(end)  # the binomial 95% interval beside each accuracy
     for key, value in end.items():

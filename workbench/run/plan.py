@@ -2,7 +2,12 @@
 
 Fields owned by one backend or method (stage, offload, generations) are read by their schema
 names with defaults (`pick`), so the planner works for any backend or method config; precision,
-peft, the reference and the layout come from the derived run (workbench/run/derive.py).
+peft, the reference and the layout come from the derived run (workbench/run/derive.py). A change
+the planner proposes (workbench/plan/fit.py) is applied to the config itself and kept only where
+the rule table takes it and the changed run's own plan fits (`_fix_check`).
+
+A dry run whose plan does not fit the configured hardware ends with `DoesNotFit` (exit status 4,
+DOES_NOT_FIT_EXIT) after printing the plan; the run itself is refused by preflight (status 2).
 """
 
 from __future__ import annotations
@@ -10,13 +15,18 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 
+import yaml
+from omegaconf import OmegaConf
+
 from workbench.backends import registry as backends
+from workbench.config.files import CONF_DIR
 from workbench.config.schema import pick
+from workbench.core.errors import UserError
 from workbench.methods import registry
 from workbench.plan import catalog
 from workbench.plan.activations import LORA_TARGETS
 from workbench.plan.counts import count, probe
-from workbench.plan.fit import GiB, sharding_backend, verdict
+from workbench.plan.fit import GiB, usable_bytes, verdict
 from workbench.plan.memory import estimate, tokens_per_micro
 from workbench.plan.setup import Setup
 from workbench.plan.speed import Decoder, Rollout, generation_seconds, speed, train_flops_per_token
@@ -26,6 +36,30 @@ from workbench.telemetry.peak import measured_peak_flops
 from workbench.telemetry.plan_check import calibration
 from workbench.train import precision as prec
 from workbench.train.distributed import requested_procs
+
+# The exit status of `dry_run=true` when the plan does not fit the configured hardware (0 done,
+# 2 a mistake, 3 a stalled rank, 75 preempted: workbench/cli.py lists them all).
+DOES_NOT_FIT_EXIT = 4
+
+
+class DoesNotFit(UserError):
+    """A dry run's plan does not fit the configured hardware: one line (the refusal a real run
+    would print), status DOES_NOT_FIT_EXIT, so a script can tell it from a mistake (2)."""
+
+    exit_code = DOES_NOT_FIT_EXIT
+
+
+# What the preflight line of a dry run says of the weights, by where workbench/models/load.py
+# resolve() found them ("not found here" is preflight's own: a dry run plans without them).
+WEIGHTS_FROM = {
+    "tiny": "a random tiny model, built at the start",
+    "local": "model.path on this machine",
+    "hf_cache": "the HF cache on this machine",
+    "converted": "the converted copy in the cache",
+    "gguf": "the packaged GGUF, converted once at the start",
+    "hub": "the hub, downloaded when the run starts",
+    "not found here": "not on this machine (the plan needs none)",
+}
 
 
 def _flag(value) -> bool:
@@ -93,6 +127,73 @@ def run_tokens(cfg, s) -> float:
     return float(cfg.train.max_steps * cfg.train.grad_accum * s.data_parallel * tokens_per_micro(s))
 
 
+def tokens_from(cfg, s) -> dict:
+    """The factors of run_tokens, for the plan to show beside the count: the global batch is
+    micro-batches per rank x data-parallel ranks, so the count follows the devices."""
+    return {"plan_tokens": float(pick(cfg, "plan.tokens", 0) or 0) > 0, "steps": int(cfg.train.max_steps),
+            "grad_accum": int(cfg.train.grad_accum), "data_parallel": s.data_parallel,
+            "tokens_per_micro": tokens_per_micro(s)}
+
+
+def with_change(cfg, change: str):
+    """The config with a change's overrides applied as the command line would apply them: a
+    backend choice replaces the backend's options (its conf/backend/<name>.yaml over its options
+    dataclass), another group's choice (peft=lora) is its file over the options already set, and
+    key=value sets one key. Not validated again: the overrides are the planner's own."""
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    for item in change.split():
+        key, value = item.split("=", 1)
+        group = CONF_DIR / key
+        if group.is_dir():
+            node = OmegaConf.to_container(OmegaConf.load(group / f"{value}.yaml"))
+            node.pop("defaults", None)
+            if key == "backend":
+                raw[key] = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(backends.spec(value).config),
+                                                                  node))
+            else:
+                raw[key] = {**raw[key], **node}
+        else:
+            *path, leaf = key.split(".")
+            where = raw
+            for part in path:
+                where = where[part]
+            where[leaf] = yaml.safe_load(value)
+    return OmegaConf.create(raw)
+
+
+def _fix_check(cfg, counts, devices: int, memory_gb: float, device: str, seen: dict):
+    """fit.verdict's `accept` on this config: a change is kept only where the changed config
+    breaks no rule of the table the config did not break already (this machine's rules aside:
+    the plan is for the profile's) and its own plan fits `memory_gb` per device. `seen`: the
+    changed configs by change, shared by the rows of one plan (None: a rule refuses it)."""
+    from workbench.run import rules  # deferred: the rule table imports what the plan's callers import
+
+    env = rules.Env()
+
+    def changed_cfg(change: str):
+        if change not in seen:
+            if "" not in seen:  # the rules the config breaks already (a test's hand-made config)
+                seen[""] = {r.id for r, _ in rules.violations(cfg, env)}
+            changed = with_change(cfg, change)
+            broken = any(not r.machine and r.id not in seen[""] for r, _ in rules.violations(changed, env))
+            seen[change] = None if broken else changed
+        return seen[change]
+
+    def accept(change: str) -> bool:
+        changed = changed_cfg(change)
+        if changed is None:
+            return False
+        c = counts
+        if changed.peft != cfg.peft:  # adapters of another kind: their own count
+            if "probe" not in seen:
+                seen["probe"] = probe(cfg.model)
+            c = count(seen["probe"], changed.model.arch, changed.peft)
+        e = estimate(c, changed.model.arch, from_cfg(changed, devices=devices))
+        return e.peak <= usable_bytes(memory_gb, device, e.vllm_fraction)
+
+    return accept
+
+
 def _peak_tflops(hw, precision: str) -> float:
     """The datasheet figure of the profile; for this machine's CPU (no datasheet) the matmul rate
     measured here, the peak a run's MFU is taken against (workbench/telemetry/peak.py)."""
@@ -142,48 +243,57 @@ def rollout_of(s: Setup) -> Rollout:
 
 
 def _row(cfg, counts, name, hw, mfu, devices: int | None = None, calibrated: bool = False,
-         rollout: Rollout | None = None) -> dict:
+         rollout: Rollout | None = None, seen: dict | None = None) -> dict:
     """The verdict on hardware profile `hw`: with the processes it asks for, or `devices`;
     `calibrated`: with the measured/predicted ratios an earlier run stored for it; `rollout`:
-    what a rank generated per step (the plan check's measurement), else what the config asks.
-    Tokens/s, time and cost are the whole job's on all `devices` (None where it does not fit);
-    `needed` gives them on the devices it needs where it does not."""
+    what a rank generated per step (the plan check's measurement), else what the config asks;
+    `seen`: the changes checked already for another row (_fix_check). Tokens/s, time and cost
+    are the whole job's on all `devices`: the changed run's where a change makes it fit there,
+    None where none does; `needed` gives them on the devices it needs where it does not fit."""
     devices = devices or requested_procs(hw)
     s = from_cfg(cfg, devices=devices)
     mem = catalog.memory_gb(hw)
     if hw.device == "cpu":
         mem /= devices  # CPU processes share the host's memory
     arch = cfg.model.arch
-    v = verdict(counts, arch, s, mem, hw.device, node_size=hw.procs)
-    trainable = counts.total if s.peft == "none" else counts.lora
-    fpt = train_flops_per_token(counts.active, trainable, s.peft, s.method, s.dpo_ref, generation=not s.rollouts,
-                                old_logps=s.old_logps)
+    v = verdict(counts, arch, s, mem, hw.device, node_size=hw.procs,
+                accept=_fix_check(cfg, counts, devices, mem, hw.device, {} if seen is None else seen))
     tokens = run_tokens(cfg, from_cfg(cfg))  # the job as configured, whatever the profile's device count
     peak = _peak_tflops(hw, s.precision)
-    extra = 0.0
-    if s.rollouts and peak > 0:
-        gen = generation_seconds(rollout or rollout_of(s), counts.active, estimate(counts, arch, s).weights,
-                                 decoder(hw, arch, peak * 1e12, mfu, s.peft))
-        # per trained token of this rank (under backend.sp every sp rank generates the whole rollout)
-        extra = gen * s.sp / (s.grad_accum * tokens_per_micro(s))
+
+    def rates(t) -> tuple[float, float]:
+        """FLOPs per trained token of Setup `t`, and its generation's seconds per trained token."""
+        trainable = counts.total if t.peft == "none" else counts.lora
+        fpt = train_flops_per_token(counts.active, trainable, t.peft, t.method, t.dpo_ref, generation=not t.rollouts,
+                                    old_logps=t.old_logps)
+        extra = 0.0
+        if t.rollouts and peak > 0:  # a decode step reads the weights this device holds
+            gen = generation_seconds(rollout or rollout_of(t), counts.active, estimate(counts, arch, t).weights,
+                                     decoder(hw, arch, peak * 1e12, mfu, t.peft))
+            # per trained token of this rank (under backend.sp every sp rank generates the whole rollout)
+            extra = gen * t.sp / (t.grad_accum * tokens_per_micro(t))
+        return fpt, extra
+
+    fpt, extra = rates(s)
     ratios = None
     if calibrated:  # measured/predicted of an earlier run on this hardware (plan.calibrate=true)
         ratios = calibration(hw, s.precision, cfg.model.name)
     price = list(hw.price_per_hour) or None
     rate = ratios.get("tokens_per_s", 1.0) if ratios else 1.0
 
-    def whole_job(n: int):
+    def whole_job(n: int, fpt: float = fpt, extra: float = extra):
         sp = speed(tokens, fpt, n, peak, mfu, price, extra)
         if sp and rate != 1.0:
             sp = speed(tokens, fpt / rate, n, peak, mfu, price, extra / rate)
         return sp
 
-    sp = whole_job(devices)
+    # where a change makes it fit on these devices, the speed is the changed run's
+    sp = whole_job(devices, *rates(v.fixed)) if not v.fits and v.fixed is not None else whole_job(devices)
     row = {
         "hardware": name, "device": hw.device, "accelerator": hw.accelerator, "devices": devices, "memory_gb": mem,
         "peak_gb": round(v.peak_gb, 2), "usable_gb": round(v.usable_gb, 2), "fits": v.fits,
         "fix": v.fix, "fix_peak_gb": round(v.fix_peak_gb, 2) if v.fix_peak_gb else None,
-        "devices_needed": v.devices_needed,
+        "devices_needed": v.devices_needed, "needed_backend": v.needed_backend,
         "tokens_per_s": sp.tokens_per_s if sp else None, "hours": sp.hours if sp else None,
         "cost_usd": list(sp.cost) if sp and sp.cost else None,
         "price_per_hour": list(hw.price_per_hour), "price_date": hw.price_date,
@@ -197,10 +307,11 @@ def _row(cfg, counts, name, hw, mfu, devices: int | None = None, calibrated: boo
     if not row["fits"]:
         if v.devices_needed:  # with checkpointing and sharding, on whole nodes of this profile
             need = whole_job(v.devices_needed)
-            row["needed"] = {"devices": v.devices_needed, "tokens_per_s": need.tokens_per_s if need else None,
+            row["needed"] = {"devices": v.devices_needed, "backend": v.needed_backend,
+                             "tokens_per_s": need.tokens_per_s if need else None,
                              "hours": need.hours if need else None,
                              "cost_usd": list(need.cost) if need and need.cost else None}
-        if not (v.fix and v.devices_needed and v.devices_needed <= devices):  # more devices than the profile's
+        if not v.fix:  # no change fits on these devices: no speed on them
             row.update(tokens_per_s=None, hours=None, cost_usd=None)
     return row
 
@@ -225,35 +336,59 @@ def make_plan(cfg, counts=None, hardware: list[str] | None = None, others: bool 
     mfu = float(pick(cfg, "plan.mfu", 0.4))
     s = from_cfg(cfg)
     est = estimate(counts, cfg.model.arch, s)
+    seen = {}  # the changes the rule table was asked about, for every row
     here = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu, devices=derive(cfg).layout.world,
-                calibrated=calibrated, rollout=rollout)
+                calibrated=calibrated, rollout=rollout, seen=seen)
     over = cores(cfg)
     if over:  # would it fit with one process per core?
-        fit = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu, devices=over["available"])
+        fit = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu, devices=over["available"], seen=seen)
         here["cores"] = {**over, "fits": fit["fits"], "peak_gb": fit["peak_gb"], "usable_gb": fit["usable_gb"]}
     wanted = hardware or list(pick(cfg, "plan.hardware", []) or [])
-    rows = [_row(cfg, counts, name, hw, mfu) for name, hw in catalog.profiles().items()
+    rows = [_row(cfg, counts, name, hw, mfu, seen=seen) for name, hw in catalog.profiles().items()
             if (not wanted or name in wanted) and name != cfg.hardware.name] if others else []
     plan = {
         "model": cfg.model.name, "method": s.method, "peft": s.peft, "backend": s.backend,
         "precision": s.precision,
         "params": {"total": counts.total, "active": counts.active,
                    "trainable": counts.total if s.peft == "none" else counts.lora},
-        "tokens": run_tokens(cfg, s), "mfu": mfu,
+        "tokens": run_tokens(cfg, s), "tokens_from": tokens_from(cfg, s), "mfu": mfu,
         "setup": asdict(s),
         "memory_gb": {k: round(v / GiB, 3) for k, v in est.terms().items()} | {"peak": round(est.peak / GiB, 3),
                                                                               "host": round(est.host / GiB, 3)},
+        "hf_copy_gb": round(est.hf_copy / GiB, 3),  # of memory_gb.weights
+        "notes": _notes(cfg, s, est),
         "compare": _flag(pick(cfg, "plan.compare", False)),
         "here": here,
         "profiles": rows,
+        "fits": here["fits"],  # the verdict on the configured hardware (a dry run's exit status)
     }
-    if not here["fits"] and (rows or here.get("cores")):  # what to change, and where else it fits
-        plan["refusal"] = refusal(plan).removesuffix(" See the plan: add dry_run=true")
+    if not plan["fits"]:  # what to change, and where else it fits
+        plan["refusal"] = refusal(plan).removesuffix(SEE_PLAN)
     return plan
 
 
+SEE_PLAN = " See the plan: add dry_run=true"  # the end of a real run's refusal, not a dry run's
+
+
+def _notes(cfg, s, est) -> list[str]:
+    """What a memory term holds that its name does not say. Megatron's weights can be two
+    models: its GPTModel shards and the whole HF model the runner keeps beside them on every
+    device (run.keeps_hf_base, workbench/run/derive.py) when something reads that model."""
+    if not est.hf_copy:
+        return []
+    run = derive(cfg)
+    why = [w for w, yes in (("generation decodes with it", run.facts.generates),
+                            ("a full fine-tune exports the weights bridged back into it", not run.peft.adapter),
+                            (f"reference={run.reference} is made from it", run.reference in ("copy", "precomputed")))
+           if yes]
+    own = (est.weights - est.hf_copy) / GiB
+    return [f"weights = {own:.1f} GiB of backend={s.backend}'s model (tp={s.tp} x pp={s.pp} shards) and adapters "
+            f"+ {est.hf_copy / GiB:.1f} GiB for the whole HF model, kept on every device because "
+            f"{' and '.join(why) or 'the run reads it between steps'}; no backend.tp/pp splits that copy"]
+
+
 def refusal(plan: dict) -> str:
-    """One line for a run that does not fit where it was asked to run."""
+    """One line for a run that does not fit where it was asked to run, ending with what to change."""
     h = plan["here"]
     over = h.get("cores")
     if over:  # more CPU processes than cores: that is what to change first
@@ -266,30 +401,56 @@ def refusal(plan: dict) -> str:
             msg += (f"; even with {n} it needs {over['peak_gb']:.1f} GiB per process but has "
                     f"{over['usable_gb']:.1f} GiB usable" + (f" (smallest change that fits here: {h['fix']})"
                                                             if h["fix"] else ""))
-        return msg + ". See the plan: add dry_run=true"
+        return msg + "." + SEE_PLAN
     runnable = [r for r in plan["profiles"] if r["device"] in ("cuda", "cpu")] or plan["profiles"]
     fits = [r for r in runnable if r["fits"]]
     best = min(fits, key=lambda r: (r["cost_usd"] or [1e18])[0]) if fits else None
-    msg = (f"model={plan['model']} method={plan['method']} peft={plan['peft']} needs "
-           f"{h['peak_gb']:.1f} GiB per device but hardware={h['hardware']} has {h['usable_gb']:.1f} GiB usable")
-    if h["fix"]:
-        msg += f"; smallest change that fits here: {h['fix']}"
+    needs_line = (f"model={plan['model']} method={plan['method']} peft={plan['peft']} backend={plan['backend']} "
+                  f"needs {h['peak_gb']:.1f} GiB per device but hardware={h['hardware']} has {h['usable_gb']:.1f} "
+                  "GiB usable")
+    elsewhere = None
     if best:
         cost = best["cost_usd"]
-        msg += (f"; it fits on hardware={best['hardware']} ({best['devices']} x {best['accelerator']}, "
-                f"{best['peak_gb']:.1f} GiB/device" + (f", ~{duration(best['hours'])}, {money(cost)}"
-                                                       if cost else "") + ")")
+        elsewhere = (f"it fits on hardware={best['hardware']} ({best['devices']} x {best['accelerator']}, "
+                     f"{best['peak_gb']:.1f} GiB/device" + (f", ~{duration(best['hours'])}, {money(cost)}"
+                                                            if cost else "") + ")")
     else:
         needs = [r for r in runnable if r.get("needed")]
         if needs:
             r = min(needs, key=lambda r: (r["needed"]["cost_usd"] or [1e18])[0])
             need = r["needed"]
-            how = "activation checkpointing" + (f" and backend={sharding_backend()[0]}" if need["devices"] > 1
-                                                else "")
-            msg += (f"; it fits on {need['devices']} x {r['accelerator']} with {how} "
-                    f"(hardware={r['hardware']}" + (f", ~{duration(need['hours'])}, {money(need['cost_usd'])}"
-                                                    if need["cost_usd"] else "") + ")")
-    return msg + ". See the plan: add dry_run=true"
+            elsewhere = (f"it fits on {need['devices']} x {r['accelerator']} with {needed_how(need)} "
+                         f"(hardware={r['hardware']}" + (f", ~{duration(need['hours'])}, {money(need['cost_usd'])}"
+                                                         if need["cost_usd"] else "") + ")")
+    # what to do comes last: the change here, or where it fits when nothing does here
+    here = change_here(h)
+    parts = [needs_line, elsewhere, here] if h["fix"] or h.get("needed") else [needs_line, here, elsewhere]
+    return "; ".join(p for p in parts if p) + "." + SEE_PLAN
+
+
+def does_not_fit(plan: dict) -> DoesNotFit:
+    """A dry run's end when its plan does not fit: one line, ending with what to change."""
+    h = plan["here"]
+    if h.get("cores") or not (h["fix"] or h.get("needed")):  # the refusal says what to do instead
+        return DoesNotFit(plan["refusal"])
+    return DoesNotFit(f"the plan does not fit hardware={h['hardware']} as configured ({h['peak_gb']:.1f} GiB per "
+                      f"device, {h['usable_gb']:.1f} usable); {change_here(h)}")
+
+
+def needed_how(need: dict) -> str:
+    """How a run fits on the devices `devices_needed` counted (workbench/plan/fit.py)."""
+    return "activation checkpointing" + (f" and backend={need['backend']}" if need.get("backend") else "")
+
+
+def change_here(row: dict) -> str:
+    """The smallest change that fits on a row's hardware that does not fit, in words."""
+    if row["fix"]:
+        return (f"smallest change that fits here: {row['fix']}"
+                + (f" ({row['fix_peak_gb']:.1f} GiB per device)" if row.get("fix_peak_gb") else ""))
+    need = row.get("needed")
+    if need:
+        return f"smallest change that fits: {need['devices']} devices of hardware={row['hardware']} with {needed_how(need)}"
+    return f"no change the planner tries fits on hardware={row['hardware']}"
 
 
 def to_json(plan: dict) -> str:
@@ -303,4 +464,4 @@ def render(plan: dict) -> None:
     show(plan)
 
 
-__all__ = ["make_plan", "refusal", "render", "to_json"]
+__all__ = ["DOES_NOT_FIT_EXIT", "WEIGHTS_FROM", "DoesNotFit", "does_not_fit", "make_plan", "refusal", "render", "to_json"]

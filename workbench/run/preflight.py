@@ -40,7 +40,7 @@ from workbench.rollout import rewards
 from workbench.run import rules
 from workbench.run.plan import make_plan, refusal
 from workbench.run.resolved import resolve as resolve_run
-from workbench.train import keep_best, resume
+from workbench.train import keep_best, resume, resume_changes
 
 
 def _machine_checks_apply(cfg) -> bool:
@@ -145,6 +145,7 @@ def check(cfg, env: rules.Env | None = None) -> dict:
     rec = resume.record_of(cfg.output_dir, cfg.train.resume)
     if rec is not None and "tokenizer" in facts:
         resume.check_identity(rec, resume.identity(run.cfg, run, *facts["tokenizer"]))
+    resume_changes.check(rec, run.cfg)  # one run directory, one config (workbench/train/resume_changes.py)
     facts["resume"] = resume.plan_line(rec, run.cfg, run)
     return facts
 

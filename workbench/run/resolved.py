@@ -35,6 +35,7 @@ def resolve(cfg: DictConfig, rank: int | None = None, world: int | None = None, 
     resume.check_legacy(rec, cfg, lay.world)
     # a method whose options shape the step's batch (GRPO's groups) keeps it in whole groups
     cfg = resume.keep_global_batch(cfg, rec, lay, registry.spec(cfg.method.name).batch)
+    resume.check_shrink(cfg, lay, registry.spec(cfg.method.name).batch)  # hardware.min_nodes: every size keeps it
     method = registry.spec(cfg.method.name)
     if method.check is not None:
         # over the options' defaults: a validated config has them all, one written by hand

@@ -113,12 +113,16 @@ FIRST: list[Rule] = [
     # hardware
     Rule("cuda-not-visible", {"hardware": "cuda profile on a machine without GPU"},
          lambda c, e: device(c) == "cuda" and not e.cuda,
-         lambda c, e: f"hardware={c.hardware.name} wants CUDA but no GPU is visible; use hardware=cpu, "
-                      f"or add dry_run=true to only plan", machine=True),
+         # a dry run warns with it (it plans without a GPU): it is told what the run would need
+         lambda c, e: f"hardware={c.hardware.name} wants CUDA but no GPU is visible; " + (
+             "the plan is for that hardware, to train on this machine use hardware=cpu" if c.dry_run is True
+             else "use hardware=cpu, or add dry_run=true to only plan"), machine=True),
     Rule("planning-only-accelerator", {"hardware": "gaudi3, trn2, tpu-v5p"},
          lambda c, e: device(c) not in RUNNABLE_DEVICES,
          lambda c, e: f"hardware={c.hardware.name} (device {c.hardware.device}) is a planning profile; the "
-                      f"backends run on cpu or cuda: add dry_run=true to plan, or use a cuda profile such as hardware=8xh100",
+                      "backends run on cpu or cuda: " + (
+                          "the plan is for it, to train use a cuda profile such as hardware=8xh100" if c.dry_run is True
+                          else "add dry_run=true to plan, or use a cuda profile such as hardware=8xh100"),
          machine=True),
     Rule("procs-exceed-gpus", {"hardware": "procs > visible GPUs"},
          lambda c, e: device(c) == "cuda" and e.cuda and int(c.hardware.procs) > e.gpus,

@@ -43,7 +43,7 @@ from workbench.telemetry import plan_check
 from workbench.telemetry.flops import FlopCount
 from workbench.telemetry.metrics import Tracker
 from workbench.telemetry.peak import peak_flops
-from workbench.train import checkpoint, faults, precision, replay, resume
+from workbench.train import checkpoint, faults, precision, replay, resume, resume_changes
 from workbench.train.distributed import init_distributed
 from workbench.train.state import TrainState, seed_everything
 from workbench.train.watchdog import Watchdog, gpu_env
@@ -99,7 +99,9 @@ class Runner:
         self.tokenizer, self.contract = self._tokenizer or make_tokenizer(cfg)
         # a checkpoint of another model, adapter or tokenizer is refused before any weights load
         self.identity = resume.identity(cfg, self.run, self.tokenizer, self.contract)
-        resume.check_identity(resume.record_of(self.run_dir, cfg.train.resume), self.identity)
+        rec = resume.record_of(self.run_dir, cfg.train.resume)
+        resume.check_identity(rec, self.identity)
+        resume_changes.check(rec, cfg)  # a changed lr, data, model, ... refused unless train.resume_changes=allow
         self.ctx = Context(self.run, self.tokenizer, self.contract, self.run_dir)
         self.method = methods.spec(cfg.method.name).build(cfg.method, self.ctx)
         self.method.prepare(self.ctx)  # data errors surface here, before any weights load

@@ -126,6 +126,7 @@ def _check_values(cfg: DictConfig) -> None:
         ("data.pack_len", cfg.data.pack_len == 0 or cfg.data.pack_len >= cfg.data.seq_len, "must be 0 or >= data.seq_len"),
         ("model.loader", cfg.model.loader in ("hf", "unsloth"), "must be hf or unsloth"),
         ("train.resume_check", cfg.train.resume_check in ("error", "warn"), "must be error or warn"),
+        ("train.resume_changes", cfg.train.resume_changes in ("refuse", "allow"), "must be refuse or allow"),
     ]
     for name, ok, why in checks:
         if not ok:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,13 +116,21 @@ def markdown(header: list[str], rows: list[list[str]]) -> list[str]:
         ["| " + " | ".join(cells) + " |" for cells in rows]
 
 
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
+def step_median(rows: list[dict], key: str) -> float | None:
+    """The median of `key` over a run's logged steps (None when no step logged it). The first step
+    (compilation, allocator warm-up) is left out when three or more steps remain, never otherwise:
+    leaving it out of a two-step run would leave the last step alone, and one slow or fast step
+    would then stand for the whole run."""
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    if len(values) >= 4:
+        values = values[1:]
+    return statistics.median(values) if values else None
 
 
 def compare(paths: list[str], out: Path | None = None) -> tuple[str, Path | None]:
     """Markdown table of the runs (the config keys that differ between them, then loss, speed and
-    eval) and an overlay figure of their curves; written to `out`/comparison.{md,png} when given."""
+    eval; speed as the median over each run's steps, `step_median`) and an overlay figure of
+    their curves; written to `out`/comparison.{md,png} when given."""
     dirs = run_dirs(paths)
     if not dirs:
         raise SystemExit(f"no run directories (with metrics.jsonl) among {paths}")
@@ -130,18 +139,16 @@ def compare(paths: list[str], out: Path | None = None) -> tuple[str, Path | None
     keys = sorted({k for f in flats for k in f})
     differing = [k for k in keys if k != "output_dir" and len({json.dumps(f.get(k), default=str) for f in flats}) > 1]
     evals = sorted({k for r in runs for k in (r.results.get("eval_end") or {}) if k.endswith("accuracy")})
-    head = ["run", *differing, "steps", "loss first", "loss last", "tokens/s", "MFU",
+    head = ["run", *differing, "steps", "loss first", "loss last", "tokens/s (median)", "MFU (median)",
             *[f"{k.removeprefix('eval/')} after" for k in evals]]
     body = []
     for run, f in zip(runs, flats, strict=True):
-        steady = run.rows[1:] or run.rows
-        tps = [r["tokens_per_s"] for r in steady if r.get("tokens_per_s")]
-        mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
+        tps, mfu = step_median(run.rows, "tokens_per_s"), step_median(run.rows, "mfu")
         losses = [r["loss"] for r in run.rows]
         end = run.results.get("eval_end") or {}
         body.append([str(run.dir), *[str(f.get(k, "")) for k in differing], str(len(run.rows)),
                      f"{losses[0]:.4f}" if losses else "-", f"{losses[-1]:.4f}" if losses else "-",
-                     f"{_median(tps):.0f}" if tps else "-", f"{_median(mfu):.1%}" if mfu else "-",
+                     f"{tps:.0f}" if tps is not None else "-", f"{mfu:.1%}" if mfu is not None else "-",
                      *[_accuracy(end, k) for k in evals]])
     table = "\n".join(markdown(head, body))
     fig = None

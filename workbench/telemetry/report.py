@@ -13,11 +13,8 @@ import json
 from pathlib import Path
 
 from workbench.evals import stats
-from workbench.telemetry import plots
-
-
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
+from workbench.telemetry import compare, plots
+from workbench.train import signal
 
 
 def evaluations(results: dict, rows: list[dict]) -> list[dict]:
@@ -92,14 +89,28 @@ def _stall(stalled: dict | None) -> list[str]:
     return out
 
 
+def _pairs(rows: list[dict]) -> str:
+    return ", ".join(f"`{c['key']}` {c['before']} -> {c['now']}" for c in rows)
+
+
 def _resume(resumed: dict | None) -> list[str]:
-    """The replay certificate of a resumed run (workbench/train/replay.py)."""
+    """The replay certificate of a resumed run (workbench/train/replay.py) and the settings the
+    resume changed (workbench/train/resume_changes.py)."""
     cert = (resumed or {}).get("certificate")
     if not cert:
         return []
-    return [f"- resume certificate: {'ok' if cert['ok'] else 'FAILED'} ({cert['from']} -> {cert['to']}: probe loss "
-            f"{cert['probe_loss']:.8g} saved, {cert['probe_loss_resumed']:.8g} resumed, relative difference "
-            f"{cert['rel_diff']:.2e}, tolerance {cert['tolerance']:.1e}); {resumed.get('batch', '')}"]
+    out = [f"- resume certificate: {'ok' if cert['ok'] else 'FAILED'} ({cert['from']} -> {cert['to']}: probe loss "
+           f"{cert['probe_loss']:.8g} saved, {cert['probe_loss_resumed']:.8g} resumed, relative difference "
+           f"{cert['rel_diff']:.2e}, tolerance {cert['tolerance']:.1e}); {resumed.get('batch', '')}"]
+    changes = resumed.get("changes") or {}
+    if changes.get("result"):
+        out.append(f"- **changed on resume from {changes['since']}, changing what the steps after it compute** "
+                   f"(train.resume_changes=allow): {_pairs(changes['result'])}; the steps before it ran with the "
+                   "earlier values")
+    if changes.get("other"):
+        out.append(f"- changed on resume from {changes['since']} (what a step computes unchanged): "
+                   f"{_pairs(changes['other'])}")
+    return out
 
 
 def _plan_check(check: dict | None) -> list[str]:
@@ -118,7 +129,7 @@ def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
     cfg = run.cfg
     run_dir = Path(run_dir)
     losses = results.get("losses") or []
-    tps = [r["tokens_per_s"] for r in rows[1:]] or [r["tokens_per_s"] for r in rows]
+    tps = compare.step_median(rows, "tokens_per_s")
     lines = [
         f"# Run report: {cfg.method.name} on {cfg.model.name} (peft={run.peft.kind}, backend={cfg.backend.name}, "
         f"precision={run.precision.name})", "",
@@ -127,11 +138,16 @@ def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
     ]
     if losses:
         lines.append(f"- loss: first {losses[0]:.4f}, last {losses[-1]:.4f}")
-    if tps:
-        mfu = [r["mfu"] for r in rows[1:] or rows if r.get("mfu") is not None]
-        extra = f", MFU {_median(mfu):.1%} (peak {results.get('peak_flops', 0) / 1e9:,.0f} GFLOP/s, " \
-                f"{results.get('peak_source', '?')})" if mfu else ""
-        lines.append(f"- throughput: median {_median(tps):.0f} tokens/s{extra}")
+    spread = signal.steps_with_signal(rows)
+    if spread:
+        lines.append(f"- reward spread: {spread[0]} of {spread[1]} steps had groups with reward spread (on average "
+                     f"{spread[2]:.0%} of a step's groups); a group whose completions all scored the same adds no "
+                     "gradient")
+    if tps is not None:  # medians as `python -m workbench.report` takes them (compare.step_median)
+        mfu = compare.step_median(rows, "mfu")
+        extra = f", MFU {mfu:.1%} (peak {results.get('peak_flops', 0) / 1e9:,.0f} GFLOP/s, " \
+                f"{results.get('peak_source', '?')})" if mfu is not None else ""
+        lines.append(f"- throughput: median {tps:.0f} tokens/s{extra}")
     if results.get("first_step_seconds") is not None:
         lines.append(f"- first optimizer step {results['first_step_seconds']:.1f} s after start; "
                      f"wall {results.get('wall_seconds', 0):.0f} s")

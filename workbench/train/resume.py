@@ -138,7 +138,7 @@ def keep_global_batch(cfg, rec: dict | None, lay, step=None):
     if micro * int(cfg.train.grad_accum) * lay.dp == size:
         return cfg
     group = shape.group if shape is not None else 1
-    accum = accum_for(size, micro, lay.world, lay.model_parallel, group)
+    micro, accum = split(size, micro, lay.world, lay.model_parallel, group)
     if accum is None:
         near = nearest(size, micro, lay.world, lay.model_parallel, group)
         raise UserError(f"resuming {rec.get('name', 'the checkpoint')} (global batch {size} = {w.get('micro')} x "
@@ -147,9 +147,53 @@ def keep_global_batch(cfg, rec: dict | None, lay, step=None):
                         + " or ".join(near + ["train.keep_global_batch=false"]))
     out = copy.deepcopy(cfg)
     OmegaConf.set_readonly(out, False)
-    out.train.grad_accum = accum
+    out.train.micro_batch_size, out.train.grad_accum = micro, accum
     OmegaConf.set_readonly(out, True)
     return out
+
+
+def split(size: int, micro: int, world: int, model_parallel: int = 1, group: int = 1) -> tuple[int, int | None]:
+    """(micro-batch, grad_accum) that keep a global batch of `size` rows at `world` ranks: this
+    micro-batch when the ranks can split the batch with it, else the largest smaller one that can
+    (3 nodes -> 2 with micro-batch 4: 12 rows = 3 x 2 x 2). The loss is normalised by the global
+    batch's tokens (workbench/train/batch.py), so the gradient is the same sum whatever the split,
+    and a smaller micro-batch never needs more memory. (micro, None) when no micro-batch can."""
+    for m in range(micro, 0, -1):
+        accum = accum_for(size, m, world, model_parallel, group)
+        if accum is not None:
+            return m, accum
+    return micro, None
+
+
+def check_shrink(cfg, lay, step=None) -> None:
+    """A multi-node run that may continue on fewer nodes (hardware.min_nodes) must keep its global
+    batch at every node count it may shrink to: refused at start, in one line, when some count
+    cannot split it with any micro-batch (`split`), rather than after a node is lost. `step`: the
+    method's MethodSpec.batch, as for keep_global_batch."""
+    hw = cfg.hardware
+    lowest = int(hw.min_nodes or hw.nodes)
+    if lowest >= int(hw.nodes) or not cfg.train.keep_global_batch:
+        return
+    micro, accum = int(cfg.train.micro_batch_size), int(cfg.train.grad_accum)
+    shape = _shape(step, cfg, micro, accum, lay.dp)
+    if shape is not None and shape.fixed:
+        return  # the method fixes its global batch at any layout
+    size, group = micro * accum * lay.dp, shape.group if shape is not None else 1
+    per_node = lay.world // int(hw.nodes)
+    bad = [n for n in range(lowest, int(hw.nodes))
+           if split(size, int(cfg.train.micro_batch_size), n * per_node, lay.model_parallel, group)[1] is None]
+    if bad:
+        ok = [n for n in range(lowest, int(hw.nodes) + 1) if n not in bad]
+        # the smallest accumulation at this micro-batch whose global batch every node count splits
+        fit = next((a for a in range(accum + 1, accum + 1025)
+                    if all(split(micro * a * lay.dp, micro, n * per_node, lay.model_parallel, group)[1] is not None
+                           for n in range(lowest, int(hw.nodes)))), None)
+        every = f"every node count from {lowest} to {hw.nodes} splits"
+        fix = f"train.grad_accum={fit} (global batch {micro * fit * lay.dp}, which {every})" if fit \
+            else f"a global batch that {every}"
+        raise UserError(f"hardware.min_nodes={lowest}: at {bad[0]} node(s) ({bad[0] * per_node} ranks) no micro-batch "
+                        f"splits the global batch of {size} rows evenly, so losing a node there would stop the run; "
+                        f"use {fix}, or hardware.min_nodes={min(n for n in ok if n > bad[-1])}")
 
 
 def plan_line(rec: dict | None, cfg, run) -> str | None:

@@ -81,6 +81,20 @@ def save_traceback(run_dir, rank: int, exc: BaseException, extra_secrets=()) -> 
     return path
 
 
+MISTAKE = "mistake.json"  # stalls/<this>: a rank's UserError, which a restart would meet again
+
+
+def save_mistake(run_dir, rank: int, exc: BaseException, extra_secrets=()) -> None:
+    """A rank stopped by a mistake in config, data or environment (a UserError that is not another
+    rank's failure): the same on every attempt, so the launcher stops instead of restarting
+    (workbench/launch/torchrun.py reads `stalls/mistake.json`)."""
+    if not isinstance(exc, UserError) or isinstance(exc, RankFailure):
+        return
+    path = Path(run_dir) / "stalls" / MISTAKE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rank": rank, "message": scrub_text(" ".join(str(exc).split()), extra_secrets)}))
+
+
 class RankFailure(UserError):
     """Another rank failed or stalled; this one stopped with it."""
 
