@@ -34,7 +34,8 @@ LAYERS = [
      "workbench.telemetry.flops", "workbench.export.gguf"],
     # engines: methods, backends, evaluations, checkpoints, what observes a run, the planner
     ["workbench.methods", "workbench.backends", "workbench.evals", "workbench.train.checkpoint",
-     "workbench.train.canonical", "workbench.train.resume", "workbench.train.replay", "workbench.train.faults",
+     "workbench.train.canonical", "workbench.train.resume", "workbench.train.resume_changes",
+     "workbench.train.replay", "workbench.train.faults",
      "workbench.train.keep_best", "workbench.train.watchdog", "workbench.telemetry", "workbench.plan",
      "workbench.export.parity", "workbench.export.hub"],
     # the resolved run: validation, the rule table and the decisions derived from a config

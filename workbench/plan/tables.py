@@ -41,10 +41,24 @@ def tokens_line(plan: dict) -> str:
             "rank takes its own micro-batches, so the count grows with the devices (plan.tokens fixes it)")
 
 
+def needed_how(need: dict) -> str:
+    """How a run fits on the devices `devices_needed` counted (workbench/plan/fit.py)."""
+    return "activation checkpointing" + (f" and backend={need['backend']}" if need.get("backend") else "")
+
+
+def change_here(row: dict) -> str:
+    """The smallest change that fits on a row's hardware that does not fit, in words."""
+    if row["fix"]:
+        return (f"smallest change that fits here: {row['fix']}"
+                + (f" ({row['fix_peak_gb']:.1f} GiB per device)" if row.get("fix_peak_gb") else ""))
+    need = row.get("needed")
+    if need:
+        return f"smallest change that fits: {need['devices']} devices of hardware={row['hardware']} with {needed_how(need)}"
+    return f"no change the planner tries fits on hardware={row['hardware']}"
+
+
 def change_line(r: dict) -> str:
     """A row that does not fit: the smallest change that does, and the devices it needs."""
-    from workbench.run.plan import change_here, needed_how  # the words the refusal uses
-
     line = f"{r['hardware']}: does not fit; {change_here(r)}"
     need = r.get("needed")
     if r["fix"] and need and need["devices"] > r["devices"]:

@@ -30,7 +30,8 @@ from workbench.plan.fit import GiB, usable_bytes, verdict
 from workbench.plan.memory import estimate, tokens_per_micro
 from workbench.plan.setup import Setup
 from workbench.plan.speed import Decoder, Rollout, generation_seconds, speed, train_flops_per_token
-from workbench.plan.tables import duration, money, show
+from workbench.plan.tables import change_here, duration, money, needed_how, show
+from workbench.run import rules
 from workbench.run.derive import derive
 from workbench.telemetry.peak import measured_peak_flops
 from workbench.telemetry.plan_check import calibration
@@ -166,8 +167,6 @@ def _fix_check(cfg, counts, devices: int, memory_gb: float, device: str, seen: d
     breaks no rule of the table the config did not break already (this machine's rules aside:
     the plan is for the profile's) and its own plan fits `memory_gb` per device. `seen`: the
     changed configs by change, shared by the rows of one plan (None: a rule refuses it)."""
-    from workbench.run import rules  # deferred: the rule table imports what the plan's callers import
-
     env = rules.Env()
 
     def changed_cfg(change: str):
@@ -435,22 +434,6 @@ def does_not_fit(plan: dict) -> DoesNotFit:
         return DoesNotFit(plan["refusal"])
     return DoesNotFit(f"the plan does not fit hardware={h['hardware']} as configured ({h['peak_gb']:.1f} GiB per "
                       f"device, {h['usable_gb']:.1f} usable); {change_here(h)}")
-
-
-def needed_how(need: dict) -> str:
-    """How a run fits on the devices `devices_needed` counted (workbench/plan/fit.py)."""
-    return "activation checkpointing" + (f" and backend={need['backend']}" if need.get("backend") else "")
-
-
-def change_here(row: dict) -> str:
-    """The smallest change that fits on a row's hardware that does not fit, in words."""
-    if row["fix"]:
-        return (f"smallest change that fits here: {row['fix']}"
-                + (f" ({row['fix_peak_gb']:.1f} GiB per device)" if row.get("fix_peak_gb") else ""))
-    need = row.get("needed")
-    if need:
-        return f"smallest change that fits: {need['devices']} devices of hardware={row['hardware']} with {needed_how(need)}"
-    return f"no change the planner tries fits on hardware={row['hardware']}"
 
 
 def to_json(plan: dict) -> str:
