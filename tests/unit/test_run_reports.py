@@ -156,3 +156,16 @@ def test_a_key_in_the_wrong_section_points_at_the_right_one():
     assert commandline.precheck(["train.lr=1e-4"]) == "train.lr is not a config key; did you mean optim.lr=1e-4?"
     assert commandline.precheck(["method=grpo", "max_new_tokens=3"]).startswith(
         "max_new_tokens is not a config key; did you mean method.max_new_tokens=3?")
+
+
+# -- a failed start leaves nothing behind -------------------------------------------------------
+def test_a_data_error_found_after_the_tracker_opened_leaves_no_run_directory(tmp_path):
+    # the preflight sample reads the first rows; row 41 fails as the method prepares every row,
+    # after the tracker opened its TensorBoard file
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    rows = [good] * 40 + [{"messages": [{"role": "user", "content": "x"}]}]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = _cli(["model=tiny", "debug=fast", f"data.path={tmp_path / 'chats.jsonl'}", f"output_dir={tmp_path / 'run'}"])
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == \
+        f"error: {tmp_path / 'chats.jsonl'}:41: no assistant turn to train on"
+    assert not (tmp_path / "run").exists()

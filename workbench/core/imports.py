@@ -1,5 +1,5 @@
 """Imports on the user's behalf: optional engines kept out of a process that did not choose
-them (bitsandbytes out of a CLI run that quantises nothing), and a user's own
+them (bitsandbytes out of a CLI job that quantises nothing), and a user's own
 `package.module:function` (rewards, evaluation hooks) found by name.
 
 Some libraries import an engine only because it is installed: transformers' `save_pretrained`
@@ -11,7 +11,8 @@ of a block, unless the engine is already imported because the run chose it.
     with hidden("deepspeed"):
         model.save_pretrained(path)
     import_without_incidentals("transformers.modeling_utils")  # without scipy and boto3 (INCIDENTAL)
-    skip_bitsandbytes(needs_bitsandbytes(cfg))                 # in the CLI's Hydra job, before the run
+    skip_bitsandbytes(needs_bitsandbytes(cfg))                 # in the CLI's Hydra job, before each job
+    quiet_bitsandbytes()                                       # before anything imports bitsandbytes
     fn = user_function("mypkg.rewards:brevity", "reward")   # UserError naming `reward` if absent
 """
 
@@ -57,20 +58,58 @@ def import_without_incidentals(module: str):
 
 
 def skip_bitsandbytes(needed: bool) -> None:
-    """peft imports bitsandbytes whenever it is installed, and bitsandbytes imports
-    torch._inductor: about a second before the first step of a run that quantises nothing.
-    A single command-line job that is not QLoRA (`needed`: workbench/run/derive.py
-    needs_bitsandbytes) hides it for the rest of the process; a multirun may still reach QLoRA
-    in this process, and run_job called from Python leaves the process as it is (only the CLI
-    calls this)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
+    """peft imports bitsandbytes whenever it is installed (peft.helpers), and bitsandbytes imports
+    torch._inductor and, on a CPU with AVX512-BF16, logs a warning about an optional kernel (see
+    quiet_bitsandbytes): about a second and a warning line before the first step of a run that
+    quantises nothing. Called by the CLI's Hydra job before each job with `needed` from
+    workbench/run/derive.py needs_bitsandbytes: a job that is not QLoRA hides bitsandbytes
+    unless an earlier job of this process imported it; a QLoRA job after one that hid it (a
+    multirun in one process) brings it back. run_job called from Python leaves the process as it
+    is (only the CLI calls this)."""
+    if needed:
+        if "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None:
+            del sys.modules["bitsandbytes"]
+            _forget_bitsandbytes_probes()
+        return
+    if "bitsandbytes" not in sys.modules:
+        sys.modules["bitsandbytes"] = None  # import raises ImportError; find_spec answers None
 
-    if needed or "peft" in sys.modules or "bitsandbytes" in sys.modules:
-        return
-    if HydraConfig.get().mode != RunMode.RUN:
-        return
-    sys.modules["bitsandbytes"] = None  # import raises ImportError; find_spec answers None
+
+def _forget_bitsandbytes_probes() -> None:
+    """peft and transformers cache whether bitsandbytes is installed (functools.lru_cache): an
+    answer given while it was hidden would keep peft from dispatching to its 4-bit layers."""
+    probes = (("peft.import_utils", ("is_bnb_available", "is_bnb_4bit_available")),
+              ("transformers.utils.import_utils", ("is_bitsandbytes_available",)))
+    for module, names in probes:
+        mod = sys.modules.get(module)
+        for name in names:
+            clear = getattr(getattr(mod, name, None), "cache_clear", None)
+            if clear is not None:
+                clear()
+
+
+class _OptionalKernelNotice:
+    """Drops bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" record.
+
+    On a CPU with AVX512-BF16, bitsandbytes' CPU backend (bitsandbytes/backends/cpu/ops.py) tries
+    at import to fetch an optional fused 4-bit GEMM from the `kernels` package (a Hub download)
+    and logs a warning when that package is absent. Nothing is lost: without it the same op runs
+    the bundled C library's 4-bit GEMV (gemv_4bit_inference_cpu_nf4_bf16), and that op serves only
+    4-bit weights repacked for CPU inference, which this workbench never makes (workbench/peft/
+    lora.py quantize_nf4 turns the repacking off). The line is not the user's to act on."""
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
+def quiet_bitsandbytes() -> None:
+    """Before bitsandbytes is imported (by peft or by workbench/peft/lora.py): keep its optional-kernel
+    notice (_OptionalKernelNotice) off the console and the logs; its other records pass."""
+    import logging
+
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _OptionalKernelNotice) for f in log.filters):
+        log.addFilter(_OptionalKernelNotice())
 
 
 def user_function(spec: str, field: str):

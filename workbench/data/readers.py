@@ -176,16 +176,23 @@ def _jsonl_lines(path) -> Iterator[tuple[str, dict | UserError]]:
             except json.JSONDecodeError as exc:
                 if offset == size and not raw.endswith(b"\n"):
                     yield "", UserError(f"{path}:{lineno}: the last line is truncated (invalid JSON and no final "
-                                        f"newline: {exc.msg} at column {exc.colno}); was the file cut off while "
+                                        f"newline: {_json_error(exc)}); was the file cut off while "
                                         "being written?")
                 else:
-                    yield "", UserError(f"{path}:{lineno}: malformed JSON ({exc.msg} at column {exc.colno}); "
+                    yield "", UserError(f"{path}:{lineno}: malformed JSON ({_json_error(exc)}); "
                                         "expected one JSON object per line")
                 continue
             if not isinstance(row, dict):
                 yield "", UserError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
                 continue
             yield f"{path}:{lineno}", row
+
+
+def _json_error(exc: json.JSONDecodeError) -> str:
+    """What is wrong and where on the line: "Expecting ',' delimiter at column 12". Some of json's
+    messages end in "at" already ("Unterminated string starting at", "Invalid control character
+    at"), and their column is the place they name."""
+    return f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
 
 
 def _json(path, split) -> Iterator[tuple[str, dict]]:
@@ -205,7 +212,7 @@ def _json(path, split) -> Iterator[tuple[str, dict]]:
         try:
             row, i = dec.raw_decode(text, i)
         except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+            raise UserError(f"{path}:{exc.lineno}: malformed JSON ({_json_error(exc)})") from None
         if not isinstance(row, dict):
             raise UserError(f"{path}:{lineno}: expected a JSON object in the array, got {type(row).__name__}")
         yield f"{path}:{lineno}", row

@@ -103,7 +103,8 @@ def _loads(text: str):
     try:
         return json.loads(text), None
     except json.JSONDecodeError as exc:
-        return None, f"not JSON ({exc.msg} at character {exc.pos})"
+        # some of json's messages end in "at" already ("Unterminated string starting at")
+        return None, f"not JSON ({exc.msg.removesuffix(' at')} at character {exc.pos})"
 
 
 def _call(obj, arg_keys: tuple[str, ...]) -> tuple[ToolCall | None, str | None]:

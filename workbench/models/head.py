@@ -50,6 +50,10 @@ class SelectiveLM(nn.Module):
         at the selected positions in order or, with `slot`, at selected position slot[i] (tree
         rows read a shared prompt's last position twice); with entropy=True also each read
         position's entropy (no gradient)."""
+        return _not_views(self._outputs(input_ids, attention_mask, position_ids, select, targets, slot,
+                                        temperature, entropy))
+
+    def _outputs(self, input_ids, attention_mask, position_ids, select, targets, slot, temperature, entropy):
         lm = base_model(self.inner)
         if right_padded(attention_mask):
             # Under a causal mask no real token attends to the padding after it, so the padding
@@ -95,6 +99,22 @@ class SelectiveLM(nn.Module):
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return logits
+
+
+def _not_views(out):
+    """`out` with every tensor that needs a gradient and is a view of another replaced by a copy.
+
+    This module is the one backends wrap, and FSDP2 attaches its pre-backward hook to the
+    forward's output tensors; an in-place op on an output that is a view (the target log-probs
+    are `gather(...).squeeze(-1)`) would replace the view's autograd node and drop that hook
+    (the backward then fails: "setStorage: ... out of bounds for storage of size 0"), so FSDP2
+    warns on every forward that returns one. No caller here modifies the output in place, but the
+    copy (one number per selected position, next to a log-softmax over the vocabulary at each)
+    removes the hazard and the warning; tests/distributed/test_fsdp2_views.py watches both.
+    Outputs without gradient (evaluation, rollouts) carry no hook and stay as they are."""
+    if isinstance(out, tuple):
+        return tuple(_not_views(o) for o in out)
+    return out.clone() if isinstance(out, torch.Tensor) and out.requires_grad and out._base is not None else out
 
 
 def target_logps(logits, targets, slot=None, temperature: float = 1.0, entropy: bool = False):

@@ -18,6 +18,11 @@ import torch
 from torch import nn
 
 from workbench.core.errors import UserError, missing_package
+from workbench.core.imports import quiet_bitsandbytes
+
+# peft imports bitsandbytes whenever it is installed, so before anything here imports peft:
+# bitsandbytes' notice about an optional CPU kernel is not the user's to act on.
+quiet_bitsandbytes()
 
 # What "all-linear" means: every Linear inside the decoder blocks (never lm_head).
 BLOCK_PREFIX = "layers."
