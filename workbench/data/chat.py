@@ -14,6 +14,7 @@ import hashlib
 from dataclasses import dataclass
 
 from workbench.core.errors import UserError
+from workbench.models.gguf_tokenizer import GEMMA_TEMPLATE
 
 IGNORE = -100
 
@@ -24,6 +25,7 @@ TEMPLATES = {
         " + '<|im_end|>' + '\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     ),
+    "gemma": GEMMA_TEMPLATE,  # <start_of_turn>user ... <end_of_turn> (workbench/models/gguf_tokenizer.py)
 }
 
 

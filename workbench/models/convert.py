@@ -9,6 +9,14 @@ writes weights only on rank 0 once torch.distributed is initialised: converted i
 a job, the folder would hold a tokenizer and no weights. A fresh process has no process group,
 and it keeps accelerate's DeepSpeed probe (inside save_pretrained) out of the training process.
 
+A SentencePiece vocabulary (Gemma's) gets its tokenizer from workbench/models/gguf_tokenizer.py,
+not from transformers' GGUF conversion, which splits Gemma's words into fragments.
+
+Before anything is saved, the import check (workbench/models/import_check.py) compares the
+converted model and tokenizer with llama.cpp's reading of the same file; a conversion that fails
+it exits with status 3 and its one line, and nothing is cached. Its report is kept as
+import_check.json.
+
 Beside the weights it writes gguf_metadata.json, the GGUF's scalar fields (license, llama.cpp
 pre-tokenizer name, ...), which exports copy: reading them from the GGUF again would parse all
 of its vocabulary metadata, about 4 s a time on a 2-core CPU.
@@ -20,31 +28,46 @@ import json
 import sys
 from pathlib import Path
 
+from workbench.models import gguf_tokenizer, import_check
+
 METADATA = "gguf_metadata.json"
+CHECK_FAILED = 3  # the exit status of a conversion the import check refused (its line on stderr)
 
 
-def scalar_fields(path: str) -> dict:
+def scalar_fields(reader) -> dict:
     """The GGUF's metadata fields that hold one value (strings and numbers, not arrays)."""
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFValueType
 
-    fields = GGUFReader(path).fields.values()
+    fields = reader.fields.values()
     return {f.name: f.contents() for f in fields if f.types and f.types[0] != GGUFValueType.ARRAY}
 
 
 def convert(gguf_dir: str, gguf_file: str, out_dir: str) -> None:
     import torch
+    from gguf import GGUFReader
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    reader = GGUFReader(str(Path(gguf_dir, gguf_file)))  # metadata read once, for the tokenizer and METADATA
+    vocab = gguf_tokenizer.read_vocab(reader)
+    if vocab.model == "llama":  # a SentencePiece vocabulary: rebuilt as llama.cpp reads it (gguf_tokenizer.py)
+        tok = gguf_tokenizer.spm_tokenizer(vocab, out_dir)
+    else:
+        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
     # transformers keeps a GGUF quantizer marker on the model although the weights are plain
     # dequantised Linear weights; save_pretrained refuses while it is there.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    # checked before it is saved: a conversion that fails is never cached
+    report = import_check.check(Path(gguf_dir, gguf_file), model, tok)
+    if not report["passed"]:
+        print(import_check.line(report), file=sys.stderr)
+        raise SystemExit(CHECK_FAILED)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok.save_pretrained(out_dir)
-    Path(out_dir, METADATA).write_text(json.dumps(scalar_fields(str(Path(gguf_dir, gguf_file))), indent=1))
+    Path(out_dir, METADATA).write_text(json.dumps(scalar_fields(reader), indent=1))
+    Path(out_dir, import_check.REPORT).write_text(json.dumps(report, indent=1))
     if not any(Path(out_dir).glob("*.safetensors")):
         raise SystemExit(f"convert: no weights were written to {out_dir}")
 

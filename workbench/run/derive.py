@@ -131,6 +131,16 @@ class Run:
         weights are its trainable dtype."""
         return torch.float32 if self.peft.adapter else self.precision.trainable_dtype
 
+    @property
+    def loss_chunk(self) -> int:
+        """Positions per checkpointed piece of the head (workbench/models/head.py): model.loss_chunk
+        when set; else AUTO_CHUNK where one micro-batch's logits at once would pass
+        AUTO_CHUNK_BYTES (a 262,144-token vocabulary: Gemma 3's 16 x 256 positions take 12 GiB in
+        the fp32 loss), else 0, all at once. The planner reads the same number (run/plan.py)."""
+        if self.cfg.model.loss_chunk:
+            return int(self.cfg.model.loss_chunk)
+        return AUTO_CHUNK if logits_at_once(self.cfg) > AUTO_CHUNK_BYTES else 0
+
     def summary(self) -> dict:
         return {"device": self.device, "precision": self.precision.name, "compute_dtype": _name(self.precision.compute_dtype),
                 "load_dtype": _name(self.load_dtype), "export_dtype": _name(self.export_dtype), "peft": self.peft.kind,
@@ -183,6 +193,19 @@ def quant_storage(cfg) -> str:
     if cfg.peft.kind == "qlora" and sharded(cfg) and storage not in ("float32", "bfloat16", "float16"):
         return _name(precision.spec(precision_name(cfg)).frozen_dtype)
     return storage
+
+
+# One micro-batch's logits at once above this are computed in AUTO_CHUNK-position pieces, each
+# recomputed in the backward (Run.loss_chunk). SmolLM2's default run (16 x 256 positions, 49,152
+# tokens: 2.4 GB) stays whole, as measured for its golden curves and throughput.
+AUTO_CHUNK_BYTES = 4 * 1024**3
+AUTO_CHUNK = 512
+
+
+def logits_at_once(cfg) -> float:
+    """Bytes of one micro-batch's logits in the loss: positions x vocabulary x 12 (the fp32
+    log-softmax output and the gradients in and out of it, workbench/plan/memory.py)."""
+    return float(cfg.train.micro_batch_size) * cfg.data.seq_len * cfg.model.arch.vocab * 12
 
 
 def precision_name(cfg) -> str:

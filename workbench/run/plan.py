@@ -32,7 +32,7 @@ from workbench.plan.setup import Setup
 from workbench.plan.speed import Decoder, Rollout, generation_seconds, speed, train_flops_per_token
 from workbench.plan.tables import change_here, duration, money, needed_how, show
 from workbench.run import rules
-from workbench.run.derive import derive
+from workbench.run.derive import derive, logits_at_once
 from workbench.telemetry.peak import measured_peak_flops
 from workbench.telemetry.plan_check import calibration
 from workbench.train import precision as prec
@@ -106,7 +106,7 @@ def from_cfg(cfg, devices: int | None = None) -> Setup:
         micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum, seq_len=cfg.data.seq_len,
         checkpointing=ckpt, checkpoint_every=int(pick(cfg, "backend.selective_every", 2)),
         select_fraction=float(pick(cfg, "plan.select_fraction", 1.0)),
-        loss_chunk=int(pick(cfg, "model.loss_chunk", 0)),
+        loss_chunk=run.loss_chunk,
         packed=_flag(pick(cfg, "data.packing", False)),  # the methods that read data.packing pack their rows
         dpo_ref=ref, teacher_scale=float(pick(cfg, "plan.teacher_scale", 1.0)),
         generations=gens,
@@ -373,15 +373,20 @@ def _notes(cfg, s, est) -> list[str]:
     """What a memory term holds that its name does not say. Megatron's weights can be two
     models: its GPTModel shards and the whole HF model the runner keeps beside them on every
     device (run.keeps_hf_base, workbench/run/derive.py) when something reads that model."""
-    if not est.hf_copy:
-        return []
     run = derive(cfg)
+    notes = []
+    if run.loss_chunk and not cfg.model.loss_chunk:  # chosen by the run (Run.loss_chunk), not the user
+        notes.append(f"logits = model.loss_chunk={run.loss_chunk} positions at a time, chosen because one micro-batch's "
+                     f"{cfg.model.arch.vocab:,}-token logits at once would take {logits_at_once(cfg) / GiB:.1f} GiB; "
+                     "set model.loss_chunk to choose another size")
+    if not est.hf_copy:
+        return notes
     why = [w for w, yes in (("generation decodes with it", run.facts.generates),
                             ("a full fine-tune exports the weights bridged back into it", not run.peft.adapter),
                             (f"reference={run.reference} is made from it", run.reference in ("copy", "precomputed")))
            if yes]
     own = (est.weights - est.hf_copy) / GiB
-    return [f"weights = {own:.1f} GiB of backend={s.backend}'s model (tp={s.tp} x pp={s.pp} shards) and adapters "
+    return notes + [f"weights = {own:.1f} GiB of backend={s.backend}'s model (tp={s.tp} x pp={s.pp} shards) and adapters "
             f"+ {est.hf_copy / GiB:.1f} GiB for the whole HF model, kept on every device because "
             f"{' and '.join(why) or 'the run reads it between steps'}; no backend.tp/pp splits that copy"]
 

@@ -22,6 +22,8 @@ missing) are warnings, so a laptop can plan a cluster run.
 
 from __future__ import annotations
 
+import sys
+
 from omegaconf import OmegaConf
 
 from workbench.core.errors import UserError
@@ -33,7 +35,8 @@ from workbench.data.unpaired import unpaired_rows
 from workbench.envs.registry import load as load_env
 from workbench.evals import hooks
 from workbench.methods import registry
-from workbench.models.load import load_tokenizer, resolve
+from workbench.models import import_check
+from workbench.models.load import import_report, load_tokenizer, resolve
 from workbench.models.unsloth_loader import check_versions
 from workbench.plan.counts import count, probe
 from workbench.rollout import rewards
@@ -41,6 +44,7 @@ from workbench.run import rules
 from workbench.run.plan import make_plan, refusal
 from workbench.run.resolved import resolve as resolve_run
 from workbench.train import keep_best, resume, resume_changes
+from workbench.train.distributed import is_main_process
 
 
 def _machine_checks_apply(cfg) -> bool:
@@ -141,6 +145,11 @@ def check(cfg, env: rules.Env | None = None) -> dict:
             warnings.append(str(exc))
     else:
         warnings.append(f"data sample not rendered: model={cfg.model.name}'s tokenizer is not on this machine")
+    checked = import_report(cfg.model)  # a converted GGUF: what its import check compared, and the figures
+    if checked is not None:
+        facts["import_check"] = checked
+        if is_main_process():
+            print(f"model: {import_check.line(checked)}", file=sys.stderr, flush=True)
 
     rec = resume.record_of(cfg.output_dir, cfg.train.resume)
     if rec is not None and "tokenizer" in facts:

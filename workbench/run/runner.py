@@ -107,7 +107,7 @@ class Runner:
         self.method.prepare(self.ctx)  # data errors surface here, before any weights load
         torch.manual_seed(cfg.train.seed)
         self.model = self._load_model()
-        self.train_module = SelectiveLM(self.model, chunk=cfg.model.loss_chunk)
+        self.train_module = SelectiveLM(self.model, chunk=self.run.loss_chunk)  # model.loss_chunk, or chosen
         if cfg.train.compile:
             self.train_module.compile()
         self.backend = backends.spec(cfg.backend.name).build(cfg.backend, self.ctx)
