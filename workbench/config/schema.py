@@ -101,7 +101,8 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     # positions per piece of the head and log-softmax when a loss reads target log-probs; each
     # piece is recomputed in the backward, so the (positions x vocabulary) logits never exist at
-    # once (workbench/models/head.py). 0: all positions in one piece
+    # once (workbench/models/head.py). 0: the run chooses: 512 where one micro-batch's logits at
+    # once would pass 4 GiB (Gemma 3's 262,144-token vocabulary), else all positions in one piece
     loss_chunk: int = 0
     trust_remote_code: bool = False  # run the model repository's own Python code (config, tokenizer, model)
     arch: ArchConfig = field(default_factory=ArchConfig)

@@ -26,7 +26,7 @@ from workbench.core.errors import UserError
 from workbench.launch import network
 from workbench.run.resolved import resolve
 from workbench.train.distributed import LAUNCHED_BY, requested_procs
-from workbench.train.watchdog import MISTAKE, RankFailure
+from workbench.train.watchdog import MISTAKE, RankFailure, ended
 
 
 def _free_port() -> int:
@@ -101,7 +101,7 @@ def launch(cfg) -> dict | None:
         with _quiet_agent(stalls, hw):
             elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as exc:
-        raise _failure(stalls) or RuntimeError(f"distributed run failed: {exc.format_msg()}") from None
+        raise _failure(stalls, exc) or RuntimeError(f"distributed run failed: {exc.format_msg()}") from None
     except RendezvousTimeoutError:
         raise RankFailure(_waited(cfg, config, route)) from None
     return _results(cfg)
@@ -183,20 +183,34 @@ def _clear(stalls: Path) -> None:
         old.unlink()
 
 
-def _failure(stalls: Path):
+def _failure(stalls: Path, exc=None):
     """What the workers' watchdog found (workbench/train/watchdog.py), as one line; else the last
     line of the first rank's traceback that a worker left (cli.py), naming its file. A rank's own
-    failure comes first: the peers that then find it gone record that as a stall too."""
+    failure comes first: the peers that then find it gone record that as a stall too. A rank a
+    signal ended (SIGKILL: the kernel's out-of-memory killer) raised nothing and wrote nothing:
+    torchrun's agent saw it (`exc`, its ChildFailedError), and it comes before its peers' stall,
+    which it caused; a rank that exited without raising, last."""
+    found = {}
     for name in ("failure.json", "stall.json"):
-        if (stalls / name).exists():
-            try:
-                return RankFailure(json.loads((stalls / name).read_text())["message"])
-            except (OSError, ValueError, KeyError):
-                continue
+        try:
+            found[name] = json.loads((stalls / name).read_text())["message"]
+        except (OSError, ValueError, KeyError):
+            continue
+    if "failure.json" in found:
+        return RankFailure(found["failure.json"])
+    gone = sorted((getattr(exc, "failures", None) or {}).items())  # global rank -> ProcessFailure
+    for rank, f in gone:
+        # SIGTERM is how the agent stops the other workers once one has failed: not a cause
+        if f.exitcode < 0 and f.signal_name() != "SIGTERM":
+            return RankFailure(ended(rank, f.pid, f.exitcode, stalls))
+    if "stall.json" in found:
+        return RankFailure(found["stall.json"])
     for path in sorted(stalls.glob("traceback-rank*.txt")):
         lines = [x for x in path.read_text().splitlines() if x.strip()]
         rank = path.stem.removeprefix("traceback-rank")
         return RankFailure(f"rank {rank} failed: {lines[-1] if lines else '?'} (traceback: {path})")
+    if gone:
+        return RankFailure(ended(gone[0][0], gone[0][1].pid, gone[0][1].exitcode, stalls))
     return None
 
 

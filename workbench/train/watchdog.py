@@ -29,6 +29,11 @@ recorder dump on timeout into the stalls folder: `gpu_env`).
 A rank whose run raises keeps its traceback in `<run_dir>/stalls/traceback-rank<N>.txt`
 (`save_traceback`); the launcher's one line names that file, and the rank itself prints nothing
 more (cli.py), so the user reads one line instead of a traceback per rank.
+
+A rank that a signal ends (SIGKILL from the kernel's out-of-memory killer) raises nothing and
+writes nothing: each heartbeat carries the rank's resident memory, so a peer that finds it gone
+says how much it held at its last beat, and the launcher's line for it (`ended`, from what
+torchrun's agent saw) names the signal, the memory known and this machine's.
 """
 
 from __future__ import annotations
@@ -93,6 +98,102 @@ def save_mistake(run_dir, rank: int, exc: BaseException, extra_secrets=()) -> No
     path = Path(run_dir) / "stalls" / MISTAKE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"rank": rank, "message": scrub_text(" ".join(str(exc).split()), extra_secrets)}))
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux /proc; None elsewhere)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _cgroup_memory() -> tuple[int | None, int | None]:
+    """(OOM kills the kernel counted in this process's memory cgroup, its limit in bytes), each
+    None where unreadable. cgroup v2 memory.events / memory.max, else v1 memory.oom_control /
+    memory.limit_in_bytes; the counter counts kills by any OOM killer, the machine's too."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None, None
+    v2 = next((ln.split(":", 2)[2] for ln in lines if ln.startswith("0::")), None)
+    v1 = next((ln.split(":", 2)[2] for ln in lines if "memory" in ln.split(":", 2)[1].split(",")), None)
+    places = []
+    if v1 is not None:
+        places += [(Path("/sys/fs/cgroup/memory") / v1.lstrip("/"), "memory.oom_control", "memory.limit_in_bytes"),
+                   (Path("/sys/fs/cgroup/memory"), "memory.oom_control", "memory.limit_in_bytes")]
+    if v2 is not None:
+        places += [(Path("/sys/fs/cgroup") / v2.lstrip("/"), "memory.events", "memory.max"),
+                   (Path("/sys/fs/cgroup"), "memory.events", "memory.max")]
+    for folder, events, limit in places:
+        try:
+            counts = dict(ln.split()[:2] for ln in (folder / events).read_text().splitlines() if ln.strip())
+        except (OSError, ValueError):
+            continue
+        try:
+            cap = (folder / limit).read_text().strip()
+            cap = int(cap) if cap.isdigit() and int(cap) < 2**60 else None  # "max" / 2**63: no limit
+        except OSError:
+            cap = None
+        return (int(counts["oom_kill"]) if counts.get("oom_kill", "").isdigit() else None), cap
+    return None, None
+
+
+def _machine_bytes() -> int | None:
+    try:
+        kib = next(ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines() if ln.startswith("MemTotal:"))
+        return int(kib) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def ended(rank: int, pid: int, exitcode: int, stalls) -> str:
+    """One line for a rank that ended without raising (torchrun's agent saw its process end; it
+    left no traceback): a signal (SIGKILL: what the kernel's out-of-memory killer sends) or a bare
+    exit status; its phase and memory at its last heartbeat when a peer recorded that beat
+    (stall.json, matched by pid and host); and the largest peak of the launcher's finished
+    processes (its workers among them: the kernel keeps a reaped child's peak, killed or not),
+    against this machine's memory. Runs in the launcher."""
+    import resource
+    import signal
+
+    beat = None
+    try:
+        beats = json.loads((Path(stalls) / "stall.json").read_text()).get("beats", {})
+        mine = beats.get(str(rank)) or {}
+        # the agent reports its own node's workers: a beat of that pid on this host is the process
+        beat = mine if (mine.get("pid"), mine.get("host")) == (pid, socket.gethostname()) else None
+    except (OSError, ValueError, AttributeError):
+        pass
+    if exitcode >= 0:
+        head = f"rank {rank} exited with status {exitcode} without raising (no traceback)"
+    else:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        head = f"rank {rank} was killed by {name} (exit {exitcode})"
+    facts = []
+    oom_kills, cap = _cgroup_memory()
+    if exitcode == -signal.SIGKILL:
+        counted = f"; OOM kills counted in this cgroup: {oom_kills}" if oom_kills is not None else ""
+        facts.append(f"SIGKILL is what the kernel's out-of-memory killer sends when memory runs out{counted}")
+    if beat:  # up to one watchdog interval old: where it was then, not where it died
+        held = f" with {_gib(beat['rss'])} resident" if beat.get("rss") else ""
+        facts.append(f"its last heartbeat ({max(0.0, time.time() - beat['beat']):.0f} s before) had it in "
+                     f"{heartbeat.describe(beat['phase'], beat.get('detail', ''), beat['step'])}{held}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux: KiB
+    sizes = [x for x in (cap, _machine_bytes()) if x]
+    if peak:
+        facts.append(f"the largest process this launcher ran (its workers) peaked at {_gib(peak)} resident"
+                     + (f", of {_gib(min(sizes))} on this machine" if sizes else ""))
+    hint = ("; lower the memory each process needs (a smaller model, micro-batch or data.seq_len, peft=lora, a "
+            "sharding backend) or start fewer per node (hardware.procs)") if exitcode == -signal.SIGKILL else ""
+    return head + (": " + "; ".join(facts) if facts else "") + hint
 
 
 class RankFailure(UserError):
@@ -211,10 +312,11 @@ class Watchdog:
         self._write_stacks(note=f"a collective failed here: {type(exc).__name__}: {str(exc)[:300]}")
         for r in gone:
             self._write_gone(r, beats.get(r))
-        where = "; ".join(f"{self._who(r, beats.get(r))} in {self._where(beats.get(r))}" for r in gone)
+        where = "; ".join(f"{self._who(r, beats.get(r))} in {self._where(beats.get(r))}{self._held(beats.get(r))}"
+                          for r in gone)
         msg = (f"rank(s) {', '.join(map(str, gone))} stopped answering ({reason}): {where}; stacks in "
                f"{self.run_dir / 'stalls'}; last intact checkpoint: {self.last_checkpoint() or 'none'}")
-        self._record({"ranks": gone, "reason": reason, "message": msg})
+        self._record({"ranks": gone, "reason": reason, "message": msg, "beats": {str(k): v for k, v in beats.items()}})
         return RankFailure(msg)
 
     # -- the thread -----------------------------------------------------------------------
@@ -250,7 +352,7 @@ class Watchdog:
         b = heartbeat.BEAT
         record = {"phase": b.phase, "detail": b.detail, "step": b.step, "since": b.since, "beat": time.time(),
                   "pid": os.getpid(), "host": self.host, "addr": os.environ.get(NODE_ADDR, ""),
-                  "waiting": self._waiting()}
+                  "waiting": self._waiting(), "rss": resident_bytes()}
         if self.store is None:
             self.local[self.rank] = record
         else:
@@ -322,7 +424,8 @@ class Watchdog:
             if not self._alive(beats.get(r)):
                 self._write_gone(r, beats.get(r))
         named = verdict["ranks"]
-        what = "; ".join(f"{self._who(r, beats.get(r))} in {self._where(beats.get(r))}" for r in named)
+        what = "; ".join(f"{self._who(r, beats.get(r))} in {self._where(beats.get(r))}"
+                         + ("" if self._alive(beats.get(r)) else self._held(beats.get(r))) for r in named)
         files = ", ".join(str(self.run_dir / "stalls" / f"rank-{r}.txt") for r in range(self.world))
         msg = (f"rank(s) {', '.join(map(str, named))} stalled ({verdict['reason']}): {what}; stacks: {files}; "
                f"last intact checkpoint: {self.last_checkpoint() or 'none'}")
@@ -343,6 +446,12 @@ class Watchdog:
             return "startup (never reported)"
         return heartbeat.describe(hb["phase"], hb.get("detail", ""), hb["step"])
 
+    @staticmethod
+    def _held(hb: dict | None) -> str:
+        """", 1.4 GiB resident at its last heartbeat" for a rank that is gone (the kernel's
+        out-of-memory killer leaves no other trace of what it held)."""
+        return f", {_gib(hb['rss'])} resident at its last heartbeat" if hb and hb.get("rss") else ""
+
     def _write_stacks(self, note: str) -> None:
         folder = self.run_dir / "stalls"
         folder.mkdir(parents=True, exist_ok=True)
@@ -355,8 +464,8 @@ class Watchdog:
         folder = self.run_dir / "stalls"
         folder.mkdir(parents=True, exist_ok=True)
         pid = f"pid {hb['pid']}, {hb['host']}" if hb else "never reported"
-        (folder / f"rank-{rank}.txt").write_text(scrub_text(f"rank {rank} ({pid}) in {self._where(hb)}: the process "
-                                                            "is gone, so it left no stack\n"))
+        (folder / f"rank-{rank}.txt").write_text(scrub_text(f"rank {rank} ({pid}) in {self._where(hb)}{self._held(hb)}: "
+                                                            "the process is gone, so it left no stack\n"))
 
     def _record(self, verdict: dict) -> None:
         if self.rank == 0 or self.world == 1 or self.store is None:
