@@ -148,7 +148,7 @@ def run(cells_: list[Cell], out, timeout: int = 3600, job_per_backend: bool = Tr
     model-parallel state is process-global, so its runs share a job of their own. A cell that
     fails is recorded; the cells after it still run."""
     from tests.conftest import train
-    from tests.helpers import torchrun
+    from tests.helpers import worker_jobs
 
     out = Path(out)
     results: dict[str, dict] = {}
@@ -165,23 +165,7 @@ def run(cells_: list[Cell], out, timeout: int = 3600, job_per_backend: bool = Tr
     else:
         jobs = {"megatron": [c for c in multi if c.backend == "megatron"],
                 "others": [c for c in multi if c.backend != "megatron"]}
-    for tag, job in jobs.items():
-        if not job:
-            continue
-        where = out / tag
-        where.mkdir(parents=True, exist_ok=True)
-        spec = where / "spec.json"
-        spec.write_text(json.dumps({"out": str(where), "runs": [{"name": c.name, "overrides": overrides(c)}
-                                                                 for c in job]}))
-        try:
-            torchrun(ROOT / "tests" / "distributed" / "_worker.py", [spec], timeout)
-        except AssertionError as exc:  # the job died: its finished cells keep their results
-            failed = " ".join(str(exc)[-600:].split())
-        else:
-            failed = ""
-        for c in job:
-            f = where / "results" / f"{c.name}.rank0.json"
-            results[c.name] = json.loads(f.read_text()) if f.exists() else {"error": f"job ended first: {failed}"}
+    results.update(worker_jobs({tag: [(c.name, overrides(c)) for c in job] for tag, job in jobs.items()}, out, timeout))
     return results
 
 

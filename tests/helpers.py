@@ -154,6 +154,44 @@ def torchrun(script: Path, args: list[str], timeout: int, python_flags: tuple[st
     return proc.stdout
 
 
+def worker_jobs(jobs: dict[str, list[tuple[str, list[str]]]], out: Path, timeout: int) -> dict[str, dict]:
+    """Each job's runs, (name, overrides), in one torchrun job of 2 processes
+    (tests/distributed/_worker.py) under `out/<job>`: name -> rank 0's result, or {"error": ...}.
+    Unlike `worker_job`, a job that dies keeps its finished runs' results and the next job still
+    runs: the matrices (tests/precision_matrix.py, scripts/family_matrix.py) record failures."""
+    results: dict[str, dict] = {}
+    for tag, runs in jobs.items():
+        if not runs:
+            continue
+        where = Path(out) / tag
+        where.mkdir(parents=True, exist_ok=True)
+        spec = where / "spec.json"
+        spec.write_text(json.dumps({"out": str(where), "runs": [{"name": n, "overrides": o} for n, o in runs]}))
+        try:
+            torchrun(ROOT / "tests" / "distributed" / "_worker.py", [spec], timeout)
+        except AssertionError as exc:  # the job died: its finished runs keep their results
+            failed = " ".join(str(exc)[-600:].split())
+        else:
+            failed = ""
+        for name, _ in runs:
+            f = where / "results" / f"{name}.rank0.json"
+            results[name] = json.loads(f.read_text()) if f.exists() else {"error": f"job ended first: {failed}"}
+    return results
+
+
+def one_error_line(args: list[str], timeout: int = 600) -> tuple[str, str]:
+    """`python -m workbench ARGS` run to its failure: it must exit non-zero with exactly one
+    `error:` line on its console. That line, and the whole console."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WORKBENCH_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "workbench", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    errors = [x for x in log.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1, log[-4000:]
+    return errors[0], log
+
+
 def write_jsonl(path, rows):
     """`rows` as a JSONL file at `path` (a test's own data); returns the path."""
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -134,11 +134,10 @@ def run(cells_: list[Cell], out, teacher=None, timeout: int = 3600, job_per_back
     (tests/distributed/_worker.py): one per backend, so a job that dies takes only its backend's
     cells with it, or (job_per_backend=False, the default tier's few cells) Megatron's and the
     rest's, to pay for fewer launches. A cell that fails is recorded; the cells after it still run."""
-    import json
     from pathlib import Path
 
     from tests.conftest import train
-    from tests.helpers import ROOT, torchrun
+    from tests.helpers import worker_jobs
 
     out = Path(out)
     results: dict[str, dict] = {}
@@ -152,23 +151,8 @@ def run(cells_: list[Cell], out, teacher=None, timeout: int = 3600, job_per_back
     else:  # Megatron's model-parallel state is process-global: its runs share a job of their own
         jobs = {"megatron": [c for c in cells_ if c.procs == 2 and c.backend.startswith("megatron")],
                 "others": [c for c in cells_ if c.procs == 2 and not c.backend.startswith("megatron")]}
-    for tag, job in jobs.items():
-        if not job:
-            continue
-        where = out / tag
-        where.mkdir(parents=True, exist_ok=True)
-        spec = where / "spec.json"
-        spec.write_text(json.dumps({"out": str(where), "runs": [{"name": c.name, "overrides": overrides(c, teacher)}
-                                                                 for c in job]}))
-        try:
-            torchrun(ROOT / "tests" / "distributed" / "_worker.py", [spec], timeout)
-        except AssertionError as exc:  # the job died: its finished cells keep their results
-            failed = str(exc)[-400:]
-        else:
-            failed = ""
-        for c in job:
-            f = where / "results" / f"{c.name}.rank0.json"
-            results[c.name] = json.loads(f.read_text()) if f.exists() else {"error": f"job ended first: {failed}"}
+    results.update(worker_jobs({tag: [(c.name, overrides(c, teacher)) for c in job] for tag, job in jobs.items()},
+                               out, timeout))
     return results
 
 

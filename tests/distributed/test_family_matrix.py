@@ -21,12 +21,12 @@ import importlib.util
 import os
 import re
 import signal
-import subprocess
 import sys
 
 import pytest
 
 from tests.conftest import ROOT, TINY
+from tests.helpers import one_error_line
 
 pytestmark = pytest.mark.distributed
 
@@ -120,14 +120,7 @@ def test_a_rank_killed_by_sigkill_is_one_line_with_its_memory(tmp_path):
     args = [*TINY, "backend=fsdp2", "peft=none", "hardware.procs=2", "train.max_steps=2", "++hardware.timeout_minutes=4",
             "method=grpo", "method.num_generations=2", "train.micro_batch_size=2", "train.grad_accum=1",
             "method.max_new_tokens=4", f"reward.functions=[{__name__}:hog_and_die]", f"output_dir={tmp_path}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WORKBENCH_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "workbench", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode != 0, log[-3000:]
-    errors = [x for x in log.splitlines() if x.startswith("error:")]
-    assert len(errors) == 1, log[-4000:]
-    line = errors[0]
+    line, log = one_error_line(args)
     assert line.startswith("error: rank 1 was killed by SIGKILL (exit -9)"), line
     assert "out-of-memory killer" in line, line
     # the largest peak of the launcher's reaped processes (the kernel's accounting): at least the hog

@@ -8,12 +8,11 @@ or a traceback, and torchrun's agent prints no failure table.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT, TINY
+from tests.conftest import TINY
+from tests.helpers import one_error_line
 
 pytestmark = pytest.mark.distributed
 
@@ -29,14 +28,7 @@ def test_an_exception_in_rank_1_is_one_line_naming_its_traceback(tmp_path):
     args = [*TINY, "backend=fsdp2", "peft=none", "hardware.procs=2", "train.max_steps=2", "++hardware.timeout_minutes=4",
             "method=grpo", "method.num_generations=2", "train.micro_batch_size=2", "train.grad_accum=1",
             "method.max_new_tokens=4", f"reward.functions=[{__name__}:raising]", f"output_dir={tmp_path}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "WORKBENCH_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "workbench", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode != 0, log[-3000:]
-    errors = [x for x in log.splitlines() if x.startswith("error:")]
-    assert len(errors) == 1, log[-4000:]
-    line = errors[0]
+    line, log = one_error_line(args)
     trace = tmp_path / "stalls" / "traceback-rank1.txt"
     assert line.startswith("error: rank 1 failed in reward function") and "at step 1" in line, line
     assert "ValueError: reward service answered 503" in line and f"(traceback: {trace})" in line, line
