@@ -251,3 +251,12 @@ def test_a_run_that_cannot_keep_its_batch_at_min_nodes_is_refused_at_start(tmp_p
         "from 2 to 3 splits), or hardware.min_nodes=3")
     rigid = compose(["hardware.nodes=3", "train.micro_batch_size=3"], tmp_path)  # min_nodes unset: no shrinking
     assert resolve(rigid, planning=True).batch.size == 9
+
+
+def test_the_survivors_of_a_lost_node_resolve_their_run(tmp_path):
+    # inside a worker after node 2 of 2 was lost: one rank left, hardware.nodes still says 2
+    from workbench.run.resolved import resolve
+
+    cfg = compose(["hardware.nodes=2", "hardware.min_nodes=1", "hardware.procs=1", "train.micro_batch_size=4",
+                   "train.grad_accum=1", "hardware.rdzv_endpoint=127.0.0.1:29400"], tmp_path)
+    assert resolve(cfg, rank=0, world=1).layout.world == 1

@@ -179,7 +179,9 @@ def check_shrink(cfg, lay, step=None) -> None:
     if shape is not None and shape.fixed:
         return  # the method fixes its global batch at any layout
     size, group = micro * accum * lay.dp, shape.group if shape is not None else 1
-    per_node = lay.world // int(hw.nodes)
+    # the node's processes as configured: inside a worker after a node was lost, lay.world is the
+    # survivors' count, not nodes x procs
+    per_node = int(hw.procs)
     bad = [n for n in range(lowest, int(hw.nodes))
            if split(size, int(cfg.train.micro_batch_size), n * per_node, lay.model_parallel, group)[1] is None]
     if bad:
