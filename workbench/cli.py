@@ -39,6 +39,7 @@ from workbench.core.errors import UserError
 from workbench.core.imports import import_without_incidentals, skip_bitsandbytes
 from workbench.core.secrets import redact_overrides, scrub_exception, scrub_files, scrub_text, secret_values
 from workbench.launch import dispatch, torchrun_reason
+from workbench.launch import sweep
 from workbench.launch.sweep import record_error
 from workbench.methods import registry as methods
 from workbench.methods.spec import SFT_ROWS
@@ -169,12 +170,6 @@ def _say_precision(run) -> None:
     print(describe(summary["precision"], summary.get("precision_auto")), file=sys.stderr)
 
 
-# This multirun's failed jobs ("job <n>: <error line>") and where its summary goes: main exits 2
-# after the sweep when there are any.
-_FAILED_JOBS: list[str] = []
-_SUMMARY: list[str] = []
-
-
 def _sweep_job_failed(exc: Exception, cfg: DictConfig) -> bool:
     """In a multirun, record a job's error where the sweep summary lists it and say so on stderr;
     True when it did (the job then returns, so Hydra's launcher goes on to the next job: a
@@ -190,8 +185,8 @@ def _sweep_job_failed(exc: Exception, cfg: DictConfig) -> bool:
     line = " ".join(line.split())
     print(f"error: {line}", file=sys.stderr)
     record_error(hc.runtime.output_dir, line)
-    _FAILED_JOBS.append(f"job {hc.job.num}: {line}")
-    _SUMMARY[:] = [str(Path(hc.sweep.dir) / "sweep_summary.md")]
+    sweep.FAILED_JOBS.append(f"job {hc.job.num}: {line}")
+    sweep.SUMMARY[:] = [str(Path(hc.sweep.dir) / "sweep_summary.md")]
     return True
 
 
@@ -253,10 +248,10 @@ def main() -> None:
         print(f"error: {scrub_text(mistake)}", file=sys.stderr)  # the message may quote a value
         sys.exit(2)
     _hydra_main()
-    if _FAILED_JOBS:  # a multirun went on past failed jobs; its summary is written, say so last
-        more = f" (and {len(_FAILED_JOBS) - 1} more)" if len(_FAILED_JOBS) > 1 else ""
-        print(f"error: {len(_FAILED_JOBS)} sweep job(s) failed, {_FAILED_JOBS[0]}{more}; "
-              f"see {_SUMMARY[0] if _SUMMARY else 'sweep_summary.md'}", file=sys.stderr)
+    if sweep.FAILED_JOBS:  # a multirun went on past failed jobs; its summary is written, say so last
+        more = f" (and {len(sweep.FAILED_JOBS) - 1} more)" if len(sweep.FAILED_JOBS) > 1 else ""
+        print(f"error: {len(sweep.FAILED_JOBS)} sweep job(s) failed, {sweep.FAILED_JOBS[0]}{more}; "
+              f"see {sweep.SUMMARY[0] if sweep.SUMMARY else 'sweep_summary.md'}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -33,7 +33,7 @@ def _with_hydra(overrides, sweep_dir):
 def test_launcher_group_selects_submitit_and_maps_resources(tmp_path):
     cfg = _with_hydra(GPU_JOB, tmp_path)
     hl = cfg.hydra.launcher
-    assert hl._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert hl._target_ == "hydra_plugins.workbench_slurm.FollowedSlurmLauncher"  # submitit's, followed
     assert (hl.nodes, hl.tasks_per_node, hl.gpus_per_node) == (2, 8, 8)
     assert (hl.timeout_min, hl.partition, hl.account, hl.max_num_timeout) == (90, "gpu", "proj", 5)
     assert cfg.launcher.name == "slurm"
@@ -70,7 +70,7 @@ def test_sbatch_script_rendered_by_submitit(tmp_path, monkeypatch):
     assert list(overrides) == [["optim.lr=1e-4"], ["optim.lr=3e-4"]] and list(nums) == [0, 1]
     # on preemption submitit calls checkpoint(): the same job (same sweep dir and job number, so the
     # same output_dir) is resubmitted, and train.resume=auto continues from its last checkpoint
-    again = launcher.checkpoint(["optim.lr=1e-4"], "hydra.sweep.dir", 0, "id", {})
+    again = launcher.inner.checkpoint(["optim.lr=1e-4"], "hydra.sweep.dir", 0, "id", {})
     assert isinstance(again, submitit.helpers.DelayedSubmission) and again.args[2] == 0
 
 

@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 JOB_FILE = "sweep_job.json"
 ERROR_FILE = "error.json"  # a failed job's error line, beside JOB_FILE
 MULTIRUN_FILE = "multirun.yaml"  # Hydra's copy of the multirun's config, in the sweep dir
+# This process's failed sweep jobs ("job <n>: <error line>") and where its summary goes: the CLI
+# exits 2 after the sweep when there are any (workbench/cli.py main)
+FAILED_JOBS: list[str] = []
+SUMMARY: list[str] = []
 
 
 def record_error(job_dir, line: str) -> None:
@@ -49,6 +53,14 @@ def record_error(job_dir, line: str) -> None:
     job_dir = Path(job_dir)
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / ERROR_FILE).write_text(json.dumps({"error": " ".join(line.split())}))
+
+
+def record_lost_job(job_dir, overrides, line: str) -> None:
+    """A job that ended without running the CLI (a Slurm job whose processes never started): its
+    overrides and error where the summary reads a job (workbench/launch/slurm_follow.py)."""
+    record_error(job_dir, line)
+    info = {"overrides": [str(o) for o in overrides], "status": "FAILED", "error": " ".join(line.split())}
+    (Path(job_dir) / JOB_FILE).write_text(json.dumps(info, indent=1))
 
 
 def recorded_error(job_dir) -> str | None:
