@@ -91,14 +91,27 @@ class Slurm:
         self._munge()
         log = open(self.work / "daemons.out", "ab")
         self.procs.append(self.cluster.popen("n1", ["slurmctld", "-D", "-i"], env=self.env, stdout=log, stderr=log))
+        for n in self.cluster.nodes:
+            self.start_slurmd(n)
+        self.wait_idle(timeout)
+        return self
+
+    def start_slurmd(self, node: str) -> None:
+        """`node`'s slurmd, in its own mount namespace with the cgroup controllers it mounts; called
+        again for a node whose slurmd was killed (it registers and the node returns to service,
+        ReturnToService=2)."""
         mounts = " && ".join(["mount -t tmpfs none /sys/fs/cgroup",
                               *(f"mkdir -p /sys/fs/cgroup/{c} && mount -t cgroup -o {c} cgroup /sys/fs/cgroup/{c}"
                                 for c in CGROUPS)])
-        for n in self.cluster.nodes:
-            self.procs.append(self.cluster.popen(n, ["sh", "-c", f"{mounts} && exec slurmd -D -N {n}"], mount_ns=True,
-                                                 env=self.env, stdout=log, stderr=log))
-        self.wait_idle(timeout)
-        return self
+        self.procs = [p for p in self.procs if p.poll() is None]  # a killed one is not a daemon that exited
+        log = open(self.work / "daemons.out", "ab")
+        self.procs.append(self.cluster.popen(node, ["sh", "-c", f"{mounts} && exec slurmd -D -N {node}"],
+                                             mount_ns=True, env=self.env, stdout=log, stderr=log))
+
+    def state(self, node: str) -> str:
+        """sinfo's short state of `node` ("idle", "alloc", "down*", "idle*": * = not responding)."""
+        done = self.client(["sinfo", "-h", "-n", node, "-o", "%t"], timeout=20)
+        return done.stdout.strip()
 
     def _munge(self) -> None:
         """Use the machine's munged if one answers; else start one for as long as this Slurm runs."""

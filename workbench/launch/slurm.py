@@ -92,6 +92,26 @@ def preempt_then_requeue() -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGUSR2, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
     faults.ON_PREEMPTED[:] = [_requeue]
+    faults.ON_PEER_LOST[:] = [_requeue_lost]
+
+
+def _requeue_lost(lost: tuple[int, ...], rank: int) -> None:
+    """A node of the job lost mid-run: the surviving rank with the lowest number requeues the job.
+    Slurm starts it again once it has the nodes (the lost one back, or another), and it resumes
+    from the last intact checkpoint in the same output_dir. Without this the job would end FAILED
+    as soon as the survivors stop, before Slurm has marked the node down (SlurmdTimeout)."""
+    if rank != min(r for r in range(rank + 1) if r not in lost):
+        return
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return
+    done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if done.returncode == 0:
+        print(f"requeued Slurm job {job}: rank(s) {', '.join(map(str, lost))} lost; it resumes from the last "
+              "checkpoint when Slurm has its nodes again", file=sys.stderr, flush=True)
+    else:
+        print(f"warning: could not requeue Slurm job {job} after losing rank(s) {', '.join(map(str, lost))} "
+              f"({done.stderr.strip()}); resubmit with the same output_dir to resume", file=sys.stderr, flush=True)
 
 
 def _requeue(step: int, ckpt) -> None:

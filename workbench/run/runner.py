@@ -149,6 +149,9 @@ class Runner:
             blamed = self.dog.blame(exc) if isinstance(exc, (RuntimeError, dist.DistBackendError)) else exc
             self.dog.fail(blamed)  # the other ranks stop now
             if blamed is not exc:
+                if getattr(blamed, "ranks", ()):  # a peer lost: the launcher's say (Slurm requeues)
+                    for then in faults.ON_PEER_LOST:
+                        then(blamed.ranks, self.rank)
                 raise blamed from exc
             raise
         finally:

@@ -41,6 +41,10 @@ PREEMPTED_EXIT = 75  # checkpoint written; relaunch to continue (EX_TEMPFAIL)
 # What a launcher does once the preemption checkpoint is written, before the exit (Slurm: requeue
 # the job, workbench/launch/slurm.py); each is called with (step, checkpoint).
 ON_PREEMPTED: list = []
+# What a launcher does when a peer rank is lost (its node gone) and this rank stops with it (Slurm:
+# requeue the job, which resumes from the last checkpoint once its nodes answer again); each is
+# called with the lost ranks.
+ON_PEER_LOST: list = []
 
 
 class NumericalFault(UserError):

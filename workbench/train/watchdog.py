@@ -197,9 +197,13 @@ def ended(rank: int, pid: int, exitcode: int, stalls) -> str:
 
 
 class RankFailure(UserError):
-    """Another rank failed or stalled; this one stopped with it."""
+    """Another rank failed or stalled; this one stopped with it. `ranks`: the ranks found gone."""
 
     exit_code = STALLED_EXIT
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
 
 
 def gpu_env(run_dir: Path) -> dict[str, str]:
@@ -317,7 +321,7 @@ class Watchdog:
         msg = (f"rank(s) {', '.join(map(str, gone))} stopped answering ({reason}): {where}; stacks in "
                f"{self.run_dir / 'stalls'}; last intact checkpoint: {self.last_checkpoint() or 'none'}")
         self._record({"ranks": gone, "reason": reason, "message": msg, "beats": {str(k): v for k, v in beats.items()}})
-        return RankFailure(msg)
+        return RankFailure(msg, ranks=gone)
 
     # -- the thread -----------------------------------------------------------------------
     def _loop(self) -> None:
