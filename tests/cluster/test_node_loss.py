@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests.cluster import recovery
 from tests.cluster.runs import on, one_process_losses
 from tests.conftest import TINY
 from tests.helpers import logged_losses
@@ -30,9 +31,9 @@ def reference(tmp_path_factory) -> list[float]:
     return one_process_losses(tmp_path_factory.mktemp("ref"), STEPS)
 
 
-def lose_node_2(cluster, tmp_path, port: int, how) -> tuple[str, float, float]:
+def lose_node_2(cluster, tmp_path, port: int, how) -> tuple[str, float, float, float]:
     """Start both nodes, do `how` to node 2 once step 3 is logged; (node 1's log, seconds from the
-    loss until node 1 named it, seconds until it finished)."""
+    loss until node 1 named it, until it logged a step again, until it finished)."""
     endpoint = f"{cluster.addr('n1')}:{port}"
     nodes = {n: on(cluster, n, [*RUN, f"hardware.rdzv_endpoint={endpoint}", f"output_dir={tmp_path}"])
              for n in cluster.nodes}
@@ -47,22 +48,29 @@ def lose_node_2(cluster, tmp_path, port: int, how) -> tuple[str, float, float]:
         for p in nodes.values():
             p.kill()
         pytest.fail(f"step 3 never came; node 1 said:\n{nodes['n1'].communicate()[0][-3000:]}")
-    named, lines = None, []
+    named, training, lines = None, None, []
     for line in nodes["n1"].stdout:  # node 1's output as it comes
         lines.append(line)
         if named is None and "rank 1 on n2" in line:
             named = time.monotonic() - lost
+        elif named is not None and training is None and line.startswith("step "):
+            training = time.monotonic() - lost
     nodes["n1"].wait(timeout=60)
-    return "".join(lines), named, time.monotonic() - lost
+    return "".join(lines), named, training, time.monotonic() - lost
 
 
 @pytest.mark.parametrize("loss", ["killed", "cut off"])
 def test_a_lost_node_is_named_and_the_run_finishes_on_the_other(cluster, tmp_path, reference, loss):
     how = cluster.kill if loss == "killed" else cluster.cut
-    log, named, finished = lose_node_2(cluster, tmp_path, 29410 + (loss == "cut off"), how)
-    print(f"\nnode 2 {loss}: named after {named} s, run finished {finished:.0f} s after the loss")
+    log, named, training, finished = lose_node_2(cluster, tmp_path, 29410 + (loss == "cut off"), how)
+    print(f"\nnode 2 {loss}: named after {named} s, training after {training} s, run finished {finished:.0f} s "
+          "after the loss")
     assert named is not None and named <= STALL_S + 30, log[-4000:]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["world_size"] == 1 and manifest["resumed_from"], manifest  # continued alone, from a checkpoint
     assert manifest["resume"]["certificate"]["ok"], manifest["resume"]
-    assert logged_losses(tmp_path) == pytest.approx(reference, rel=LOSS_RTOL)
+    losses = logged_losses(tmp_path)
+    assert losses == pytest.approx(reference, rel=LOSS_RTOL)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    recovery.record(f"node {'killed' if loss == 'killed' else 'link down'} (2 -> 1 node)", "torchrun", named=named,
+                    training=training, steps_lost=len(steps) - len(set(steps)), final=(losses[-1], reference[-1]))

@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 from workbench.config.files import CONF_DIR
@@ -89,6 +90,13 @@ def launch(cfg) -> dict | None:
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.hardware.threads or 1))
     os.environ[LAUNCHED_BY] = "torchrun"
     hw = cfg.hardware
+    if hw.min_nodes and int(hw.min_nodes) < int(hw.nodes):
+        # A node joining a running elastic job (growing back): torch's shared rendezvous store
+        # gives the workers' address to each agent once, at its first rendezvous, so a newcomer
+        # waits for an address nobody publishes in the new round and the round times out
+        # (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py `next_rendezvous`). Without
+        # the sharing, rank 0 publishes it every round.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     route = network.prepare(hw.rdzv_endpoint, hw.node_addr) if hw.rdzv_endpoint else None
     config = launch_config(cfg, route)
     args = worker_args(cfg)
@@ -96,12 +104,13 @@ def launch(cfg) -> dict | None:
     print(f"launching {nodes} x {hw.procs} workers (torchrun, rendezvous {config.rdzv_endpoint}, "
           f"this node {network.describe(route)}, max_restarts={config.max_restarts})", file=sys.stderr)
     stalls = Path(cfg.output_dir) / "stalls"
-    _clear(stalls)  # a verdict of an earlier launch is not this one's
+    if int(hw.nodes) == 1:  # an earlier launch's verdicts are not this one's (nodes share the folder: kept there)
+        _clear(stalls)
     try:
-        with _quiet_agent(stalls, hw):
+        with _quiet_agent(stalls, hw) as restarts:
             elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as exc:
-        raise _failure(stalls, exc) or RuntimeError(f"distributed run failed: {exc.format_msg()}") from None
+        raise _failure(stalls, exc, restarts.seen) or RuntimeError(f"distributed run failed: {exc.format_msg()}") from None
     except RendezvousTimeoutError:
         raise RankFailure(_waited(cfg, config, route)) from None
     return _results(cfg)
@@ -135,7 +144,7 @@ def _quiet_agent(stalls: Path, hw):
     agent.setLevel(logging.INFO)  # its restart record reaches the filter, which shows none of its records
     agent.addFilter(restarts)
     try:
-        yield
+        yield restarts
     finally:
         agent.removeFilter(restarts)
         log.setLevel(levels[0])
@@ -143,34 +152,69 @@ def _quiet_agent(stalls: Path, hw):
 
 
 class _Restarts(logging.Filter):
-    """Turns the agent's "will restart worker group" record into one line naming what failed."""
+    """Turns the agent's "will restart worker group" record into one line naming what happened.
+    The run directory (and its stalls/ folder) is shared by every node, so a verdict is never
+    deleted once said: each node says it in its own line, and remembers it (`seen`) so that its
+    next restart's line is about the next failure."""
 
     def __init__(self, stalls: Path, hw):
         super().__init__()
         self.stalls, self.hw, self.count = stalls, hw, 0
+        self.seen = _verdicts(stalls)  # an earlier launch's verdicts are not this one's
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "will restart worker group" in record.getMessage():  # logged at INFO: shown as this line only
-            mistake = _mistake(self.stalls)
-            if mistake is not None and "attempts left" in record.getMessage():
+        message = record.getMessage()
+        if "will restart worker group" in message:  # logged at INFO: shown as this line only
+            if "new nodes" in message:  # a node (back, or a replacement) waits to join: no failure
+                print(f"node(s) joining: the workers checkpoint at the end of this step and continue on "
+                      f"up to {self.hw.nodes} nodes from there (membership changes use no restart)",
+                      file=sys.stderr, flush=True)
+                return record.levelno >= logging.WARNING
+            mistake = _mistake(self.stalls, self.seen)
+            if mistake is not None and "attempts left" in message:
                 # A mistake in config, data or environment is met again by every restart: stop now,
                 # keeping the restarts for lost nodes. Raised from the agent's own log call, before
                 # it restarts the group; its run loop then shuts the workers down and re-raises.
                 raise mistake
             self.count += 1
-            failure = _failure(self.stalls)
+            failure = _awaited(self.stalls, self.seen)
             nodes = f"at least {self.hw.min_nodes} of {self.hw.nodes} nodes" if self.hw.min_nodes else "every node"
             print(f"restart {self.count} of {self.hw.max_restarts}: {failure or 'a worker exited'}; continuing from "
                   f"the last checkpoint with {nodes} (hardware.min_nodes)", file=sys.stderr, flush=True)
-            _clear(self.stalls)  # the next failure's line is its own
+            self.seen = _verdicts(self.stalls)  # the next restart's line is about the next failure
         return record.levelno >= logging.WARNING
 
 
-def _mistake(stalls: Path) -> UserError | None:
+def _awaited(stalls: Path, seen: set, wait_s: float = 15.0):
+    """The failure not yet said, waiting up to `wait_s` for it: this node's workers may have stopped
+    because another node's did (the rendezvous closed), before the rank that saw the loss wrote it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        failure = _failure(stalls, seen=seen)
+        if failure is not None or time.monotonic() > deadline:
+            return failure
+        time.sleep(0.5)
+
+
+def _verdicts(stalls: Path) -> set:
+    """What the stalls folder holds now (file name and text), so that a line says only what is new."""
+    out = set()
+    for path in [*(stalls / n for n in ("stall.json", "failure.json", MISTAKE)), *stalls.glob("traceback-rank*.txt")]:
+        try:
+            out.add((path.name, path.read_text()))
+        except OSError:
+            continue
+    return out
+
+
+def _mistake(stalls: Path, seen=frozenset()) -> UserError | None:
     """A rank's mistake (workbench/train/watchdog.py `save_mistake`) as the one error line."""
     try:
-        found = json.loads((stalls / MISTAKE).read_text())
+        text = (stalls / MISTAKE).read_text()
+        found = json.loads(text)
     except (OSError, ValueError):
+        return None
+    if (MISTAKE, text) in seen:
         return None
     return UserError(f"rank {found.get('rank', '?')} stopped: {found.get('message', '?')} (the same on every "
                      "restart, so the job stops without using the rest of hardware.max_restarts)")
@@ -183,7 +227,7 @@ def _clear(stalls: Path) -> None:
         old.unlink()
 
 
-def _failure(stalls: Path, exc=None):
+def _failure(stalls: Path, exc=None, seen=frozenset()):
     """What the workers' watchdog found (workbench/train/watchdog.py), as one line; else the last
     line of the first rank's traceback that a worker left (cli.py), naming its file. A rank's own
     failure comes first: the peers that then find it gone record that as a stall too. A rank a
@@ -193,7 +237,9 @@ def _failure(stalls: Path, exc=None):
     found = {}
     for name in ("failure.json", "stall.json"):
         try:
-            found[name] = json.loads((stalls / name).read_text())["message"]
+            text = (stalls / name).read_text()
+            if (name, text) not in seen:  # `seen`: said already (_Restarts)
+                found[name] = json.loads(text)["message"]
         except (OSError, ValueError, KeyError):
             continue
     if "failure.json" in found:
@@ -206,7 +252,10 @@ def _failure(stalls: Path, exc=None):
     if "stall.json" in found:
         return RankFailure(found["stall.json"])
     for path in sorted(stalls.glob("traceback-rank*.txt")):
-        lines = [x for x in path.read_text().splitlines() if x.strip()]
+        text = path.read_text()
+        if (path.name, text) in seen:
+            continue
+        lines = [x for x in text.splitlines() if x.strip()]
         rank = path.stem.removeprefix("traceback-rank")
         return RankFailure(f"rank {rank} failed: {lines[-1] if lines else '?'} (traceback: {path})")
     if gone:

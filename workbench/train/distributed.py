@@ -74,14 +74,16 @@ def init_distributed(device: str, timeout_minutes: int = 30) -> tuple[int, int]:
         # The timeout bounds every collective: a dead peer fails the job instead of hanging it.
         kw = {}
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if restart and "MASTER_ADDR" in os.environ:
-            # After an elastic restart the rendezvous store still holds the dead attempt's
-            # peer addresses under the same keys; a per-attempt prefix keeps them apart.
-            rank = launched_rank()
-            host_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
+        if restart and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in os.environ:
+            # After an elastic restart the agent's store (shared by every attempt) still holds the
+            # dead attempt's peer addresses under the same keys; a per-attempt prefix keeps them
+            # apart. Not where each round has its own store (an elastic job that admits nodes,
+            # workbench/launch/torchrun.py): a node that joins counts its restarts from 0, so a
+            # prefix by restart count would put it in another group than the survivors.
             base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                 is_master=host_store, timeout=timedelta(minutes=timeout_minutes))
-            kw = {"store": dist.PrefixStore(f"workbench/attempt_{restart}", base), "rank": rank, "world_size": world}
+                                 is_master=False, timeout=timedelta(minutes=timeout_minutes))
+            kw = {"store": dist.PrefixStore(f"workbench/attempt_{restart}", base), "rank": launched_rank(),
+                  "world_size": world}
         dist.init_process_group(backend="nccl" if device == "cuda" else "gloo",
                                 timeout=timedelta(minutes=timeout_minutes), **kw)
         if device == "cuda":
