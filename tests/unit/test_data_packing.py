@@ -89,6 +89,50 @@ def test_packed_loss_equals_unpacked_loss_on_the_tiny_model(mask):
     torch.testing.assert_close(got, ref, rtol=LOSS_RTOL, atol=0.0)
 
 
+def _tiny_gemma3(window: int):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=window,
+                           layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=256,
+                           attn_implementation="sdpa")
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def test_packed_rows_keep_a_sliding_window_inside_each_example():
+    """A tiny Gemma 3 whose local layers see 4 tokens, examples of up to 21: packed with the layout
+    attention_layout picks for it, the loss equals the same examples unpacked; with a 4-D mask
+    (what a model without a window gets) it does not, since that mask replaces the window."""
+    from workbench.models.head import SelectiveLM
+
+    model = _tiny_gemma3(window=4)
+    assert packing.sliding_window(model.config) == 4
+    lm = SelectiveLM(model)
+    rng = random.Random(1)
+    examples = []
+    for n in (9, 14, 5, 21, 12, 7):
+        ids = [rng.randrange(10, 4000) for _ in range(n)]
+        examples.append((ids, [IGNORE] * (n // 2) + ids[n // 2:]))
+
+    def summed(batch):
+        logits = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch.get("position_ids"), select=batch["select"])
+        return F.cross_entropy(logits.float(), batch["targets"], reduction="sum")
+
+    layout, mask = packing.attention_layout("sdpa", packing.sliding_window(model.config))
+    assert (layout, mask) == ("rows", "position_ids") and packing.attention_layout("sdpa") == ("rows", "4d")
+    with torch.no_grad():
+        ref = summed(collate.pad_batch(examples, pad_id=0))
+        bins, _ = packing.best_fit_decreasing([len(x) for x, _ in examples], 32)
+        rows = [[examples[i] for i in b] for b in bins]
+        packed = {m: summed({k: v for k, v in collate.pack_rows(rows, pad_id=0, layout=layout, mask=m).items()
+                             if k != "real_tokens"}) for m in ("position_ids", "4d")}
+    torch.testing.assert_close(packed["position_ids"], ref, rtol=LOSS_RTOL, atol=0.0)  # tests/tolerances.py
+    # the 4-D mask lets the local layers see the whole example: the loss moves by far more than LOSS_RTOL
+    assert abs(float(packed["4d"]) - float(ref)) > 100 * LOSS_RTOL * float(ref)
+
+
 def test_real_token_fraction_on_the_embedded_mix(tmp_path):
     from workbench.data.pipeline import tokenise_recipe
     from workbench.data.recipes import load_recipe

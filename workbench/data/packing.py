@@ -138,13 +138,26 @@ def pad_free(examples: list[tuple[list[int], list[int]]], pad_id: int, layout: s
     return pack_rows(rows, pad_id, layout, mask)
 
 
-def attention_layout(attn_implementation: str | None) -> tuple[str, str]:
-    """(layout, mask) for packed rows: flash-attention wants one varlen sequence, SDPA a 4D mask."""
+def attention_layout(attn_implementation: str | None, window: int | None = None) -> tuple[str, str]:
+    """(layout, mask) for packed rows: flash-attention wants one varlen sequence, SDPA a 4D mask.
+    A model with sliding-window layers (`window`: `sliding_window(config)`) gets position ids
+    instead: transformers applies the window only to masks it builds itself (from the position
+    ids it finds each example's start), and a 4D mask handed in would let its sliding layers
+    attend past the window (tests/unit/test_data_packing.py, a tiny Gemma 3 with a 4-token window)."""
     if attn_implementation and "flash" in attn_implementation:
         return "flat", "position_ids"
-    if attn_implementation == "eager":
+    if attn_implementation == "eager" or window:
         return "rows", "position_ids"  # eager adds the mask to scores; let the model build it
     return "rows", "4d"
+
+
+def sliding_window(config) -> int | None:
+    """The window of a decoder with sliding-window layers (Gemma 2/3's local layers, Mistral's
+    configured window), in tokens; None when every layer attends over the whole row."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = "sliding_attention" in layer_types or (not layer_types and getattr(config, "use_sliding_window", True))
+    return int(window) if window and sliding else None
 
 
 def packed_micro_batches(rows, example_of, micro_size: int, pad_id: int, layout: str, mask: str

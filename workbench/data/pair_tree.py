@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import torch
 
 from workbench.data.chat import IGNORE
+from workbench.data.packing import sliding_window
 from workbench.models.head import SelectiveLM
 from workbench.peft.lora import base_model
 from workbench.train.distributed import is_main_process
@@ -184,10 +185,7 @@ def config_unsupported(config, seq_len: int) -> str | None:
     impl = getattr(config, "_attn_implementation", None)
     if impl not in MASKED_KERNELS:
         return f"attention {impl!r} does not take a 4-D mask (needs one of {list(MASKED_KERNELS)})"
-    layer_types = getattr(config, "layer_types", None) or []
-    window = getattr(config, "sliding_window", None)
-    sliding = "sliding_attention" in layer_types or (
-        not layer_types and window and getattr(config, "use_sliding_window", True))
-    if sliding and window and window < seq_len:
+    window = sliding_window(config)
+    if window and window < seq_len:
         return f"sliding-window attention ({window} tokens) shorter than the sequences ({seq_len})"
     return None

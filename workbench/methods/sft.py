@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture, rank_share
 from workbench.data.overfit import Overfit
-from workbench.data.packing import Packer, attention_layout, packed_micro_batches, pad_free
+from workbench.data.packing import Packer, attention_layout, packed_micro_batches, pad_free, sliding_window
 from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
 from workbench.methods.base import Method
 from workbench.methods.spec import MethodFacts, MethodSpec
+from workbench.peft.lora import base_model
 from workbench.train import sequence_parallel
 from workbench.train.batch import StepBatch
 
@@ -38,6 +39,7 @@ class SFT(Method):
         self.cfg = cfg
         self.ctx = ctx
         self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
+        self.window = None  # the model's sliding window where shorter than a row (attach)
 
     def prepare(self, ctx) -> None:
         recipe = load_recipe(ctx.cfg.data.recipe)
@@ -64,12 +66,20 @@ class SFT(Method):
         src, row = where
         return self.sources[src].examples[row]
 
+    def attach(self, backend) -> None:
+        """How packed rows mark where each example starts follows the model's attention: a
+        sliding window shorter than a row needs position ids (packing.attention_layout)."""
+        module = backend.unwrapped()
+        config = getattr(base_model(getattr(module, "inner", module)), "config", None)
+        window = sliding_window(config) if config is not None else None
+        self.window = window if window and window < self.ctx.cfg.data.seq_len else None
+
     def _packed_batch(self, state) -> StepBatch:
         t = self.ctx.cfg.train
         # the rule of every method (mixing.rank_share): all ranks pack the global batch, each keeps its rows
         _, rows = rank_share(self.ctx.run.layout, self.ctx.run.batch.per_rank,
                              lambda n: self.overfit.take(state.step, lambda: self.packer.next_rows(n)))
-        layout, mask = attention_layout(self.ctx.cfg.model.attn_implementation)
+        layout, mask = attention_layout(self.ctx.cfg.model.attn_implementation, self.window)
         micro, real = packed_micro_batches(rows, self._example, t.micro_batch_size, self.ctx.tokenizer.pad_token_id,
                                            layout, mask)
         denom = float(sum(int(m["targets"].numel()) for m in micro))
@@ -91,7 +101,7 @@ class SFT(Method):
         """Padded rows, or the same examples padding-free where that saves enough (data.pad_free)."""
         pad = self.ctx.tokenizer.pad_token_id
         if self.ctx.run.pad_free:
-            m = pad_free(examples, pad, *attention_layout(self.ctx.cfg.model.attn_implementation))
+            m = pad_free(examples, pad, *attention_layout(self.ctx.cfg.model.attn_implementation, self.window))
             if m is not None:
                 return m
         m = pad_batch(examples, pad)
