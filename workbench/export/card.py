@@ -32,15 +32,18 @@ def model_card(run, results: dict, export: dict) -> str:
         lines += [f"| {k} | {before.get(k, float('nan')):.4f} | {v:.4f} |" for k, v in sorted(evals.items())]
     else:
         lines.append("No evaluation was run.")
-    lines += ["", "## Export checks", "", "| file | rounding | KL (mean) | greedy equal | stop token | passed |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "## Export checks", "", "| file | rounding | KL (mean) | greedy equal | stop token | in llama.cpp | passed |",
+              "|---|---|---|---|---|---|---|"]
     for name, r in export.get("parity", {}).items():
         if "kl_mean" not in r:  # a reward model's gate compares scores, not next-token distributions
             lines.append(f"| {name} | {r['rounding']} | max score diff {r['score_max_abs_diff']:.2e} | "
-                         f"{r['decisions_agree']}/{r['prompts']} pairs ordered alike | - | {r['passed']} |")
+                         f"{r['decisions_agree']}/{r['prompts']} pairs ordered alike | - | - | {r['passed']} |")
             continue
+        cpp = r.get("llama_cpp") or {}
+        in_cpp = (f"tokens {cpp['tokens_equal']}/{cpp['prompts']}, greedy {cpp['greedy_equal']}/{cpp['prompts']}, "
+                  f"stop {cpp['stops']}/{cpp['reference_stops']}") if cpp.get("ran") else "-"
         lines.append(f"| {name} | {r['rounding']} | {r['kl_mean']:.2e} | {r['greedy_equal']}/{r['prompts']} | "
-                     f"{r['declared_eos']} | {r['passed']} |")
+                     f"{r['declared_eos']} | {in_cpp} | {r['passed']} |")
     lines += ["", "## How it was made", "", "The run directory holds `config.yaml` (the composed config, secrets "
               "removed) and `manifest.json` (package versions, git commit, data fingerprints). Overrides:", "",
               "```", "python -m workbench " + " ".join(_overrides(cfg)), "```", "",

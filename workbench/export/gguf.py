@@ -9,7 +9,11 @@ The `gguf` package (from the llama.cpp project) writes the file, names the tenso
 (`TensorNameMap`), reads the merges (`SpecialVocab`) and quantises (`gguf.quants`). What is
 written here by hand is only what the package leaves to llama.cpp's own conversion script,
 which is not part of any package: the architecture's metadata keys, the Q/K row permutation that
-llama.cpp's rotary layout expects for Llama-family weights, and token types. Quantisation types
+llama.cpp's rotary layout expects for Llama-family weights, Gemma's norm weights stored as the
+1 + w its RMSNorm multiplies by, and token types. A byte-level BPE vocabulary (SmolLM2, Qwen) is
+written from the tokenizer's merges; a SentencePiece one (Gemma) from the `tokenizer.model` that
+the export keeps beside the weights (workbench/export/write.py), its pieces, scores and piece
+types as they came. Quantisation types
 are those gguf.quants can produce in Python; the K-quants (q4_k_m, ...) need llama.cpp's
 `llama-quantize` binary, which the workbench does not build. The types offered are those
 llama.cpp's own converter writes (f32, f16, bf16, q8_0); gguf.quants can also write q4_0/q5_0, but
@@ -29,7 +33,10 @@ from workbench.core.errors import UserError
 
 # HF model_type -> (GGUF architecture, permute Q/K rows like llama.cpp's LlamaModel)
 ARCHES = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
-          "qwen3": ("qwen3", False)}
+          "qwen3": ("qwen3", False), "gemma3_text": ("gemma3", False)}
+# Gemma's RMSNorm scales by (1 + weight); llama.cpp's by weight, so its converter adds the 1
+# (and transformers' GGUF reader takes it away again: modeling_gguf_pytorch_utils.Gemma2TensorProcessor)
+NORM_PLUS_ONE = {"gemma3_text"}
 TYPES = ("f32", "f16", "bf16", "q8_0")
 # Pre-tokenizer names llama.cpp selects its split regex by (it hashes a tokenisation to find
 # them; a table by tokenizer is the small equivalent for the families the workbench trains).
@@ -85,6 +92,62 @@ def _vocab(tokenizer) -> tuple[list[bytes], list[int]]:
     return [t.encode("utf-8") for t in tokens], [int(t) for t in types]
 
 
+def _rope_base(cfg) -> float:
+    """The rotary base of the model's global (full-attention) layers: transformers 5 keeps it in
+    `rope_parameters`, per layer type where local layers have their own."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)
+    return float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
+def _byte_bpe(w, merged_dir: Path, tok, pre: str) -> None:
+    import gguf
+
+    tokens, types = _vocab(tok)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    special = gguf.SpecialVocab(merged_dir, load_merges=True, n_vocab=len(tok))
+    if not special.merges:
+        raise UserError(f"export.gguf: {merged_dir} has neither BPE merges nor a tokenizer.model (SentencePiece); "
+                        "one of them is needed to write the vocabulary")
+    w.add_token_merges(special.merges)
+    w.add_add_bos_token(False)  # the chat template writes the sequence's first token itself
+
+
+def _sentencepiece(w, model_file: Path, tok) -> None:
+    """A SentencePiece vocabulary as llama.cpp's `llama` tokenizer reads it: every piece with its
+    score and type (normal, control, user-defined, byte), the space-prefix rule, and BOS added as
+    the tokenizer adds it."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    m = pb.ModelProto()
+    m.ParseFromString(model_file.read_bytes())
+    pieces = [p.piece.encode("utf-8") for p in m.pieces]
+    scores = [float(p.score) for p in m.pieces]
+    types = [int(p.type) for p in m.pieces]  # SentencePiece's piece types are llama.cpp's numbers
+    # tokens the tokenizer added past the SentencePiece model: matched whole, as llama.cpp's own
+    # converter writes a model's added tokens (control when special)
+    added = tok.added_tokens_decoder
+    for i in range(len(m.pieces), len(tok)):
+        if i not in added:
+            raise UserError(f"export.gguf: token id {i} is neither in {model_file} nor an added token")
+        pieces.append(added[i].content.encode("utf-8"))
+        scores.append(-1000.0)
+        types.append(3 if added[i].special else 4)  # CONTROL | USER_DEFINED
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(pieces)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_add_space_prefix(bool(m.normalizer_spec.add_dummy_prefix))
+    # as the tokenizer does it (its add_bos_token attribute need not say what its post-processor adds)
+    probe = list(tok("a")["input_ids"])
+    w.add_add_bos_token(bool(probe) and probe[0] == tok.bos_token_id)
+    w.add_add_eos_token(bool(probe) and tok.eos_token_id is not None and probe[-1] == tok.eos_token_id)
+
+
 def write(merged_dir: Path, out: Path, kind: str, eos_id: int | None = None, pre: str | None = None) -> Path:
     """Write `merged_dir` (an HF causal-LM folder) as one GGUF file of type `kind`."""
     import gguf
@@ -100,6 +163,13 @@ def write(merged_dir: Path, out: Path, kind: str, eos_id: int | None = None, pre
     tok = AutoTokenizer.from_pretrained(merged_dir)
     n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
+    scalar = getattr(cfg, "query_pre_attn_scalar", None)
+    if arch == "gemma3" and scalar is not None and int(scalar) != head_dim:
+        # GGUF has no key for it: llama.cpp (and transformers' GGUF reader) scale queries by
+        # 1/sqrt(head_dim) (27B excepted), so such a file would run a different model
+        raise UserError(f"export.gguf: {merged_dir}/config.json has query_pre_attn_scalar={scalar} but "
+                        f"head_dim={head_dim}; GGUF readers scale attention by 1/sqrt(head_dim), so this "
+                        "model cannot be written as GGUF faithfully; export it as safetensors only")
 
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(merged_dir.parent.parent.name if merged_dir.name == "merged" else merged_dir.name)
@@ -112,29 +182,26 @@ def write(merged_dir: Path, out: Path, kind: str, eos_id: int | None = None, pre
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    w.add_rope_freq_base(_rope_base(cfg))
+    if getattr(cfg, "sliding_window", None) and arch == "gemma3":
+        # llama.cpp's gemma3 takes the 5 local : 1 global layer pattern and the local layers'
+        # rope base (10,000) as fixed; the window is the file's
+        w.add_sliding_window(int(cfg.sliding_window))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(len(tok))
     w.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}[kind])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
-    tokens, types = _vocab(tok)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre or PRE.get(cfg.model_type, "default"))
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    special = gguf.SpecialVocab(merged_dir, load_merges=True, n_vocab=len(tok))
-    if not special.merges:
-        raise UserError(f"export.gguf: {merged_dir} has no BPE merges (only GPT-2-style BPE tokenizers are written)")
-    w.add_token_merges(special.merges)
+    if (merged_dir / "tokenizer.model").exists():
+        _sentencepiece(w, merged_dir / "tokenizer.model", tok)
+    else:
+        _byte_bpe(w, merged_dir, tok, pre or PRE.get(cfg.model_type, "default"))
     eos = eos_id if eos_id is not None else tok.eos_token_id
     for setter, value in ((w.add_bos_token_id, tok.bos_token_id), (w.add_eos_token_id, eos),
                           (w.add_eot_token_id, eos), (w.add_pad_token_id, tok.pad_token_id),
                           (w.add_unk_token_id, tok.unk_token_id)):
         if value is not None:
             setter(int(value))
-    w.add_add_bos_token(False)
     if tok.chat_template:
         w.add_chat_template(tok.chat_template)
 
@@ -146,6 +213,8 @@ def write(merged_dir: Path, out: Path, kind: str, eos_id: int | None = None, pre
                 if tied and hf_name == "lm_head.weight":
                     continue  # GGUF ties by leaving output.weight out
                 t = f.get_tensor(hf_name).to(torch.float32).numpy()
+                if cfg.model_type in NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
+                    t = t + 1.0
                 if permute and hf_name.endswith("q_proj.weight"):
                     t = _permute(t, n_head)
                 elif permute and hf_name.endswith("k_proj.weight"):

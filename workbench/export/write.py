@@ -23,7 +23,7 @@ import torch
 
 from workbench.core.imports import hidden
 from workbench.evals.hooks import eval_rows
-from workbench.export import hub
+from workbench.export import hub, llama_cpp
 from workbench.export.card import model_card
 from workbench.export.gguf import write
 from workbench.export.merge import dtype_name, fp32_copy, merged_model
@@ -40,8 +40,16 @@ def _generation_config(tokenizer, contract):
 
 
 def _save_tokenizer(tokenizer, contract, path: Path) -> None:
+    import shutil
+
     tokenizer.save_pretrained(path)
     _generation_config(tokenizer, contract).save_pretrained(path)
+    # A SentencePiece vocabulary's own file (Gemma): save_pretrained writes only tokenizer.json,
+    # where piece scores and types are gone; GGUF (workbench/export/gguf.py) and tools that read
+    # SentencePiece need them
+    source = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "tokenizer.model"
+    if source.is_file() and not (Path(path) / "tokenizer.model").exists():
+        shutil.copyfile(source, Path(path) / "tokenizer.model")
 
 
 def export(trained, tokenizer, contract, run, out_dir: Path, results: dict | None = None) -> dict:
@@ -121,8 +129,14 @@ def _gguf(merged_dir, out_dir, kind, merged, tokenizer, contract, convs, cfg, me
     field = GGUFReader(str(path)).fields["tokenizer.ggml.eos_token_id"]
     declared = int(field.contents())
     back = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    gate = compare(fp32_copy(merged), back, tokenizer, convs, contract.end_of_turn_id, rounding(merged_dtype, kind),
+    reference = fp32_copy(merged)
+    gate = compare(reference, back, tokenizer, convs, contract.end_of_turn_id, rounding(merged_dtype, kind),
                    declared_eos=declared)
+    del back
+    # the file in the engine it is for: its tokenizer, metadata and stop token as llama.cpp reads them
+    gate["llama_cpp"] = llama_cpp.check(path, reference, tokenizer, convs, contract.end_of_turn_id,
+                                        must_match=gate["greedy_must_match"])
+    gate["passed"] = bool(gate["passed"] and gate["llama_cpp"]["passed"])
     gate["path"], gate["bytes"] = str(path), path.stat().st_size
     return gate
 

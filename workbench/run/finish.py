@@ -20,6 +20,7 @@ from workbench.core import heartbeat
 from workbench.core.errors import UserError
 from workbench.core.secrets import redact
 from workbench.evals import stats
+from workbench.export import llama_cpp
 from workbench.export.write import export
 from workbench.models.load import resolve
 from workbench.run.plan import make_plan
@@ -132,6 +133,8 @@ def summary(r, results: dict) -> list[str]:
         gate = (f"parity FAILED for {', '.join(exported['failed'])}" if exported.get("failed")
                 else "parity passed" if exported.get("parity") else "")
         lines.append("export: " + ", ".join(paths) + (f" ({gate})" if gate else ""))
+        lines += [llama_cpp.line(name, g["llama_cpp"]) for name, g in exported.get("parity", {}).items()
+                  if "llama_cpp" in g]
     elif not r.cfg.train.export:
         lines.append(f"export: none (train.export=false); later: python -m workbench.export {r.run_dir}")
     return lines
