@@ -4,7 +4,8 @@
 
 On the tiny model (fp32, a few steps at a learning rate high enough that the adapters matter):
 adapter -> merged for lora, qlora (merged into the dequantised fp32 base) and dora, and merged ->
-GGUF f16 and q8_0 (written by workbench/export/gguf.py, read back by transformers' own GGUF loader).
+GGUF f16 and q8_0 (written by workbench/export/gguf.py, read back by transformers' own GGUF loader
+and, where llama-cpp-python is installed, run in llama.cpp).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ def test_gguf_exports_load_back_and_pass(tmp_path):
     assert f16["passed"] and f16["rounding"] == "f16" and f16["greedy_equal"] == f16["prompts"], f16
     assert q8["passed"] and q8["rounding"] == "q8_0", q8
     assert q8["bytes"] < f16["bytes"]
+    if f16["llama_cpp"]["ran"]:  # llama.cpp's own reading of the file (workbench/export/llama_cpp.py)
+        n = f16["prompts"]
+        assert f16["llama_cpp"]["tokens_equal"] == n and f16["llama_cpp"]["greedy_equal"] == n, f16["llama_cpp"]
+        assert q8["llama_cpp"]["tokens_equal"] == n and q8["llama_cpp"]["passed"], q8["llama_cpp"]
     assert f16["declared_eos"] == q8["declared_eos"]  # the end-of-turn token, not the tokenizer's eos
     from workbench.data.chat import setup_tokenizer
     from workbench.models.load import load_tokenizer, zoo_entry
