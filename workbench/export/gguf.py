@@ -24,6 +24,7 @@ argmax agreement, so they are left to llama-quantize, which keeps sensitive tens
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -156,6 +157,8 @@ def write(merged_dir: Path, out: Path, kind: str, eos_id: int | None = None, pre
     from transformers import AutoConfig, AutoTokenizer
 
     kind = check_types([kind])[0]
+    # its writer logs each file at INFO, which Hydra's console handler would print mid-summary
+    logging.getLogger("gguf").setLevel(logging.WARNING)
     merged_dir, out = Path(merged_dir), Path(out)
     cfg = AutoConfig.from_pretrained(merged_dir)
     check_model(cfg.model_type)
