@@ -147,3 +147,11 @@ def test_doc_block_runs(body, expect, tmp_path):
     assert r.returncode == 0, out[-4000:]
     if expect:
         assert expect in out, out[-4000:]
+
+
+def test_recovery_table_is_the_measured_records():
+    """docs/guides/multi-node.md's recovery table is what scripts/recovery_table.py makes of
+    docs/measurements/recovery.json (the cluster tier's records), not edited by hand."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "recovery_table.py"), "--check"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
