@@ -69,9 +69,7 @@ class SFT(Method):
     def attach(self, backend) -> None:
         """How packed rows mark where each example starts follows the model's attention: a
         sliding window shorter than a row needs position ids (packing.attention_layout)."""
-        module = backend.unwrapped()
-        config = getattr(base_model(getattr(module, "inner", module)), "config", None)
-        window = sliding_window(config) if config is not None else None
+        window = sliding_window(base_model(backend.unwrapped().inner).config)
         self.window = window if window and window < self.ctx.cfg.data.seq_len else None
 
     def _packed_batch(self, state) -> StepBatch:
