@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from workbench.core.secrets import redact_overrides, scrub_text, secret_values
+from workbench.export import llama_cpp
 from workbench.models.load import gguf_metadata
 
 
@@ -40,8 +41,7 @@ def model_card(run, results: dict, export: dict) -> str:
                          f"{r['decisions_agree']}/{r['prompts']} pairs ordered alike | - | - | {r['passed']} |")
             continue
         cpp = r.get("llama_cpp") or {}
-        in_cpp = (f"tokens {cpp['tokens_equal']}/{cpp['prompts']}, greedy {cpp['greedy_equal']}/{cpp['prompts']}, "
-                  f"stop {cpp['stops']}/{cpp['reference_stops']}") if cpp.get("ran") else "-"
+        in_cpp = llama_cpp.counts(cpp) if cpp.get("ran") else "-"
         lines.append(f"| {name} | {r['rounding']} | {r['kl_mean']:.2e} | {r['greedy_equal']}/{r['prompts']} | "
                      f"{r['declared_eos']} | {in_cpp} | {r['passed']} |")
     lines += ["", "## How it was made", "", "The run directory holds `config.yaml` (the composed config, secrets "

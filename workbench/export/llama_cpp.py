@@ -79,13 +79,18 @@ def _greedy(llm, ids: list[int], eot_id: int, max_new_tokens: int) -> tuple[list
     return out, False
 
 
+def counts(report: dict) -> str:
+    """What agreed, as the summary line and the model card's column say it."""
+    n = report["prompts"]
+    return (f"token ids {report['tokens_equal']}/{n}, greedy answers {report['greedy_equal']}/{n} as transformers', "
+            f"end-of-turn stop {report['stops']}/{report['reference_stops']}")
+
+
 def line(name: str, report: dict) -> str:
     """The report as one line of the export summary."""
     if not report.get("ran"):
         return f"{name} in llama.cpp: not checked ({report['why']})"
-    n = report["prompts"]
-    head = (f"{name} in llama.cpp: token ids {report['tokens_equal']}/{n}, greedy answers {report['greedy_equal']}/{n} "
-            f"as transformers', end-of-turn stop {report['stops']}/{report['reference_stops']}")
+    head = f"{name} in llama.cpp: {counts(report)}"
     if report["passed"]:
         return head
     return f"{head}; first difference: {report['first_difference']}"

@@ -17,6 +17,7 @@ workbench/export/card.py.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -40,8 +41,6 @@ def _generation_config(tokenizer, contract):
 
 
 def _save_tokenizer(tokenizer, contract, path: Path) -> None:
-    import shutil
-
     tokenizer.save_pretrained(path)
     _generation_config(tokenizer, contract).save_pretrained(path)
     # A SentencePiece vocabulary's own file (Gemma): save_pretrained writes only tokenizer.json,
