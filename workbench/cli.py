@@ -38,8 +38,7 @@ from workbench.core import startup
 from workbench.core.errors import UserError
 from workbench.core.imports import import_without_incidentals, skip_bitsandbytes
 from workbench.core.secrets import redact_overrides, scrub_exception, scrub_files, scrub_text, secret_values
-from workbench.launch import dispatch, torchrun_reason
-from workbench.launch import sweep
+from workbench.launch import dispatch, sweep, torchrun_reason
 from workbench.launch.sweep import record_error
 from workbench.methods import registry as methods
 from workbench.methods.spec import SFT_ROWS
