@@ -118,6 +118,8 @@ def test_a_half_made_method_spec_fails_where_it_is_written():
         MethodSpec("other", Options, lambda cfg, ctx: None, facts=MethodFacts(data="sft"))
     with pytest.raises(TypeError, match="facts.data must be one of"):
         MethodSpec("mine", Options, lambda cfg, ctx: None, facts=MethodFacts(data="pairs"))
+    with pytest.raises(TypeError, match="states what it generates"):  # the planner would size no rollout
+        MethodSpec("mine", Options, lambda cfg, ctx: None, facts=MethodFacts(data="prompts", generates=True))
 
 
 def test_typo_in_key_is_rejected_by_hydra():

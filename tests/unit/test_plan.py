@@ -218,6 +218,25 @@ def test_dpo_reference_and_grpo_generation_terms():
     assert vllm.generation == 0 and vllm.vllm_fraction == 0.3
 
 
+def test_grpo_rollouts_come_from_the_methods_own_options_and_defaults():
+    """The planner reads what a method generates from its spec (MethodSpec.generation), with the
+    method's own Config defaults for an option the node leaves out, validated or not: the plan
+    of a GRPO node without max_new_tokens and share_prompt is the plan with GRPO's defaults."""
+    from workbench.methods.grpo import Config
+    from workbench.run.plan import from_cfg
+
+    full = compose(["method=grpo"], base=())
+    bare = compose(["method=grpo", "~method.max_new_tokens", "~method.share_prompt"], base=(), validate=False)
+    s_full, s_bare = from_cfg(full), from_cfg(bare)
+    assert (s_bare.completion_len, s_bare.share_prompt) == (Config.max_new_tokens, Config.share_prompt) == (8, True)
+    assert s_bare == s_full
+    # a run's own options win: 32 new tokens, completions as rows
+    mine = from_cfg(compose(["method=grpo", "method.max_new_tokens=32", "method.share_prompt=false"], base=()))
+    assert (mine.completion_len, mine.share_prompt, mine.rollouts) == (32, False, True)
+    # a method that generates nothing plans no completions
+    assert (from_cfg(compose([], base=())).completion_len, from_cfg(compose([], base=())).rollouts) == (0, False)
+
+
 def test_each_method_is_counted_as_the_catalog_says():
     """workbench/methods/spec.py: pair methods put two sequences through the model, KTO keeps a copied
     reference without peft (CPO/ORPO/RM none), distillation holds its teacher (sized by

@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 
-from workbench.config.schema import pick
 from workbench.core.errors import UserError
 from workbench.data.collate import pad_batch
 from workbench.data.pipeline import tokenise_source
@@ -143,7 +142,7 @@ def _beta(ctx) -> float:
     """beta of the implicit rewards beta x (policy - reference): the method's, or DPO's default
     for a method without one (an SFT run's held-out pairs)."""
     default = registry.spec("dpo").config.beta
-    return float(pick(ctx.cfg, "method.beta", default) or default)
+    return registry.spec(ctx.cfg.method.name).beta(ctx.cfg.method) or default
 
 
 @contextlib.contextmanager
@@ -265,7 +264,8 @@ def reward(ctx) -> dict:
     """Mean reward of greedy completions of held-out prompts, with the run's reward functions (GRPO)."""
     items = ctx.cached("reward/rows", lambda: _held_out(ctx, lambda s, *a: read_prompts(s, *a).rows))
     fns = rewards.resolve(ctx.cfg.reward)
-    max_new = int(pick(ctx.cfg, "method.max_new_tokens", None) or ctx.eval_cfg.max_new_tokens)
+    gen = registry.spec(ctx.cfg.method.name).generation(ctx.cfg.method)  # the completions it trained on
+    max_new = gen.completion_len if gen else int(ctx.eval_cfg.max_new_tokens)
     totals, per_fn, samples = [], [], []
     weights = torch.tensor([f.weight for f in fns])
     for i in range(0, len(items), ctx.eval_cfg.batch_size):

@@ -60,7 +60,7 @@ from workbench.data.overfit import Overfit
 from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
 from workbench.methods.base import Method
-from workbench.methods.spec import MethodFacts, MethodSpec
+from workbench.methods.spec import MethodFacts, MethodSpec, Rollouts
 from workbench.models import load
 from workbench.models.auto import adopt
 from workbench.models.head import SelectiveLM
@@ -319,5 +319,12 @@ RULES = (
          "data.packing=false"),
 )
 
-SPEC = MethodSpec(name="distill", config=Config, build=build, check=check, rules=RULES,
+def rollouts(cfg) -> Rollouts:
+    """What an on-policy step generates, for the planner: one completion of at most
+    max_new_tokens per row of the micro-batch, with HF generate."""
+    return Rollouts(groups=False, generations=1, completion_len=int(cfg.max_new_tokens), prompts_per_step=None,
+                    num_iterations=1, share_prompt=False, old_logps=False, engine="hf", vllm_fraction=0.0)
+
+
+SPEC = MethodSpec(name="distill", config=Config, build=build, check=check, rules=RULES, rollouts=rollouts,
                   facts=MethodFacts(data="sft", teacher=True, generates=True))  # on-policy on a share (lmbda) of steps

@@ -57,7 +57,7 @@ from workbench.methods.base import Method
 from workbench.methods.grpo_env import EpisodeRollouts
 from workbench.methods.grpo_rules import RULES, BatchShape, check, step_shape
 from workbench.methods.reference import Reference
-from workbench.methods.spec import MethodFacts, MethodSpec
+from workbench.methods.spec import MethodFacts, MethodSpec, Rollouts
 from workbench.rollout import advantages, objectives, rewards
 from workbench.rollout.async_rollouts import AsyncRollouts
 from workbench.rollout.generate import generate
@@ -480,6 +480,17 @@ def build(cfg, ctx) -> GRPO:
     return GRPO(cfg, ctx)
 
 
+def rollouts(cfg) -> Rollouts:
+    """What a step generates, for the planner: the old policy's log-probs take a forward pass
+    whenever the samples are not this step's own (several iterations per rollout, rollouts one
+    step ahead) or the KL goes into the reward (computed from them before the step)."""
+    old = cfg.num_iterations > 1 or cfg.async_rollouts or (cfg.beta > 0 and cfg.kl_in_reward)
+    return Rollouts(groups=True, generations=int(cfg.num_generations), completion_len=int(cfg.max_new_tokens),
+                    prompts_per_step=cfg.prompts_per_step, num_iterations=max(1, int(cfg.num_iterations)),
+                    share_prompt=bool(cfg.share_prompt), old_logps=bool(old), engine=str(cfg.engine),
+                    vllm_fraction=float(cfg.vllm_gpu_memory_utilization) if cfg.engine == "vllm" else 0.0)
+
+
 SPEC = MethodSpec(name="grpo", config=Config, build=build, check=check, rules=RULES, batch=step_shape,
-                  facts=MethodFacts(data="prompts", reference="kl", generates=True, episodes=True, eval="reward",
-                                    splits_rows=True))
+                  rollouts=rollouts, facts=MethodFacts(data="prompts", reference="kl", generates=True, episodes=True,
+                                                       eval="reward", splits_rows=True))

@@ -1,4 +1,6 @@
-"""What the planner reads from a run config, in one flat record (made by run/plan.py from_cfg)."""
+"""What the planner sizes, in one flat record: a view of the resolved run (workbench/run/derive.py)
+and of the specs' facts (a method's Rollouts, a backend's BackendFacts), made by run/plan.py
+from_cfg; the memory and speed models (plan/memory.py, plan/speed.py) read only this."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from workbench.backends import registry as backends
 from workbench.backends.spec import BackendFacts
+from workbench.train.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -37,9 +40,9 @@ class Setup:
     packed: bool = False  # data.packing: rows of several documents, attended through a (seq x seq) mask
     dpo_ref: str = "adapter"  # reference model: adapter | copy | precompute | none (resolved.reference)
     teacher_scale: float = 1.0  # distillation: teacher parameters / student parameters
-    generations: int = 8  # GRPO group size
-    completion_len: int = 256
-    # GRPO-family rollouts (a method config with num_generations): each rank generates its whole
+    generations: int = 0  # completions per prompt (from_cfg: the method spec's Rollouts)
+    completion_len: int = 0  # tokens a completion may take (from_cfg: the method spec's Rollouts)
+    # rollouts (a method whose spec generates: workbench/methods/spec.py Rollouts): each rank generates its whole
     # groups at once, `rollout_prompts` prompts x `generations` completions, once every
     # `num_iterations` optimizer steps; with `share_prompt` a micro-batch's completions of one
     # prompt are one row (the prompt once, the completions as branches)
@@ -55,15 +58,18 @@ class Setup:
     hf_copy: bool = False
 
     @property
+    def layout(self) -> Layout:
+        return Layout(world=self.devices, tp=self.tp, pp=self.pp, cp=self.cp, sp=self.sp)
+
+    @property
     def dp(self) -> int:
-        """Ranks that hold the same model slice: what sharding (ZeRO, FSDP2) divides over. The sp
-        ranks of backend.sp are among them (they shard like data-parallel replicas)."""
-        return max(1, self.devices // (self.tp * self.pp * self.cp))
+        """Ranks that hold the same model slice: what sharding (ZeRO, FSDP2) divides over."""
+        return self.layout.replicas
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that take their own rows of the global batch: dp over the sp ranks sharing a row."""
-        return max(1, self.dp // self.sp)
+        """Ranks that take their own rows of the global batch."""
+        return self.layout.dp
 
     @property
     def facts(self) -> BackendFacts:

@@ -175,14 +175,10 @@ def reference(cfg) -> str:
     method.reference (auto: the adapter-free base under peft, a frozen copy without), GRPO only
     for its KL term (beta > 0), reference-free methods none."""
     m = _method(cfg)
-    need = registry.spec(m.name if m is not None else "sft").facts.reference
-    adapter = cfg.peft.kind != "none"
-    if need == "method":
-        ref = m.get("reference", "auto")
-        return ("adapter" if adapter else "copy") if ref == "auto" else ref
-    if need == "kl" and m.get("beta", 0.0):
-        return "adapter" if adapter else "copy"
-    return "none"
+    ref = registry.spec(m.name if m is not None else "sft").reference_choice(m)
+    if ref == "auto":
+        return "adapter" if cfg.peft.kind != "none" else "copy"
+    return ref
 
 
 def quant_storage(cfg) -> str:

@@ -71,7 +71,7 @@ def plan_check(r) -> dict | None:
 
 def _planned(r, shapes) -> dict:
     return make_plan(shapes.config(r.cfg, r.run.facts.generates), others=False, calibrated=False,
-                     rollout=shapes.rollout())["here"]
+                     rollout=shapes.rollout(), completion_len=shapes.completion_len())["here"]
 
 
 def export_and_report(r, results: dict) -> None:

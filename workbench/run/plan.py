@@ -1,8 +1,9 @@
 """The plan of one run: `make_plan(cfg)` and the one-line refusal of a run that does not fit.
 
-Fields owned by one backend or method (stage, offload, generations) are read by their schema
-names with defaults (`pick`), so the planner works for any backend or method config; precision,
-peft, the reference and the layout come from the derived run (workbench/run/derive.py). A change
+What a method generates per step comes from its spec (MethodSpec.generation: the method's own
+options over its Config's defaults); a backend's options (stage, offload, checkpointing) are read
+by the names its facts give, with its facts' defaults; precision, peft, the reference and the
+layout come from the derived run (workbench/run/derive.py). A change
 the planner proposes (workbench/plan/fit.py) is applied to the config itself and kept only where
 the rule table takes it and the changed run's own plan fits (`_fix_check`).
 
@@ -13,7 +14,7 @@ DOES_NOT_FIT_EXIT) after printing the plan; the run itself is refused by preflig
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import yaml
 from omegaconf import OmegaConf
@@ -69,8 +70,12 @@ def _flag(value) -> bool:
     return bool(value)
 
 
-def from_cfg(cfg, devices: int | None = None) -> Setup:
-    """Fields by their schema names (a backend or method without one gets the default)."""
+def from_cfg(cfg, devices: int | None = None, completion_len: int | None = None) -> Setup:
+    """What the planner sizes: the backend's options by their schema names (a backend without
+    one gets its facts' default), the method's by its spec (MethodSpec.generation: what it
+    generates per step, from its own options and defaults), precision, peft, the reference and
+    the layout from the derived run. `completion_len`: the mean completion a run measured (the
+    plan check), in place of the method's max_new_tokens."""
     backend = pick(cfg, "backend.name", "single")
     facts = backends.spec(backend).facts
     stage = int(pick(cfg, "backend.stage", facts.default_stage))
@@ -80,44 +85,41 @@ def from_cfg(cfg, devices: int | None = None) -> Setup:
         ckpt = "full" if cfg.model.gradient_checkpointing else "none"
     elif ckpt not in ("selective",):
         ckpt = "full"
-    method = pick(cfg, "method.name", "sft")
-    use_vllm = registry.spec(method).facts.generates and pick(cfg, "method.engine", "hf") == "vllm"
-    run = derive(cfg)  # precision, peft and the reference strategy, as the run will have them
+    run = derive(cfg)  # precision, peft, the reference strategy and the layout, as the run will have them
+    method = registry.spec(cfg.method.name)
+    gen = method.generation(cfg.method)  # None: the method trains on its data's rows
     ref = {"precomputed": "precompute"}.get(run.reference, run.reference)
     host = _flag(pick(cfg, "backend.cpu_offload", False))  # fsdp2: parameters, gradients and optimizer state
-    gens = int(pick(cfg, "method.num_generations", 8))
-    # GRPO and its variants: groups of num_generations completions per prompt, generated per rank
-    rollouts = registry.spec(method).facts.generates and pick(cfg, "method.num_generations", None) is not None
-    world = devices or run.layout.world
-    dp = max(1, world // (run.layout.tp * run.layout.pp * run.layout.cp * run.layout.sp))  # ranks with their own rows
-    per_step = pick(cfg, "method.prompts_per_step", None)
-    prompts = int(per_step) // dp if per_step else cfg.train.micro_batch_size * cfg.train.grad_accum // max(gens, 1)
-    iters = int(pick(cfg, "method.num_iterations", 1))
-    old = iters > 1 or _flag(pick(cfg, "method.async_rollouts", False)) or (
-        float(pick(cfg, "method.beta", 0.0)) > 0 and _flag(pick(cfg, "method.kl_in_reward", False)))
+    lay = run.layout if devices is None else replace(run.layout, world=devices)
     return Setup(
-        method=method, peft=run.peft.kind, lora_r=int(cfg.peft.r), double_quant=bool(cfg.peft.double_quant),
+        method=method.name, peft=run.peft.kind, lora_r=int(cfg.peft.r), double_quant=bool(cfg.peft.double_quant),
         precision=run.precision.name, optimizer=cfg.optim.name, backend=backend, stage=stage,
         offload_optimizer=host or bool(facts.optimizer_offload)
         and _flag(pick(cfg, f"backend.{facts.optimizer_offload}", False)),
         offload_params=host or _flag(pick(cfg, "backend.offload_param", False)),
-        devices=devices or run.layout.world, device=cfg.hardware.device,
-        tp=run.layout.tp, pp=run.layout.pp, cp=run.layout.cp, ep=int(pick(cfg, "backend.ep", 1)), sp=run.layout.sp,
+        devices=lay.world, device=cfg.hardware.device,
+        tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=int(pick(cfg, "backend.ep", 1)), sp=lay.sp,
         micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum, seq_len=cfg.data.seq_len,
         checkpointing=ckpt, checkpoint_every=int(pick(cfg, "backend.selective_every", 2)),
         select_fraction=float(pick(cfg, "plan.select_fraction", 1.0)),
         loss_chunk=run.loss_chunk,
         packed=_flag(pick(cfg, "data.packing", False)),  # the methods that read data.packing pack their rows
         dpo_ref=ref, teacher_scale=float(pick(cfg, "plan.teacher_scale", 1.0)),
-        generations=gens,
-        completion_len=int(pick(cfg, "method.max_new_tokens", 256)),
-        rollouts=rollouts, rollout_prompts=max(1, prompts), num_iterations=max(1, iters),
-        share_prompt=rollouts and _flag(pick(cfg, "method.share_prompt", False)), old_logps=rollouts and old,
-        vllm_fraction=float(pick(cfg, "method.vllm_gpu_memory_utilization", 0.3)) if use_vllm else 0.0,
+        **(_rollout_fields(gen, cfg, lay.dp, completion_len) if gen else {}),
         # Megatron-Core's optimizer (the option only backend=megatron has)
         distributed_optimizer=_flag(pick(cfg, "backend.distributed_optimizer", False)),
         hf_copy=facts.bridges_hf_model and run.keeps_hf_base,
     )
+
+
+def _rollout_fields(gen, cfg, data_parallel: int, completion_len: int | None) -> dict:
+    """Setup's rollout fields from what the method generates per step (MethodSpec.generation)."""
+    if not gen.groups:  # a completion per micro-batch row (on-policy distillation)
+        return dict(generations=gen.generations, completion_len=completion_len or gen.completion_len)
+    return dict(rollouts=True, generations=gen.generations, completion_len=completion_len or gen.completion_len,
+                rollout_prompts=gen.prompts_per_rank(cfg.train.micro_batch_size, cfg.train.grad_accum, data_parallel),
+                num_iterations=gen.num_iterations, share_prompt=gen.share_prompt, old_logps=gen.old_logps,
+                vllm_fraction=gen.vllm_fraction)
 
 
 def run_tokens(cfg, s) -> float:
@@ -162,7 +164,7 @@ def with_change(cfg, change: str):
     return OmegaConf.create(raw)
 
 
-def _fix_check(cfg, counts, devices: int, memory_gb: float, device: str, seen: dict):
+def _fix_check(cfg, counts, devices: int, memory_gb: float, device: str, seen: dict, completion_len: int | None):
     """fit.verdict's `accept` on this config: a change is kept only where the changed config
     breaks no rule of the table the config did not break already (this machine's rules aside:
     the plan is for the profile's) and its own plan fits `memory_gb` per device. `seen`: the
@@ -187,7 +189,7 @@ def _fix_check(cfg, counts, devices: int, memory_gb: float, device: str, seen: d
             if "probe" not in seen:
                 seen["probe"] = probe(cfg.model)
             c = count(seen["probe"], changed.model.arch, changed.peft)
-        e = estimate(c, changed.model.arch, from_cfg(changed, devices=devices))
+        e = estimate(c, changed.model.arch, from_cfg(changed, devices=devices, completion_len=completion_len))
         return e.peak <= usable_bytes(memory_gb, device, e.vllm_fraction)
 
     return accept
@@ -242,22 +244,25 @@ def rollout_of(s: Setup) -> Rollout:
 
 
 def _row(cfg, counts, name, hw, mfu, devices: int | None = None, calibrated: bool = False,
-         rollout: Rollout | None = None, seen: dict | None = None) -> dict:
+         rollout: Rollout | None = None, seen: dict | None = None, completion_len: int | None = None) -> dict:
     """The verdict on hardware profile `hw`: with the processes it asks for, or `devices`;
     `calibrated`: with the measured/predicted ratios an earlier run stored for it; `rollout`:
     what a rank generated per step (the plan check's measurement), else what the config asks;
-    `seen`: the changes checked already for another row (_fix_check). Tokens/s, time and cost
+    `seen`: the changes checked already for another row (_fix_check); `completion_len`: the
+    measured mean completion (from_cfg). Tokens/s, time and cost
     are the whole job's on all `devices`: the changed run's where a change makes it fit there,
     None where none does; `needed` gives them on the devices it needs where it does not fit."""
     devices = devices or requested_procs(hw)
-    s = from_cfg(cfg, devices=devices)
+    s = from_cfg(cfg, devices=devices, completion_len=completion_len)
     mem = catalog.memory_gb(hw)
     if hw.device == "cpu":
         mem /= devices  # CPU processes share the host's memory
     arch = cfg.model.arch
     v = verdict(counts, arch, s, mem, hw.device, node_size=hw.procs,
-                accept=_fix_check(cfg, counts, devices, mem, hw.device, {} if seen is None else seen))
-    tokens = run_tokens(cfg, from_cfg(cfg))  # the job as configured, whatever the profile's device count
+                accept=_fix_check(cfg, counts, devices, mem, hw.device, {} if seen is None else seen,
+                                   completion_len))
+    # the job as configured, whatever the profile's device count
+    tokens = run_tokens(cfg, from_cfg(cfg, completion_len=completion_len))
     peak = _peak_tflops(hw, s.precision)
 
     def rates(t) -> tuple[float, float]:
@@ -325,25 +330,27 @@ def cores(cfg) -> dict | None:
 
 
 def make_plan(cfg, counts=None, hardware: list[str] | None = None, others: bool = True,
-              calibrated: bool = True, rollout: Rollout | None = None) -> dict:
+              calibrated: bool = True, rollout: Rollout | None = None, completion_len: int | None = None) -> dict:
     """The plan as plain data (JSON-ready). `counts` may come from preflight's meta probe.
     others=False leaves out the rest of the catalog (a run that fits where it is needs only `here`);
     calibrated=False: the planner's own figures for this hardware, without an earlier run's ratios;
-    rollout: what a rank generated per step (the plan check's measurement). `compare`
+    rollout, completion_len: what a rank generated per step and its mean completion (the plan
+    check's measurements). `compare`
     (plan.compare) says whether the table lists the other profiles beside this hardware."""
     counts = counts or count(probe(cfg.model), cfg.model.arch, cfg.peft)
     mfu = float(pick(cfg, "plan.mfu", 0.4))
-    s = from_cfg(cfg)
+    s = from_cfg(cfg, completion_len=completion_len)
     est = estimate(counts, cfg.model.arch, s)
     seen = {}  # the changes the rule table was asked about, for every row
     here = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu, devices=derive(cfg).layout.world,
-                calibrated=calibrated, rollout=rollout, seen=seen)
+                calibrated=calibrated, rollout=rollout, seen=seen, completion_len=completion_len)
     over = cores(cfg)
     if over:  # would it fit with one process per core?
-        fit = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu, devices=over["available"], seen=seen)
+        fit = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu, devices=over["available"], seen=seen,
+                   completion_len=completion_len)
         here["cores"] = {**over, "fits": fit["fits"], "peak_gb": fit["peak_gb"], "usable_gb": fit["usable_gb"]}
     wanted = hardware or list(pick(cfg, "plan.hardware", []) or [])
-    rows = [_row(cfg, counts, name, hw, mfu, seen=seen) for name, hw in catalog.profiles().items()
+    rows = [_row(cfg, counts, name, hw, mfu, seen=seen, completion_len=completion_len) for name, hw in catalog.profiles().items()
             if (not wanted or name in wanted) and name != cfg.hardware.name] if others else []
     plan = {
         "model": cfg.model.name, "method": s.method, "peft": s.peft, "backend": s.backend,

@@ -92,7 +92,7 @@ def data_sample(cfg, tokenizer, contract) -> dict:
             ids = tokenizer(msgs, add_special_tokens=False)["input_ids"]
             return {"where": where, "tokens": len(ids), "trained": len(ids), "kind": "text"}
         ids, labels = chat.tokenize_chat(tokenizer, msgs, contract,
-                                            OmegaConf.select(cfg, "method.loss_on", default="assistant"))
+                                            registry.spec(cfg.method.name).loss_on(cfg.method))
     trained = sum(1 for x in labels[1:] if x != chat.IGNORE)
     if trained == 0:
         raise UserError(f"{where}: after the chat template and loss mask the first sample trains no token; "

@@ -49,6 +49,12 @@ def _facts(c):
     return _spec(c).facts
 
 
+def _engine(c) -> str:
+    """What generates the method's samples (hf | vllm; MethodSpec.generation), hf for one that does not."""
+    gen = _spec(c).generation(c.get("method"))
+    return gen.engine if gen else "hf"
+
+
 def _backend_facts(c):
     return backends.spec(backend_name(c)).facts
 
@@ -202,7 +208,7 @@ COMBINED: list[Rule] = [
                       f"mask), so model.attn_implementation={c.model.attn_implementation} would not be used: set "
                       "model.attn_implementation=sdpa"),
     Rule("sharded-vllm", {"backend": "fsdp2, deepspeed stage 3", "method": "grpo (vLLM rollouts)"},
-         lambda c, e: sharded(c) and pick(c, "method.engine", "hf") == "vllm",
+         lambda c, e: sharded(c) and _engine(c) == "vllm",
          "method.engine=vllm loads full weights into vLLM on every rank, which a sharding backend splits; use "
          "method.engine=hf (generates through the sharded model) or backend=deepspeed backend.stage=2"),
     Rule("sharded-copied-reference", {"backend": "fsdp2, deepspeed stage 3", "method": "dpo, kto / grpo with a copied reference"},
@@ -226,7 +232,7 @@ COMBINED: list[Rule] = [
          lambda c, e: f"reward function(s) {_episode_rewards(c)} score whole episodes: choose an environment "
                       "(env=calc, or env.name=package.module:Class), or another reward"),
     Rule("dpo-adapter-ref-needs-peft", {"method": "dpo, kto (ref=adapter)", "peft": "none"},
-         lambda c, e: _facts(c).reference == "method" and pick(c, "method.reference", None) == "adapter"
+         lambda c, e: _facts(c).reference == "method" and _spec(c).reference_choice(c.method) == "adapter"
          and c.peft.kind == "none",
          "method.reference=adapter uses the model with its adapter disabled as the reference, but peft=none has "
          "no adapter: use peft=lora, or method.reference=copy / method.reference=precomputed"),

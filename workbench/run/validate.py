@@ -95,14 +95,12 @@ def _smoke_bounds(cfg: DictConfig) -> None:
     cap = cfg.debug.max_new_tokens
     if cap is None:
         return
+    methods.spec(cfg.method.name).bound_generation(cfg.method, cap)
     env = cfg.get("env")
-    for node in (cfg.method, env):
-        if node is not None and "max_new_tokens" in node:
-            node.max_new_tokens = min(int(node.max_new_tokens), int(cap))
+    if env is not None and "max_new_tokens" in env:
+        env.max_new_tokens = min(int(env.max_new_tokens), int(cap))
     if env is not None and "max_turns" in env:
         env.max_turns = min(int(env.max_turns), 2)
-    if "max_resample_rounds" in cfg.method:
-        cfg.method.max_resample_rounds = 0
 
 
 def _check_values(cfg: DictConfig) -> None:

@@ -80,18 +80,22 @@ class Shapes:
                        rows=self.decode_rows / self.decodes, calls=self.calls / self.steps)
 
     def config(self, cfg, generates: bool):
-        """`cfg` with data.seq_len and plan.select_fraction as the run had them; a method that
-        trains on rollouts with its longest prompt as data.seq_len and its mean completion
-        (end-of-turn included) as method.max_new_tokens, the tokens it trained on."""
+        """`cfg` with data.seq_len and plan.select_fraction as the run had them: a method that
+        trains on rollouts with its longest prompt as data.seq_len (its completions come from
+        completion_len()), another with its longest row."""
         out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-        if generates and self.completions and OmegaConf.select(out, "method.num_generations") is not None:
+        if generates and self.completions:
             out.data.seq_len = self.prompt
-            out.method.max_new_tokens = max(1, round(self.completion_tokens / self.completions))
         elif self.longest and not generates:
             out.data.seq_len = self.longest
         if self.positions:
             out.plan.select_fraction = self.selected / self.positions
         return out
+
+    def completion_len(self) -> int | None:
+        """The mean completion the run generated (end-of-turn included), the tokens it trained on
+        per completion; None where it generated none."""
+        return max(1, round(self.completion_tokens / self.completions)) if self.completions else None
 
 
 class Memory:

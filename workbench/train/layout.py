@@ -34,8 +34,16 @@ class Layout:
         return self.tp * self.pp * self.cp * self.sp
 
     @property
+    def replicas(self) -> int:
+        """Ranks that hold the same model slice: what ZeRO and FSDP2 shard over. The sp ranks of
+        one data-parallel rank are among them (they shard like data-parallel replicas)."""
+        return max(1, self.world // (self.tp * self.pp * self.cp))
+
+    @property
     def dp(self) -> int:
-        return max(1, self.world // self.model_parallel)
+        """Ranks that take their own rows of the global batch: the replicas over the sp ranks
+        sharing a row (world // (tp * pp * cp * sp))."""
+        return max(1, self.replicas // self.sp)
 
     @property
     def dp_rank(self) -> int:
