@@ -27,7 +27,7 @@ LAYERS = [
     # foundation: nothing from the workbench but itself
     ["workbench.core", "workbench.config", "workbench.train.batch", "workbench.train.state",
      "workbench.train.distributed", "workbench.train.layout", "workbench.train.signal", "workbench.train.noise",
-     "workbench.train.sequence_parallel"],
+     "workbench.train.sequence_parallel", "workbench.train.context"],
     # parts: tensors, data, models, the arithmetic of precision and FLOPs
     ["workbench.train.precision", "workbench.train.optim", "workbench.train.kernels", "workbench.data",
      "workbench.models", "workbench.peft", "workbench.megatron", "workbench.rollout", "workbench.envs",
@@ -35,7 +35,7 @@ LAYERS = [
     # engines: methods, backends, evaluations, checkpoints, what observes a run, the planner
     ["workbench.methods", "workbench.backends", "workbench.evals", "workbench.train.checkpoint",
      "workbench.train.canonical", "workbench.train.resume", "workbench.train.resume_changes",
-     "workbench.train.replay", "workbench.train.faults",
+     "workbench.train.replay", "workbench.train.step", "workbench.train.faults",
      "workbench.train.keep_best", "workbench.train.watchdog", "workbench.telemetry", "workbench.plan",
      "workbench.export.parity", "workbench.export.hub"],
     # the resolved run: validation, the rule table and the decisions derived from a config
@@ -302,6 +302,48 @@ def test_the_option_finder_finds_both_forms():
         planted.unlink()
     assert found == ["workbench/plan/_planted_for_the_test.py:2 reads method.beta",
                      "workbench/plan/_planted_for_the_test.py:2 reads method.max_new_tokens"]
+
+
+# The runner builds the parts and hands each collaborator the few it needs (the loop's Parts,
+# Checkpoints, Evaluator, finish.*): nothing receives the runner itself, so what a part reads is
+# in its signature, not in a bag that grows.
+def runner_handed_out(modules: dict | None = None) -> list[str]:
+    """Where a Runner is passed along: `self` given as an argument inside class Runner, or a
+    parameter annotated as the runner or named for it (`runner`; `r` in workbench/run/)."""
+    found = []
+    for path in (modules or MODULES).values():
+        rel = path.relative_to(ROOT).as_posix()
+        tree = ast.parse(path.read_text())
+        for cls in ast.walk(tree):
+            if isinstance(cls, ast.ClassDef) and cls.name == "Runner":
+                for call in ast.walk(cls):
+                    if isinstance(call, ast.Call) and any(isinstance(a, ast.Name) and a.id == "self"
+                                                          for a in [*call.args, *(k.value for k in call.keywords)]):
+                        found.append(f"{rel}:{call.lineno} hands the runner to {ast.unparse(call.func)}")
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for a in [*fn.args.args, *fn.args.kwonlyargs]:
+                    note = ast.unparse(a.annotation) if a.annotation else ""
+                    # `r` is the runner's short name in workbench/run/ (elsewhere a rank, a row, a rollout)
+                    if a.arg == "runner" or (a.arg == "r" and rel.startswith("workbench/run/")) or "Runner" in note:
+                        found.append(f"{rel}:{fn.lineno} {fn.name}() receives the runner as {a.arg}")
+    return sorted(set(found))
+
+
+def test_no_function_receives_the_runner():
+    assert runner_handed_out() == []
+
+
+def test_the_runner_finder_finds_both_forms():
+    planted = ROOT / "workbench" / "run" / "_planted_for_the_test.py"
+    try:
+        planted.write_text("class Runner:\n    def go(self):\n        return helper(self)\n\n\n"
+                           "def helper(r):\n    return r\n")
+        found = runner_handed_out({"planted": planted})
+    finally:
+        planted.unlink()
+    assert found == ["workbench/run/_planted_for_the_test.py:3 hands the runner to helper",
+                     "workbench/run/_planted_for_the_test.py:6 helper() receives the runner as r"]
 
 
 # The command line defers the run's modules until its import guards are set (bitsandbytes skipped

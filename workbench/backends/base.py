@@ -21,6 +21,7 @@ import torch
 
 from workbench.train import canonical
 from workbench.train.batch import StepBatch
+from workbench.train.step import grads_finite
 
 LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]]
 
@@ -28,6 +29,8 @@ LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]]
 class Backend(Protocol):
     name: str
     skips_steps: bool = False  # gradients sit in param.grad before optimizer_step, so a bad step can be dropped
+    optimizer: torch.optim.Optimizer | None  # built by wrap (Megatron's own optimizer aside)
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
 
     def wrap(self, model: torch.nn.Module, ctx) -> None:
         """Take ownership of the model; build optimizer and scheduler."""
@@ -37,6 +40,17 @@ class Backend(Protocol):
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step, schedule, zero grads; return grad_norm and lr."""
+
+    def gradients_finite(self) -> bool:
+        """Whether every gradient this rank's optimizer would apply is finite (a backend that
+        skips_steps; the fault guard asks before the update)."""
+        return grads_finite(self.optimizer)
+
+    def discard_gradients(self) -> dict[str, float]:
+        """Drop this step's gradients, the weights untouched (a refused update): grad_norm NaN
+        and the learning rate the step would have used."""
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float("nan"), "lr": self.scheduler.get_last_lr()[0]}
 
     def unwrapped(self) -> torch.nn.Module:
         """The plain module with current weights (for generation, eval and export)."""

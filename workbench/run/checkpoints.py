@@ -1,7 +1,7 @@
 """A run's checkpoints as the runner uses them: where it resumes, what a save writes, which
 weights go back in (the best, a stall's last good step), and what is kept when an eval hook fails.
 
-    ckpts = Checkpoints(runner)          # after the backend holds the model
+    ckpts = Checkpoints(run, run_dir, backend, method, identity, tracker)   # the backend holds the model
     path, state = ckpts.resume(state)    # None, state: nothing to resume
     ckpts.save(state)
 
@@ -23,12 +23,14 @@ from workbench.train.state import TrainState, rng_state, seed_everything, set_rn
 
 
 class Checkpoints:
-    def __init__(self, r):
-        self.cfg, self.run, self.run_dir = r.cfg, r.run, r.run_dir
-        self.rank, self.world, self.is_main = r.rank, r.world, r.is_main
-        self.backend, self.method, self.device = r.backend, r.method, r.device
-        self.identity = r.identity
-        self.tracker = None  # set by the runner once it has one (the save's status line)
+    def __init__(self, run, run_dir: Path, backend, method, identity: dict, tracker):
+        """`run`: the resolved run (its config, layout and device); `identity`: what a checkpoint
+        must match to be resumed (workbench/train/resume.py); `tracker`: the save's status line."""
+        self.cfg, self.run, self.run_dir = run.cfg, run, run_dir
+        self.rank, self.world, self.is_main = run.layout.rank, run.layout.world, run.layout.is_main
+        self.backend, self.method, self.device = backend, method, run.device
+        self.identity = identity
+        self.tracker = tracker
         self.resumed: dict | None = None  # where the run resumed from, its certificate
         self.resumed_step = 0  # the step the run continued from (0: a fresh start)
         self.changes = resume_changes.Changes()  # settings the resume changed (workbench/train/resume_changes.py)

@@ -1,12 +1,14 @@
 """The training loop, and only the loop: data -> step -> log -> evaluate -> checkpoint.
 
-    stalled = loop(runner, guard, watch, results)   # workbench/run/runner.py calls this once
+    stalled = loop(parts, guard, watch, results)   # workbench/run/runner.py calls this once
 
-Everything around it is a named service the loop calls: the fault guard (signals, non-finite
-steps; workbench/train/faults.py), the stall watch (GRPO steps without gradient;
-workbench/train/signal.py), the checkpoints (workbench/run/checkpoints.py), the evaluations
-(workbench/run/evaluation.py) and the plan check (workbench/run/finish.py). What happens before
-the first step (build, resume, manifest) and after the last (evaluation, export, report) is
+The loop works with the `Parts` the runner hands it, each named for what it does: the method
+(data and loss), the backend (the model), the train state and its clock, the tracker, the
+checkpoints (workbench/run/checkpoints.py), the evaluations (workbench/run/evaluation.py) and
+the plan check's probes (workbench/telemetry/plan_check.py). Around the step are the fault guard
+(signals, non-finite steps; workbench/train/faults.py, wrapping workbench/train/step.py) and the
+stall watch (GRPO steps without gradient; workbench/train/signal.py). What happens before the
+first step (build, resume, manifest) and after the last (evaluation, export, report) is
 workbench/run/runner.py's.
 """
 
@@ -14,38 +16,64 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from workbench.core import heartbeat
-from workbench.telemetry.metrics import throughput
+from workbench.run.checkpoints import Checkpoints
+from workbench.run.derive import Run
+from workbench.run.evaluation import Evaluator
+from workbench.telemetry.metrics import Tracker, throughput
+from workbench.telemetry.plan_check import Memory, Shapes
 from workbench.train import noise
+from workbench.train.state import TrainState
 
 
-def loop(r, guard, watch, results: dict) -> dict | None:
-    """Train from `r.state.step` to `train.max_steps`; the stall watch's verdict if it stopped
+@dataclass
+class Parts:
+    """What the loop works with; the runner builds it once the run has resumed."""
+
+    run: Run
+    state: TrainState
+    method: object  # workbench/methods/base.py Method: next_batch, loss
+    backend: object  # workbench/backends/base.py Backend
+    clock: Clock
+    tracker: Tracker
+    checkpoints: Checkpoints
+    evaluator: Evaluator
+    shapes: Shapes  # the batch shapes the plan check plans for
+    memory: Memory  # the plan check's memory window
+    plan_check: Callable[[], dict | None]  # at plan.check_after_steps (workbench/run/finish.py)
+    dropout: bool  # the model draws dropout masks, keyed by each micro-batch's samples
+
+
+def loop(p: Parts, guard, watch, results: dict) -> dict | None:
+    """Train from `p.state.step` to `train.max_steps`; the stall watch's verdict if it stopped
     the run early, else None. A preemption signal checkpoints and exits inside (guard)."""
-    cfg = r.cfg
-    while r.state.step < cfg.train.max_steps:
-        crash_if_asked(cfg.debug, r.state.step, r.rank)
+    cfg, state = p.run.cfg, p.state
+    while state.step < cfg.train.max_steps:
+        crash_if_asked(cfg.debug, state.step, p.run.layout.rank)
         t0 = time.perf_counter()
-        heartbeat.step(r.state.step)
-        r.memory.before(r.state.step)  # the plan check's memory window (CPU: its own step)
-        batch = next_batch(r)                                              # data
-        if watch is not None and watch.begins(batch.signal, r.state.step):
-            watch.checkpoint = str(r.checkpoints.save(r.state))  # the last weights trained with signal
-        r.shapes.update(batch)  # the batch shapes the plan check plans for
-        r.memory.seen(batch)
-        metrics = guard.step(batch, r.method.loss, r.state.step, r.checkpoints.latest_valid)  # step
-        row = r.clock.record(r, batch, metrics, time.perf_counter() - t0)  # log
-        r.memory.after(r.state.step)
-        r.tracker.log(row, show=r.state.step % cfg.train.log_every == 0 or r.state.step == 1)
-        stalled = watch_step(r, watch, row, batch)
-        saved = checkpoint_if_due(r, watch)                                # checkpoint
+        heartbeat.step(state.step)
+        p.memory.before(state.step)  # the plan check's memory window (CPU: its own step)
+        batch = next_batch(p)                                              # data
+        if watch is not None and watch.begins(batch.signal, state.step):
+            watch.checkpoint = str(p.checkpoints.save(state))  # the last weights trained with signal
+        p.shapes.update(batch)
+        p.memory.seen(batch)
+        metrics = guard.step(batch, p.method.loss, state.step, p.checkpoints.latest_valid)  # step
+        advance(state, p.run, batch)
+        row = p.clock.record(state, batch, metrics, time.perf_counter() - t0)  # log
+        p.memory.after(state.step)
+        p.tracker.log(row, show=state.step % cfg.train.log_every == 0 or state.step == 1)
+        stalled = watch_step(p.tracker, watch, row, batch)
+        saved = checkpoint_if_due(p, watch)                                # checkpoint
         if guard.stop_requested():  # collective: every rank checkpoints at the same step
-            guard.exit_preempted(r.state.step, r.checkpoints.at_step(r.state, saved))
-        if cfg.eval.every_n_steps and r.state.step % cfg.eval.every_n_steps == 0:  # evaluate
-            results.setdefault("eval_during", []).append({"step": r.state.step, **r.evaluator.evaluate("step")})
-        if r.state.step == cfg.plan.check_after_steps:
-            results["plan_check"] = r.plan_check()
+            guard.exit_preempted(state.step, p.checkpoints.at_step(state, saved))
+        if cfg.eval.every_n_steps and state.step % cfg.eval.every_n_steps == 0:  # evaluate
+            results.setdefault("eval_during", []).append({"step": state.step, **p.evaluator.evaluate("step", state)})
+        if state.step == cfg.plan.check_after_steps:
+            results["plan_check"] = p.plan_check()
         if stalled:
             return stalled
     return None
@@ -61,63 +89,68 @@ def crash_if_asked(debug, step: int, rank: int) -> None:
         os._exit(17)
 
 
-def next_batch(r):
+def next_batch(p: Parts):
     """The method's next batch (GRPO rolls out and scores here), with its dropout seeds."""
     with heartbeat.phase("data"):  # GRPO marks its rollout and reward functions inside
-        batch = r.method.next_batch(r.state, r.backend)
-    if r.dropout:
-        batch.micro_seeds = micro_seeds(r, len(batch.micro))
+        batch = p.method.next_batch(p.state, p.backend)
+    if p.dropout:
+        batch.micro_seeds = micro_seeds(p.run, p.state, len(batch.micro))
     return batch
 
 
-def micro_seeds(r, n: int) -> list[int]:
+def micro_seeds(run: Run, state: TrainState, n: int) -> list[int]:
     """A seed per micro-batch from its first row's global sample index: the same rows get the
     same dropout masks at any world size (workbench/train/noise.py)."""
-    b, lay = r.run.batch, r.run.layout
-    first = r.state.step * b.size + lay.dp_rank * b.per_rank
-    return [noise.key(r.cfg.train.seed, r.state.step, first + i * b.micro) for i in range(n)]
+    b, lay = run.batch, run.layout
+    first = state.step * b.size + lay.dp_rank * b.per_rank
+    return [noise.key(run.cfg.train.seed, state.step, first + i * b.micro) for i in range(n)]
 
 
-def watch_step(r, watch, row: dict, batch) -> dict | None:
+def advance(state: TrainState, run: Run, batch) -> None:
+    """The step is done: the counters move (data-parallel ranks each see different tokens;
+    tensor/pipeline peers share theirs)."""
+    state.step += 1
+    state.tokens_seen += batch.tokens * run.layout.dp
+    state.samples_seen += run.batch.size
+
+
+def watch_step(tracker: Tracker, watch, row: dict, batch) -> dict | None:
     """The stall watch's verdict on this step (None: keep going), its warning on the console."""
     if watch is None:
         return None
     stalled = watch.after(row, batch.signal)
     line = watch.warning(row, batch.signal)
     if line:
-        r.tracker.console(line)
+        tracker.console(line)
     return stalled
 
 
-def checkpoint_if_due(r, watch) -> bool:
+def checkpoint_if_due(p: Parts, watch) -> bool:
     """Every train.checkpoint_every steps, but not the last (the runner saves it) and not during
     a stall: those weights have no signal and would rotate out the one the stall began with."""
-    every = r.cfg.train.checkpoint_every
-    due = (every and r.state.step % every == 0 and r.state.step < r.cfg.train.max_steps
+    train, step = p.run.cfg.train, p.state.step
+    due = (train.checkpoint_every and step % train.checkpoint_every == 0 and step < train.max_steps
            and not (watch is not None and watch.idle))
     if due:
-        r.checkpoints.save(r.state)
+        p.checkpoints.save(p.state)
     return bool(due)
 
 
 class Clock:
-    """The counters a step advances and the metrics.jsonl row it writes."""
+    """Times the steps and writes each step's metrics.jsonl row; `on_step`: told each step's
+    seconds (the watchdog's stall budget follows them)."""
 
-    def __init__(self, run, flop_count, peak: float, t_launch: float):
-        self.run, self.flops, self.peak, self.t_launch = run, flop_count, peak, t_launch
+    def __init__(self, run: Run, flop_count, peak: float, t_launch: float, on_step: Callable[[float], None]):
+        self.run, self.flops, self.peak, self.t_launch, self.on_step = run, flop_count, peak, t_launch, on_step
         self.losses: list[float] = []
         self.first_step_at: float | None = None
 
-    def record(self, r, batch, metrics: dict, dt: float) -> dict:
-        r.dog.step_time(dt)
+    def record(self, state: TrainState, batch, metrics: dict, dt: float) -> dict:
+        self.on_step(dt)
         self.first_step_at = self.first_step_at or (time.perf_counter() - self.t_launch)
-        r.state.step += 1
-        # data-parallel ranks each see different tokens; tensor/pipeline peers share theirs
         dp = self.run.layout.dp
-        r.state.tokens_seen += batch.tokens * dp
-        r.state.samples_seen += self.run.batch.size
         loss = metrics.pop("loss")
         self.losses.append(loss)
-        return {"step": r.state.step, "loss": loss, **metrics, **batch.info, "tokens": batch.tokens * dp,
+        return {"step": state.step, "loss": loss, **metrics, **batch.info, "tokens": batch.tokens * dp,
                 "tokens_per_s": batch.tokens * dp / dt, "step_seconds": dt, "time": time.time(),
                 **throughput(self.flops, batch, dt, self.peak, dp)}

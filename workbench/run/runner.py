@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +35,7 @@ from workbench.run import finish
 from workbench.run.checkpoints import Checkpoints
 from workbench.run.derive import Run
 from workbench.run.evaluation import Evaluator
-from workbench.run.loop import Clock, loop
+from workbench.run.loop import Clock, Parts, loop
 from workbench.run.preflight import tokenizer as make_tokenizer
 from workbench.run.resolved import resolve as resolve_run
 from workbench.telemetry import plan_check
@@ -44,28 +43,10 @@ from workbench.telemetry.flops import FlopCount
 from workbench.telemetry.metrics import Tracker
 from workbench.telemetry.peak import peak_flops
 from workbench.train import checkpoint, faults, precision, replay, resume, resume_changes
+from workbench.train.context import Context
 from workbench.train.distributed import init_distributed
 from workbench.train.state import TrainState, seed_everything
 from workbench.train.watchdog import Watchdog, gpu_env
-
-
-@dataclass(frozen=True)
-class Context:
-    """What methods and backends may read while they set themselves up: the resolved run
-    (precision, peft, reference, layout; workbench/run/resolved.py) and the tokenizer."""
-
-    run: Run
-    tokenizer: object
-    contract: object
-    run_dir: Path
-
-    @property
-    def cfg(self) -> DictConfig:
-        return self.run.cfg
-
-    @property
-    def device(self) -> str:
-        return self.run.device
 
 
 class Runner:
@@ -114,7 +95,6 @@ class Runner:
         self.backend.wrap(self.train_module, self.ctx)
         self.method.attach(self.backend)  # e.g. DPO's reference log-probs, once the backend holds the model
         self.state = TrainState()
-        self.checkpoints, self.evaluator = Checkpoints(self), Evaluator(self)
         # dropout draws its masks keyed by the micro-batch's global samples (workbench/train/noise.py)
         self.dropout = (any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules())
                         or float(getattr(self.model.config, "attention_dropout", 0.0) or 0.0) > 0)
@@ -137,7 +117,7 @@ class Runner:
         an error here reaches the other ranks at once, a stall anywhere ends the run with stacks."""
         cfg = self.cfg
         self.dog = Watchdog(self.run_dir, self.rank, self.world, cfg.hardware.stall_timeout_s, cfg.eval.timeout_s,
-                            last_checkpoint=lambda: self.checkpoints.latest_valid(), secrets=self.secrets)
+                            last_checkpoint=lambda: checkpoint.latest_valid(self.run_dir), secrets=self.secrets)
         if cfg.debug.hang_phase and self.rank == cfg.debug.hang_rank:
             heartbeat.BEAT.hang = (cfg.debug.hang_phase, cfg.debug.hang_at_step)
         if cfg.hardware.watchdog:
@@ -165,24 +145,32 @@ class Runner:
             return done
         peak, results["peak_source"] = peak_flops(self.cfg.hardware, self.pol, self.device)
         results["peak_flops"] = peak
-        self.clock = Clock(self.run, FlopCount.from_model(self.model, self.run), peak, t_launch)
-        self.shapes = plan_check.Shapes()
-        self.memory = plan_check.Memory(self.device, self.cfg.plan.check_after_steps, self.cfg.train.max_steps)
+        clock = Clock(self.run, FlopCount.from_model(self.model, self.run), peak, t_launch, on_step=self.dog.step_time)
+        shapes = plan_check.Shapes()
+        memory = plan_check.Memory(self.device, self.cfg.plan.check_after_steps, self.cfg.train.max_steps)
+        parts = Parts(run=self.run, state=self.state, method=self.method, backend=self.backend, clock=clock,
+                      tracker=self.tracker, checkpoints=self.checkpoints, evaluator=self.evaluator, shapes=shapes,
+                      memory=memory, dropout=self.dropout,
+                      plan_check=lambda: finish.plan_check(self.run, self.run_dir, self.state.step, self.tracker,
+                                                           memory, shapes))
         # SIGTERM/SIGINT: finish the step, checkpoint, exit 75; NaN/Inf: skip or stop (workbench/train/faults.py)
         guard = faults.Guard(self.run, self.backend, say=self.tracker.console)
         guard.install()
         startup.training()  # the collector runs again from here (workbench/core/startup.py)
-        stalled = loop(self, guard, self.method.stall_watch(), results)
-        self.memory.close()
+        stalled = loop(parts, guard, self.method.stall_watch(), results)
+        memory.close()
         self._last_checkpoint(stalled, results)
         guard.uninstall()  # from here on (eval, export) a signal stops the run as usual
-        results.update(bad_steps=guard.bad_steps, losses=self.clock.losses, first_step_seconds=self.clock.first_step_at,
+        results.update(bad_steps=guard.bad_steps, losses=clock.losses, first_step_seconds=clock.first_step_at,
                        wall_seconds=time.perf_counter() - t_launch)
         if self.cfg.eval.at_end:
-            results["eval_end"] = self.evaluator.evaluate("end")
-        finish.export_and_report(self, results)
+            results["eval_end"] = self.evaluator.evaluate("end", self.state)
+        finish.export_and_report(self.run, self.run_dir, results, backend=self.backend, tokenizer=self.tokenizer,
+                                 contract=self.contract, checkpoints=self.checkpoints, tracker=self.tracker,
+                                 secrets=self.secrets)
         if self.is_main:
-            for line in finish.summary(self, results):
+            for line in finish.summary(self.run_dir, self.cfg, self.state.step, self.checkpoints.resumed_step,
+                                       self.tracker.rows, results):
                 self.tracker.console(line)
         return results
 
@@ -208,20 +196,23 @@ class Runner:
         self.tracker.set_price(cfg.hardware.price_per_hour, self.world)
         if self.backend is None:
             self.build()
-        self.checkpoints.tracker = self.tracker
+        self.checkpoints = Checkpoints(self.run, self.run_dir, self.backend, self.method, self.identity, self.tracker)
+        self.evaluator = Evaluator(self.run, self.run_dir, self.backend, self.tokenizer, self.contract, self.tracker,
+                                   self.checkpoints)
         resumed, self.state = self.checkpoints.resume(self.state)
         if resumed is None:  # a resume says "resuming from step N" (workbench/run/checkpoints.py)
             self.tracker.console(f"new run in {self.run_dir}: {resume.describe(resume.layout_of(cfg, self.run))}, "
                                  f"global batch {self.run.batch.describe()}, {cfg.train.max_steps} steps")
         if self.is_main:
-            finish.write_manifest(self, resumed)
+            finish.write_manifest(self.run, self.run_dir, data=self.method.data_report(), contract=self.contract,
+                                  resumed=resumed, resume=self.checkpoints.resumed, secrets=self.secrets)
         cert = (self.checkpoints.resumed or {}).get("certificate")
         if cert and not cert["ok"] and cfg.train.resume_check == "error":
             raise replay.failure(cert, resumed)  # after the manifest, which records it
         results: dict = {"resumed_from": resumed, "resume": self.checkpoints.resumed, "n_params": self.n_params,
                          "n_trainable": self.n_trainable}
         if cfg.eval.at_start and self.state.step == 0:
-            results["eval_start"] = self.evaluator.evaluate("start")
+            results["eval_start"] = self.evaluator.evaluate("start", self.state)
         return results
 
     def _last_checkpoint(self, stalled: dict | None, results: dict) -> None:
@@ -238,6 +229,3 @@ class Runner:
         elif self.state.step and (self.cfg.train.checkpoint_every or self.cfg.train.max_steps):
             self.checkpoints.save(self.state)
         checkpoint.flush()
-
-    def plan_check(self) -> dict | None:
-        return finish.plan_check(self)

@@ -30,12 +30,10 @@ import signal
 import sys
 import threading
 
-import torch
-
-from workbench.core import heartbeat
 from workbench.core.errors import UserError
 from workbench.train import checkpoint
 from workbench.train.distributed import any_rank
+from workbench.train.step import step as train_step
 
 PREEMPTED_EXIT = 75  # checkpoint written; relaunch to continue (EX_TEMPFAIL)
 # What a launcher does once the preemption checkpoint is written, before the exit (Slurm: requeue
@@ -69,20 +67,6 @@ def check_config(cfg) -> None:
     parent = next((p for p in (out, *out.parents) if p.exists()), None)
     if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"output_dir={out}: {parent} is not writable")
-
-
-def _grads_finite(optimizer) -> bool:
-    """Whether every gradient the optimizer would apply is finite (this rank's shards)."""
-    grads = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                g = p.grad
-                grads.append(g.to_local() if hasattr(g, "to_local") else g)  # DTensor shard under FSDP2
-    if not grads:
-        return True
-    norms = torch._foreach_norm(grads)
-    return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
 
 
 class Guard:
@@ -153,32 +137,31 @@ class Guard:
         return poisoned
 
     def step(self, batch, loss_fn, step: int, last_good) -> dict:
-        """forward_backward, then the optimizer step unless the numbers are not finite."""
-        backend = self.backend
-        with heartbeat.phase("forward"):  # backends mark forward and backward inside (backends/step.py)
-            m = backend.forward_backward(batch, self.loss_fn(loss_fn, step))
-        if self.scaled:
-            with heartbeat.phase("optimizer"):
-                m.update(backend.optimizer_step())
-            return m
-        bad = not math.isfinite(m["loss"])
-        if self.can_skip and not bad:
-            bad = not _grads_finite(backend.optimizer)
-        if any_rank(bad, self.device):  # every rank skips (or stops) together
-            why = f"loss={m['loss']}" if not math.isfinite(m["loss"]) else "non-finite gradients"
-            if not self.can_skip:
-                self.bad_steps += 1
-                self._stop(step, f"{why} on backend {backend.name}, which cannot skip a step",
-                           last_good)
-            self._count(step, why, last_good)
-            backend.optimizer.zero_grad(set_to_none=True)  # drop the poisoned gradients; weights untouched
-            m.update(grad_norm=float("nan"), lr=backend.scheduler.get_last_lr()[0], bad_step=1)
-            return m
-        with heartbeat.phase("optimizer"):
-            m.update(backend.optimizer_step())
-        if not math.isfinite(m.get("grad_norm", 0.0)):  # not caught before the step: weights are suspect
+        """The training step (workbench/train/step.py), its update refused where the numbers are
+        not finite: the step skipped, or the run stopped naming `last_good()`, the last good
+        checkpoint."""
+        m = train_step(self.backend, batch, self.loss_fn(loss_fn, step), lambda m: self._refuse(m, step, last_good))
+        if not m.get("bad_step") and not math.isfinite(m.get("grad_norm", 0.0)):
+            # not caught before the update: the weights are suspect
             self._stop(step, f"grad_norm={m['grad_norm']} after the optimizer step", last_good)
         return m
+
+    def _refuse(self, m: dict, step: int, last_good) -> str | None:
+        """Why this step's update must not happen (a non-finite loss or gradient on any rank),
+        or None. Under fp16 the loss scaler owns overflow: it skips such steps itself."""
+        if self.scaled:
+            return None
+        bad = not math.isfinite(m["loss"])
+        if self.can_skip and not bad:
+            bad = not self.backend.gradients_finite()
+        if not any_rank(bad, self.device):  # every rank skips (or stops) together
+            return None
+        why = f"loss={m['loss']}" if not math.isfinite(m["loss"]) else "non-finite gradients"
+        if not self.can_skip:
+            self.bad_steps += 1
+            self._stop(step, f"{why} on backend {self.backend.name}, which cannot skip a step", last_good)
+        self._count(step, why, last_good)
+        return why
 
     def _count(self, step: int, why: str, last_good) -> None:
         self.bad_steps += 1

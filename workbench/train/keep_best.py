@@ -34,8 +34,17 @@ LOWER_IS_BETTER = ("loss", "perplexity", "error", "wer", "cer")
 RECORD = "best.json"  # inside best/, so it always describes the weights beside it
 
 
+EVAL_PREFIX = "eval/"  # what an evaluation's metric keys begin with (eval/<task>/<metric>)
+
+
 def metric_key(name: str) -> str:
-    return name if name.startswith("eval/") else f"eval/{name}"
+    """The metric key of a name given with or without its prefix (train.keep_best=arith_add2/accuracy)."""
+    return name if name.startswith(EVAL_PREFIX) else f"{EVAL_PREFIX}{name}"
+
+
+def metric_name(key: str) -> str:
+    """A metric key as the console says it: <task>/<metric>."""
+    return key.removeprefix(EVAL_PREFIX)
 
 
 def mode_of(name: str, mode: str) -> str:
@@ -118,7 +127,7 @@ class Keeper:
     def update(self, results: dict, step: int) -> bool:
         """Copy step `step`'s checkpoint to best/ when `results` improve the metric; True if it did."""
         if self.key not in results:
-            raise UserError(f"train.keep_best={self.key[5:]!r}: the evaluation at step {step} reported no such "
+            raise UserError(f"train.keep_best={metric_name(self.key)!r}: the evaluation at step {step} reported no such "
                             f"metric; it reported {sorted(k for k in results if k.startswith('eval/'))}")
         value = float(results[self.key])
         src = self.root / f"step-{step:08d}"
