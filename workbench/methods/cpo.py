@@ -39,12 +39,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from workbench.core.errors import UserError
 from workbench.data.pair_tree import tree_batch
 from workbench.methods.base import Method
-from workbench.methods.logps import pair_logps
+from workbench.methods.logps import margin_loss, pair_logps
 from workbench.methods.pairs import PairStream, preference_metrics
 from workbench.methods.spec import MethodFacts, MethodSpec
 from workbench.train.batch import StepBatch
@@ -87,14 +86,9 @@ def check(cfg) -> None:
 def cpo_loss(pi_c: torch.Tensor, pi_r: torch.Tensor, cfg) -> torch.Tensor:
     """Per-pair loss on the policy's log-probs (already averaged per token for ipo / simpo)."""
     d = pi_c - pi_r
-    if cfg.loss_type == "hinge":
-        return torch.relu(1 - cfg.beta * d)
-    if cfg.loss_type == "ipo":
-        return (d - 1 / (2 * cfg.beta)) ** 2
-    if cfg.loss_type == "simpo":
-        d = d - cfg.simpo_gamma / cfg.beta
-    e = cfg.label_smoothing
-    return -(1 - e) * F.logsigmoid(cfg.beta * d) - e * F.logsigmoid(-cfg.beta * d)
+    if cfg.loss_type == "simpo":  # a sigmoid loss on the margin less gamma / beta
+        return margin_loss(d - cfg.simpo_gamma / cfg.beta, "sigmoid", cfg.beta, cfg.label_smoothing)
+    return margin_loss(d, cfg.loss_type, cfg.beta, cfg.label_smoothing)
 
 
 class CPO(Method):

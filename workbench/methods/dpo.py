@@ -36,7 +36,6 @@ import json
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from workbench.core import cache
 from workbench.core.errors import UserError
@@ -45,7 +44,7 @@ from workbench.data.overfit import Overfit
 from workbench.data.pair_tree import tree_batch, tree_fits
 from workbench.data.preference import pairs_report, read_pairs
 from workbench.methods.base import Method
-from workbench.methods.logps import collate, pair_logps
+from workbench.methods.logps import collate, margin_loss, pair_logps
 from workbench.methods.reference import REFERENCES, Reference
 from workbench.methods.spec import MethodFacts, MethodSpec
 from workbench.train import precision
@@ -96,14 +95,8 @@ def check(cfg) -> None:
 def dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg, n_c=None, n_r=None) -> torch.Tensor:
     """Per-pair loss. n_c / n_r: completion token counts (ipo normalises by them)."""
     lr_c, lr_r = pi_c - ref_c, pi_r - ref_r
-    if cfg.loss_type == "ipo":
-        d = lr_c / n_c.clamp(min=1) - lr_r / n_r.clamp(min=1)
-        return (d - 1 / (2 * cfg.beta)) ** 2
-    d = lr_c - lr_r
-    if cfg.loss_type == "hinge":
-        return torch.relu(1 - cfg.beta * d)
-    e = cfg.label_smoothing
-    return -(1 - e) * F.logsigmoid(cfg.beta * d) - e * F.logsigmoid(-cfg.beta * d)
+    d = lr_c / n_c.clamp(min=1) - lr_r / n_r.clamp(min=1) if cfg.loss_type == "ipo" else lr_c - lr_r
+    return margin_loss(d, cfg.loss_type, cfg.beta, cfg.label_smoothing)
 
 
 class DPO(Method):

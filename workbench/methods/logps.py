@@ -18,12 +18,25 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 from workbench.data.collate import pad_batch
 from workbench.data.pair_tree import takes_pairs, tree_batch
 from workbench.data.preference import pairs_from_rows
 from workbench.models.head import SelectiveLM
 from workbench.train import sequence_parallel
+
+
+def margin_loss(d: torch.Tensor, loss_type: str, beta: float, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-pair loss on a preference margin `d` (chosen minus rejected; DPO's is relative to the
+    reference, CPO's the policy's own): sigmoid, with label smoothing (conservative DPO), hinge
+    (SLiC), or ipo (the squared distance to 1 / 2 beta). DPO and CPO/SimPO share it."""
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * d)
+    if loss_type == "ipo":
+        return (d - 1 / (2 * beta)) ** 2
+    e = label_smoothing
+    return -(1 - e) * F.logsigmoid(beta * d) - e * F.logsigmoid(-beta * d)
 
 
 def collate(pairs: list, pad_id: int) -> dict:

@@ -20,6 +20,10 @@ from workbench.core.errors import UserError
 from workbench.data.recipes import inline_recipe
 from workbench.methods import registry as methods
 from workbench.models.auto import adopt
+from workbench.train.optim import OPTIMIZERS, SCHEDULERS
+from workbench.train.precision import POLICIES
+
+PRECISIONS = ("auto", *POLICIES)  # auto: what the device does fastest (precision.choose)
 
 # group name -> its registry: each choice's options dataclass is `registry.spec(name).config`
 PLUGGABLE = {"method": methods, "backend": backends}
@@ -115,11 +119,9 @@ def _check_values(cfg: DictConfig) -> None:
         ("peft.r", cfg.peft.r >= 1, "must be >= 1"),
         ("hardware.procs", cfg.hardware.procs >= 1, "must be >= 1"),
         ("peft.kind", cfg.peft.kind in ("none", "lora", "qlora", "dora"), "must be one of none, lora, qlora, dora"),
-        ("precision.name", cfg.precision.name in ("auto", "fp32", "bf16", "bf16-mixed", "fp16", "fp8"),
-         "must be one of auto, fp32, bf16, bf16-mixed, fp16, fp8"),
-        ("optim.name", cfg.optim.name in ("adamw", "sgd"), "must be one of adamw, sgd"),
-        ("optim.scheduler", cfg.optim.scheduler in ("constant", "linear", "cosine"),
-         "must be one of constant, linear, cosine"),
+        ("precision.name", cfg.precision.name in PRECISIONS, f"must be one of {', '.join(PRECISIONS)}"),
+        ("optim.name", cfg.optim.name in OPTIMIZERS, f"must be one of {', '.join(OPTIMIZERS)}"),
+        ("optim.scheduler", cfg.optim.scheduler in SCHEDULERS, f"must be one of {', '.join(SCHEDULERS)}"),
         ("data.on_bad_row", cfg.data.on_bad_row in ("error", "skip"), "must be error or skip"),
         ("data.pack_len", cfg.data.pack_len == 0 or cfg.data.pack_len >= cfg.data.seq_len, "must be 0 or >= data.seq_len"),
         ("model.loader", cfg.model.loader in ("hf", "unsloth"), "must be hf or unsloth"),

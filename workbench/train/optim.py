@@ -8,6 +8,9 @@ import torch
 
 from workbench.core.errors import UserError
 
+OPTIMIZERS = ("adamw", "sgd")  # optim.name: what build_optimizer builds
+SCHEDULERS = ("constant", "linear", "cosine")  # optim.scheduler: the decays lr_factor knows
+
 
 def build_optimizer(params, cfg) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]
@@ -19,7 +22,7 @@ def build_optimizer(params, cfg) -> torch.optim.Optimizer:
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
-    raise UserError(f"optim.name={cfg.name!r} is not one of adamw, sgd")
+    raise UserError(f"optim.name={cfg.name!r} is not one of {', '.join(OPTIMIZERS)}")
 
 
 def lr_factor(step: int, cfg, max_steps: int) -> float:
