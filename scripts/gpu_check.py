@@ -82,10 +82,10 @@ class Check:
             self.weights = "tiny (dry run)"
             return ["model=tiny"]
         from workbench.core.errors import UserError
-        from workbench.models.load import converted_dir, resolve, zoo_entry
+        from workbench.models.load import converted_dir, locate, zoo_entry
 
         try:
-            resolve(zoo_entry("smollm2-135m"))
+            locate(zoo_entry("smollm2-135m"))
             self.weights = "pretrained"
         except UserError:
             _random_smollm2(self.assets, converted_dir("smollm2-135m"))

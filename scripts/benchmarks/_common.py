@@ -30,10 +30,10 @@ def model_dir(model: str) -> str:
     """The packaged model converted to an HF directory in the workbench cache (offline)."""
     os.environ.setdefault("WORKBENCH_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from workbench.models.load import materialise, resolve, zoo_entry
+    from workbench.models.load import locate, materialise, zoo_entry
 
     entry = zoo_entry(model)
-    return str(materialise(entry, resolve(entry)).path)
+    return str(materialise(entry, locate(entry)).path)
 
 
 def jsonl(name: str, n: int | None = None) -> list[dict]:

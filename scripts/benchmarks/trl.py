@@ -109,10 +109,10 @@ def run(argv: list[str]) -> dict:
     args = ap.parse_args(argv)
     args.precision = resolve_precision(args.precision)
     os.environ.setdefault("WORKBENCH_OFFLINE", "1")
-    from workbench.models.load import converted_dir, materialise, resolve, zoo_entry
+    from workbench.models.load import converted_dir, locate, materialise, zoo_entry
 
     entry = zoo_entry(args.model)
-    model_dir = materialise(entry, resolve(entry)).path
+    model_dir = materialise(entry, locate(entry)).path
     per: dict[str, list[float]] = {"workbench": [], "trl_same": []}
     if not args.no_defaults:
         per["trl_defaults"] = []

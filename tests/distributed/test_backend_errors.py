@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import compose
 from workbench.core.errors import UserError
 from workbench.run import rules
-from workbench.run.resolved import resolve
+from workbench.run.resolved import resolve_run
 
 # what the rules see on a machine with every engine installed (tests pass their own Env)
 ENGINES = rules.Env(packages=frozenset({"deepspeed", "megatron", "bitsandbytes"}))
@@ -37,8 +37,8 @@ def test_procs_above_gpus_is_refused(tmp_path):
     four = rules.Env(cuda=True, gpus=4, packages=ENGINES.packages)
     cfg = compose(["hardware.procs=8", "++hardware.device=cuda"], tmp_path)
     with pytest.raises(UserError, match=r"hardware.procs=8 but this node has 4 GPU\(s\); set hardware.procs<=4"):
-        resolve(cfg, env=four)
-    resolve(compose(["hardware.procs=4", "++hardware.device=cuda"], tmp_path), env=four)  # fits: no error
+        resolve_run(cfg, env=four)
+    resolve_run(compose(["hardware.procs=4", "++hardware.device=cuda"], tmp_path), env=four)  # fits: no error
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -54,13 +54,13 @@ def test_procs_above_gpus_is_refused(tmp_path):
 ])
 def test_impossible_combinations_say_what_to_use(tmp_path, overrides, message):
     with pytest.raises(UserError, match=message):
-        resolve(compose(overrides, tmp_path), env=ENGINES)
+        resolve_run(compose(overrides, tmp_path), env=ENGINES)
 
 
 @pytest.mark.parametrize("precision, storage", [("fp32", "float32"), ("bf16-mixed", "bfloat16")])
 def test_qlora_storage_becomes_a_shardable_float(tmp_path, precision, storage):
     cfg = compose(["backend=fsdp2", "peft=qlora", f"precision={precision}"], tmp_path)
-    assert resolve(cfg, env=ENGINES).peft.quant_storage == storage
+    assert resolve_run(cfg, env=ENGINES).peft.quant_storage == storage
     assert cfg.peft.quant_storage == "uint8"  # decided in the resolved run; the config is not rewritten
 
 
@@ -95,4 +95,4 @@ def test_worker_command_forwards_overrides_and_pins_output_dir(tmp_path, monkeyp
     lc = torchrun.launch_config(compose(["hardware.procs=2", "++hardware.max_restarts=3"], tmp_path))
     assert (lc.nproc_per_node, lc.max_restarts, lc.min_nodes, lc.rdzv_backend) == (2, 3, 1, "c10d")
     with pytest.raises(UserError, match=r"\[multinode-needs-rendezvous\].*hardware.rdzv_endpoint"):
-        resolve(compose(["hardware.nodes=2"], tmp_path), env=ENGINES)
+        resolve_run(compose(["hardware.nodes=2"], tmp_path), env=ENGINES)

@@ -61,12 +61,12 @@ def test_two_ranks_convert_once_over_a_broken_entry(tmp_path):
 
 
 def test_tokenizer_only_entry_is_not_trusted(tmp_path, monkeypatch):
-    """resolve() must not hand out a folder without a complete seal (no conversion here)."""
+    """locate() must not hand out a folder without a complete seal (no conversion here)."""
     from workbench.models import load
 
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
     _tokenizer_only_folder(load.converted_dir("smollm2-135m"))
-    res = load.resolve(load.zoo_entry("smollm2-135m"))
+    res = load.locate(load.zoo_entry("smollm2-135m"))
     assert res.kind == "gguf"  # convert again, rather than load a folder with no weights
 
 
@@ -80,7 +80,7 @@ def test_the_gguf_metadata_exports_copy_comes_from_the_cache(monkeypatch):
     from workbench.models import load
 
     cfg = compose([], base=[])  # the default model, SmolLM2 from its packaged GGUF
-    load.materialise(cfg.model, load.resolve(cfg.model))  # converted (once per cache) before the check
+    load.materialise(cfg.model, load.locate(cfg.model))  # converted (once per cache) before the check
 
     def no_parse(*a, **k):
         raise AssertionError("the packaged GGUF was parsed again")
@@ -98,12 +98,12 @@ if __name__ == "__main__":
 
     sys.path.insert(0, str(ROOT))
     dist.init_process_group("gloo")
-    from workbench.models.load import materialise, resolve, zoo_entry
+    from workbench.models.load import locate, materialise, zoo_entry
 
     out = Path(sys.argv[1])
     dist.barrier()  # both ranks start converting together
     cfg = zoo_entry("smollm2-135m")
-    res = materialise(cfg, resolve(cfg))
+    res = materialise(cfg, locate(cfg))
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({"kind": res.kind, "path": res.path}))
     dist.barrier()
     dist.destroy_process_group()

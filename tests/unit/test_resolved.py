@@ -18,7 +18,7 @@ from omegaconf.errors import ReadonlyConfigError
 from tests.conftest import ROOT, compose, train
 from workbench.core.errors import UserError
 from workbench.run.derive import derive
-from workbench.run.resolved import resolve
+from workbench.run.resolved import resolve_run
 from workbench.train.layout import Layout
 
 PKG = ROOT / "workbench"
@@ -120,7 +120,7 @@ def test_layout_follows_megatrons_rank_order():
 
 def test_resolve_runs_the_rule_table(tmp_path):
     with pytest.raises(UserError, match=r"^\[fp8-needs-gpu\]"):
-        resolve(compose(["precision=fp8"], tmp_path))
+        resolve_run(compose(["precision=fp8"], tmp_path))
 
 
 # -- the defects ---------------------------------------------------------------------------------

@@ -238,25 +238,25 @@ def test_survivors_that_cannot_split_with_this_micro_batch_take_a_smaller_one(tm
 
 
 def test_a_run_that_cannot_keep_its_batch_at_min_nodes_is_refused_at_start(tmp_path):
-    from workbench.run.resolved import resolve
+    from workbench.run.resolved import resolve_run
 
     ok = compose(["hardware.nodes=3", "hardware.min_nodes=2", "train.micro_batch_size=4"], tmp_path)
-    assert resolve(ok, planning=True).batch.size == 12  # 12 rows: 3 x 4 at 3 nodes, 2 x 3 x 2 at 2
+    assert resolve_run(ok, planning=True).batch.size == 12  # 12 rows: 3 x 4 at 3 nodes, 2 x 3 x 2 at 2
     bad = compose(["hardware.nodes=3", "hardware.min_nodes=2", "train.micro_batch_size=3"], tmp_path)
     with pytest.raises(UserError) as exc:
-        resolve(bad, planning=True)
+        resolve_run(bad, planning=True)
     assert str(exc.value) == (
         "hardware.min_nodes=2: at 2 node(s) (2 ranks) no micro-batch splits the global batch of 9 rows evenly, so "
         "losing a node there would stop the run; use train.grad_accum=2 (global batch 18, which every node count "
         "from 2 to 3 splits), or hardware.min_nodes=3")
     rigid = compose(["hardware.nodes=3", "train.micro_batch_size=3"], tmp_path)  # min_nodes unset: no shrinking
-    assert resolve(rigid, planning=True).batch.size == 9
+    assert resolve_run(rigid, planning=True).batch.size == 9
 
 
 def test_the_survivors_of_a_lost_node_resolve_their_run(tmp_path):
     # inside a worker after node 2 of 2 was lost: one rank left, hardware.nodes still says 2
-    from workbench.run.resolved import resolve
+    from workbench.run.resolved import resolve_run
 
     cfg = compose(["hardware.nodes=2", "hardware.min_nodes=1", "hardware.procs=1", "train.micro_batch_size=4",
                    "train.grad_accum=1", "hardware.rdzv_endpoint=127.0.0.1:29400"], tmp_path)
-    assert resolve(cfg, rank=0, world=1).layout.world == 1
+    assert resolve_run(cfg, rank=0, world=1).layout.world == 1

@@ -25,7 +25,7 @@ from pathlib import Path
 from workbench.config.files import CONF_DIR
 from workbench.core.errors import UserError
 from workbench.launch import network
-from workbench.run.resolved import resolve
+from workbench.run.resolved import resolve_run
 from workbench.train.distributed import LAUNCHED_BY, requested_procs
 from workbench.train.watchdog import MISTAKE, RankFailure, ended
 
@@ -82,7 +82,7 @@ def launch(cfg) -> dict | None:
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
-    resolve(cfg)  # the rule table (e.g. deepspeed missing) speaks before any worker starts
+    resolve_run(cfg)  # the rule table (e.g. deepspeed missing) speaks before any worker starts
     # Presets of the hardware profile (NCCL transport settings and the like) reach every worker;
     # values the user exported already win.
     for key, value in (cfg.hardware.env or {}).items():

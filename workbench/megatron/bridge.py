@@ -35,7 +35,10 @@ ADAPTER = ".lora."  # GPTModel parameter names of LoRA adapters (lora.is_adapter
 
 
 @dataclass(frozen=True)
-class Layout:
+class ShardLayout:
+    """This rank's place in Megatron-Core's model parallel groups: which tensor, pipeline and
+    expert shard of the GPTModel it holds (the run's ranks and degrees are train/layout.py's Layout)."""
+
     tp: int = 1
     tp_rank: int = 0
     pp: int = 1
@@ -46,11 +49,11 @@ class Layout:
     etp_rank: int = 0
 
 
-def rank_layout() -> Layout:
+def rank_layout() -> ShardLayout:
     """This rank's place in Megatron-Core's initialised parallel state."""
     from megatron.core import parallel_state as ps
 
-    return Layout(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
+    return ShardLayout(ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
                   ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
                   ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank(),
                   ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank())
@@ -72,7 +75,7 @@ def _vocab_rows(t: torch.Tensor, vp: int, tp: int, r: int) -> torch.Tensor:
 
 
 # -- HF -> Megatron -----------------------------------------------------------------------------
-def to_megatron(hf: dict, cfg, lay: Layout) -> dict:
+def to_megatron(hf: dict, cfg, lay: ShardLayout) -> dict:
     """This rank's Megatron-Core tensors (its TP shard of its PP stage) from a full HF state dict."""
     fam = family(cfg)
     out: dict[str, torch.Tensor] = {}
@@ -113,7 +116,7 @@ def to_megatron(hf: dict, cfg, lay: Layout) -> dict:
     return out
 
 
-def _experts_to_megatron(hf, h, m, cfg, lay: Layout, out) -> None:
+def _experts_to_megatron(hf, h, m, cfg, lay: ShardLayout, out) -> None:
     experts = n_experts(cfg)
     per = experts // lay.ep
     out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"].clone()
@@ -144,7 +147,7 @@ def load_into(gpt: torch.nn.Module, local: dict) -> None:
 
 
 # -- Megatron -> HF -----------------------------------------------------------------------------
-def pieces(pairs, cfg, lay: Layout) -> list[tuple[str, tuple, int, torch.Tensor]]:
+def pieces(pairs, cfg, lay: ShardLayout) -> list[tuple[str, tuple, int, torch.Tensor]]:
     """(hf name, order key, concat dim, tensor) for every local (Megatron name, tensor) pair: a
     parameter, or anything laid out like one (an Adam moment: the mapping is elementwise).
     The order key is () for a tensor replicated over TP, else the key of its block."""
@@ -176,7 +179,7 @@ def pieces(pairs, cfg, lay: Layout) -> list[tuple[str, tuple, int, torch.Tensor]
     return out
 
 
-def _layer_pieces(h, rest, t, fam, ng, nh, hd, lay: Layout):
+def _layer_pieces(h, rest, t, fam, ng, nh, hd, lay: ShardLayout):
     r = lay.tp_rank
     simple = {"input_layernorm.weight": "input_layernorm.weight",
               "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
@@ -211,7 +214,7 @@ def _layer_pieces(h, rest, t, fam, ng, nh, hd, lay: Layout):
     raise RuntimeError(f"no HF name for Megatron parameter {h}{rest}")
 
 
-def to_hf(gpt: torch.nn.Module, cfg, lay: Layout, group=None, keep=None) -> dict:
+def to_hf(gpt: torch.nn.Module, cfg, lay: ShardLayout, group=None, keep=None) -> dict:
     """The full HF state dict, gathered from every TP/PP/EP rank onto every rank (CPU tensors);
     `keep(megatron name)`: only those parameters."""
     mine = pieces(((n, p) for n, p in gpt.named_parameters() if keep is None or keep(n)), cfg, lay)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from workbench.megatron.bridge import ADAPTER, Layout, stage_layers
+from workbench.megatron.bridge import ADAPTER, ShardLayout, stage_layers
 from workbench.megatron.model import head_dim
 
 # HF projection -> (module of the Megatron layer that owns the linear, the linear, piece of a fused linear)
@@ -200,7 +200,7 @@ def attach(gpt: nn.Module, hf_config, spec: Spec) -> dict[str, Adapter]:
     return out
 
 
-def key_of(name: str, hf_config, lay: Layout) -> tuple[str, int | None]:
+def key_of(name: str, hf_config, lay: ShardLayout) -> tuple[str, int | None]:
     """(PEFT key, split dim or None) of an adapter parameter of a rank at layout `lay`, e.g.
     decoder.layers.1.self_attention.lora.linear_qkv.B.q -> (model.layers.<i>.self_attn.q_proj.lora_B, 0);
     keys name PEFT's tensors by module (`peft_tensors`)."""
@@ -214,7 +214,7 @@ def key_of(name: str, hf_config, lay: Layout) -> tuple[str, int | None]:
     return f"model.layers.{layer}.{HF_OWNER[owner]}.{proj}.lora_{which}", dim
 
 
-def _links(gpt: nn.Module, hf_config, lay: Layout):
+def _links(gpt: nn.Module, hf_config, lay: ShardLayout):
     """(PEFT key, split dim or None, parameter) for every adapter tensor of this rank."""
     for name, p in gpt.named_parameters():
         if is_adapter(name):
@@ -232,7 +232,7 @@ def peft_tensors(peft_model) -> dict[str, torch.Tensor]:
     return out
 
 
-def to_megatron(tensors: dict[str, torch.Tensor], names, hf_config, lay: Layout) -> dict[str, torch.Tensor]:
+def to_megatron(tensors: dict[str, torch.Tensor], names, hf_config, lay: ShardLayout) -> dict[str, torch.Tensor]:
     """This rank's shards, by adapter parameter name, of whole PEFT-keyed tensors (weights, or
     anything laid out like them: Adam moments)."""
     out = {}
@@ -243,7 +243,7 @@ def to_megatron(tensors: dict[str, torch.Tensor], names, hf_config, lay: Layout)
     return out
 
 
-def load(gpt: nn.Module, tensors: dict[str, torch.Tensor], hf_config, lay: Layout) -> None:
+def load(gpt: nn.Module, tensors: dict[str, torch.Tensor], hf_config, lay: ShardLayout) -> None:
     """Fill this rank's adapter shards from whole PEFT tensors (`peft_tensors` keys)."""
     with torch.no_grad():
         for key, dim, p in _links(gpt, hf_config, lay):
@@ -251,7 +251,7 @@ def load(gpt: nn.Module, tensors: dict[str, torch.Tensor], hf_config, lay: Layou
             p.copy_(t if dim is None else t.chunk(lay.tp, dim)[lay.tp_rank])
 
 
-def pieces(pairs, hf_config, lay: Layout) -> list:
+def pieces(pairs, hf_config, lay: ShardLayout) -> list:
     """(PEFT key, order key, concat dim, tensor) of (adapter name, tensor) pairs of a rank at `lay`."""
     out = []
     for name, t in pairs:
@@ -269,7 +269,7 @@ def assemble(everyone: list) -> dict[str, torch.Tensor]:
     return {k: torch.cat([v[o][1] for o in sorted(v)], dim=next(iter(v.values()))[0]) for k, v in parts.items()}
 
 
-def to_hf(gpt: nn.Module, hf_config, lay: Layout) -> dict[str, torch.Tensor]:
+def to_hf(gpt: nn.Module, hf_config, lay: ShardLayout) -> dict[str, torch.Tensor]:
     """Every adapter tensor in PEFT's whole shape, gathered onto every rank (collective)."""
     mine = pieces(((n.removeprefix("module."), p) for n, p in gpt.named_parameters() if is_adapter(n)),
                   hf_config, lay)

@@ -91,7 +91,7 @@ def converted_dir(name: str) -> Path:
     return cache.root() / "models" / name
 
 
-def resolve(model_cfg) -> Resolved:
+def locate(model_cfg) -> Resolved:
     """Where this model's weights and tokenizer come from; UserError if nowhere."""
     if model_cfg.name == "tiny" or (model_cfg.hub_id is None and model_cfg.path is None
                                     and model_cfg.gguf_package is None):
@@ -161,7 +161,7 @@ def gguf_metadata(model_cfg) -> dict:
         return {}
     import json
 
-    res = materialise(model_cfg, resolve(model_cfg))
+    res = materialise(model_cfg, locate(model_cfg))
     meta = Path(res.path, METADATA)  # written by workbench/models/convert.py
     return json.loads(meta.read_text()) if res.kind == "converted" and meta.exists() else {}
 
@@ -181,7 +181,7 @@ def import_report(model_cfg) -> dict | None:
     if model_cfg.name == "tiny" or not model_cfg.gguf_package:
         return None
     try:
-        res = resolve(model_cfg)
+        res = locate(model_cfg)
     except UserError:
         return None
     path = Path(res.path, import_check.REPORT)
@@ -209,9 +209,9 @@ def _read_tokenizer(model_cfg):
         if not model_cfg.tokenizer:
             raise UserError("model.tokenizer must name a model whose tokenizer a tiny model borrows")
         donor = zoo_entry(model_cfg.tokenizer)
-        res = materialise(donor, resolve(donor))
+        res = materialise(donor, locate(donor))
     else:
-        res = materialise(model_cfg, resolve(model_cfg))
+        res = materialise(model_cfg, locate(model_cfg))
     hint = "save the model's tokenizer beside its weights (tokenizer.save_pretrained(dir))"
     try:
         tok = AutoTokenizer.from_pretrained(res.path, trust_remote_code=model_cfg.trust_remote_code)
@@ -294,10 +294,10 @@ def attention_for(impl: str, device: str) -> str:
 
 
 def load_model(model_cfg, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """The trainable model: random tiny model, or real weights from wherever resolve() found them."""
+    """The trainable model: random tiny model, or real weights from wherever locate() found them."""
     from transformers import AutoModelForCausalLM
 
-    res = materialise(model_cfg, resolve(model_cfg))
+    res = materialise(model_cfg, locate(model_cfg))
     if res.kind == "tiny":
         cfg = hf_config(model_cfg.arch)
         cfg._attn_implementation = attention_for(model_cfg.attn_implementation, device)

@@ -18,7 +18,7 @@ import importlib.util
 from pathlib import Path
 
 from workbench.core.errors import UserError
-from workbench.models.load import load_model, materialise, resolve
+from workbench.models.load import load_model, locate, materialise
 from workbench.peft.lora import target_names
 
 # What unsloth 2026.10.9 declares for the libraries around it.
@@ -51,7 +51,7 @@ def check_versions() -> None:
 
 def _weights_dir(cfg, run_dir: Path) -> str:
     """A directory FastLanguageModel can load: the resolved weights, or the tiny model saved once."""
-    res = materialise(cfg.model, resolve(cfg.model))
+    res = materialise(cfg.model, locate(cfg.model))
     if res.kind != "tiny":
         return res.path
     out = Path(run_dir) / "unsloth_base"

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from workbench.data.chat import prompt_ids
-from workbench.models.load import load_model, materialise, resolve
+from workbench.models.load import load_model, locate, materialise
 from workbench.peft.lora import base_model
 
 PROBE = [{"role": "user", "content": "What is 12 + 30? Answer with the number only."},
@@ -223,7 +223,7 @@ def _probe_ids(tokenizer) -> list[int]:
 
 def _weights_dir(cfg, tokenizer) -> str:
     """A directory vLLM can load: the resolved weights, or the tiny model saved once."""
-    res = materialise(cfg.model, resolve(cfg.model))
+    res = materialise(cfg.model, locate(cfg.model))
     if res.kind != "tiny":
         return res.path
     out = Path(cfg.output_dir) / "vllm_base"

@@ -1,7 +1,7 @@
 """The run, derived: every decision the validated config implies, made once.
 
-    from workbench.run.resolved import resolve
-    run = resolve(cfg)        # cfg from config.validate(); refuses a broken combination (rules.py)
+    from workbench.run.resolved import resolve_run
+    run = resolve_run(cfg)        # cfg from config.validate(); refuses a broken combination (rules.py)
     run = derive(cfg)         # the same facts without the rules (the planner sizes anything)
     run.precision.compute_dtype, run.load_dtype, run.export_dtype
     run.peft.adapter, run.peft.quantised, run.peft.quant_storage

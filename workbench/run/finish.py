@@ -25,7 +25,7 @@ from workbench.core.secrets import redact
 from workbench.evals import stats
 from workbench.export import llama_cpp
 from workbench.export.write import export
-from workbench.models.load import resolve
+from workbench.models.load import locate
 from workbench.run.plan import make_plan
 from workbench.telemetry import manifest, report
 from workbench.telemetry import plan_check as check
@@ -41,7 +41,7 @@ def write_manifest(run, run_dir: Path, *, data: dict, contract, resumed: str | N
     its certificate, the batch kept)."""
     cfg = run.cfg
     man = manifest.build(OmegaConf.to_container(cfg, resolve=True),
-                         {"kind": resolve(cfg.model).kind, "name": cfg.model.name}, data, contract)
+                         {"kind": locate(cfg.model).kind, "name": cfg.model.name}, data, contract)
     man["resolved"] = run.summary()  # what the config's choices became here (precision=auto, peft, layout)
     man["resumed_from"] = resumed
     if resume:

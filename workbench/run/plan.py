@@ -52,7 +52,7 @@ class DoesNotFit(UserError):
 
 
 # What the preflight line of a dry run says of the weights, by where workbench/models/load.py
-# resolve() found them ("not found here" is preflight's own: a dry run plans without them).
+# locate() found them ("not found here" is preflight's own: a dry run plans without them).
 WEIGHTS_FROM = {
     "tiny": "a random tiny model, built at the start",
     "local": "model.path on this machine",

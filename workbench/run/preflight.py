@@ -36,13 +36,13 @@ from workbench.envs.registry import load as load_env
 from workbench.evals import hooks
 from workbench.methods import registry
 from workbench.models import import_check
-from workbench.models.load import import_report, load_tokenizer, resolve
+from workbench.models.load import import_report, load_tokenizer, locate
 from workbench.models.unsloth_loader import check_versions
 from workbench.plan.counts import count, probe
 from workbench.rollout import rewards
 from workbench.run import rules
 from workbench.run.plan import make_plan, refusal
-from workbench.run.resolved import resolve as resolve_run
+from workbench.run.resolved import resolve_run
 from workbench.train import keep_best, resume, resume_changes
 from workbench.train.distributed import is_main_process
 
@@ -129,7 +129,7 @@ def check(cfg, env: rules.Env | None = None) -> dict:
     facts = {"n_params": counts.total, "n_trainable": plan["params"]["trainable"], "plan": plan,
              "warnings": warnings, "resolved": run.summary(), "run": run}
     try:
-        facts["model_source"] = resolve(cfg.model).kind
+        facts["model_source"] = locate(cfg.model).kind
     except UserError as exc:
         if not cfg.dry_run:
             raise

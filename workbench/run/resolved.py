@@ -1,8 +1,8 @@
 """Resolving a run: the method's options and the rule table checked, then every decision derived
 (workbench/run/derive.py).
 
-    from workbench.run.resolved import resolve
-    run = resolve(cfg)        # cfg from config.validate(); a UserError for a broken combination
+    from workbench.run.resolved import resolve_run
+    run = resolve_run(cfg)        # cfg from config.validate(); a UserError for a broken combination
 
 Every entry point (preflight, the runner, export from a checkpoint) resolves through here, so a
 method's options (its SPEC.check) and a combination (workbench/run/rules.py) are refused in one
@@ -22,7 +22,7 @@ from workbench.train import resume
 from workbench.train.layout import layout
 
 
-def resolve(cfg: DictConfig, rank: int | None = None, world: int | None = None, planning: bool = False,
+def resolve_run(cfg: DictConfig, rank: int | None = None, world: int | None = None, planning: bool = False,
             env=None) -> Run:
     """Check the method's options and the rule table (the one place a combination is refused),
     then derive.

@@ -15,7 +15,7 @@ from what the code enforces.
     rules.violations(cfg)          # all broken rules, as (rule, message)
     rules.check(cfg)               # raise the first one
 
-This is the only place a combination is refused: `resolved.resolve(cfg)` runs it for every entry
+This is the only place a combination is refused: `resolved.resolve_run(cfg)` runs it for every entry
 point (preflight, the runner, export from a checkpoint), so backends, methods and loaders do not
 check again. Fields owned by one backend or method (backend.stage, method.engine, ...) are read
 by their schema names with a default, so a rule applies to any backend or method config.

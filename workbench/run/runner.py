@@ -37,7 +37,7 @@ from workbench.run.derive import Run
 from workbench.run.evaluation import Evaluator
 from workbench.run.loop import Clock, Parts, loop
 from workbench.run.preflight import tokenizer as make_tokenizer
-from workbench.run.resolved import resolve as resolve_run
+from workbench.run.resolved import resolve_run
 from workbench.telemetry import plan_check
 from workbench.telemetry.flops import FlopCount
 from workbench.telemetry.metrics import Tracker

@@ -4,7 +4,7 @@
     python -m workbench -m optim.lr=1e-4,3e-4                 # launch/sweep.py: sweep_summary.md/.csv,
                                                              # the best job, loss_curves.png
 
-    run = read_run(run_dir)          # Run: training rows of metrics.jsonl, results.json, config.yaml
+    run = read_run(run_dir)          # RunRecord: training rows of metrics.jsonl, results.json, config.yaml
     final_metrics(run)               # final_loss, steps and the end-of-training eval numbers
     rank([final_metrics(r) for r in runs], "auto", "auto")   # (metric, mode, index of the best)
 
@@ -26,14 +26,16 @@ from workbench.telemetry.trackers import flatten
 
 
 @dataclass
-class Run:
+class RunRecord:
+    """What a finished (or failed) run directory holds, read back for comparison."""
+
     dir: Path
     rows: list[dict] = field(default_factory=list)  # training steps (eval rows are in results.json)
     results: dict = field(default_factory=dict)  # results.json
     config: dict = field(default_factory=dict)  # config.yaml
 
 
-def read_run(run_dir) -> Run:
+def read_run(run_dir) -> RunRecord:
     """What a run directory holds; any of its files may be missing (a job that failed early)."""
     run_dir = Path(run_dir)
     rows = []
@@ -46,7 +48,7 @@ def read_run(run_dir) -> Run:
         from omegaconf import OmegaConf
 
         config = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
-    return Run(run_dir, rows, results, config)
+    return RunRecord(run_dir, rows, results, config)
 
 
 def run_dirs(paths: list[str]) -> list[Path]:
@@ -62,7 +64,7 @@ def run_dirs(paths: list[str]) -> list[Path]:
     return out
 
 
-def final_metrics(run: Run) -> dict[str, float]:
+def final_metrics(run: RunRecord) -> dict[str, float]:
     """Final train loss, the last step and the end-of-training eval numbers of one run."""
     out: dict[str, float] = {}
     losses = run.results.get("losses") or []
