@@ -13,7 +13,35 @@ from workbench.config.rule import backend_name, launcher_name
 from workbench.core.errors import UserError
 from workbench.train.distributed import requested_procs, under_distributed_launcher
 
-LAUNCHERS = ("slurm", "ray", "modal", "runpod")  # besides local; each module has `launch(cfg) -> dict`
+
+# Each launcher besides local, by name: a function that imports its module when chosen (its engine
+# is an optional extra: submitit, ray, modal, runpod); every module has `launch(cfg) -> dict`.
+# Functions, not module names: nothing in the workbench is imported by name (tests/unit/test_layout.py).
+def _slurm():
+    from workbench.launch import slurm  # submitit
+
+    return slurm
+
+
+def _ray():
+    from workbench.launch import ray_train  # ray
+
+    return ray_train
+
+
+def _modal():
+    from workbench.launch import modal_app  # modal
+
+    return modal_app
+
+
+def _runpod():
+    from workbench.launch import runpod_pod  # runpod
+
+    return runpod_pod
+
+
+LAUNCHERS = {"slurm": _slurm, "ray": _ray, "modal": _modal, "runpod": _runpod}
 
 
 def torchrun_reason(cfg) -> str | None:
@@ -36,7 +64,7 @@ def dispatch(cfg):
     if name != "local":
         if name not in LAUNCHERS:
             raise UserError(f"launcher={name!r} is not one of {['local', *sorted(LAUNCHERS)]}")
-        return _module(name).launch(cfg)
+        return LAUNCHERS[name]().launch(cfg)
     if torchrun_reason(cfg) is not None:
         # each launcher module is imported when chosen: torchrun's imports the resolved run, the
         # others reach their optional engines (submitit, ray, modal, runpod)
@@ -45,15 +73,3 @@ def dispatch(cfg):
         return torchrun.launch(cfg)
     return None
 
-
-def _module(name: str):
-    """The launcher's module, imported only when chosen (its engine is an optional extra)."""
-    if name == "slurm":
-        from workbench.launch import slurm as module  # submitit
-    elif name == "ray":
-        from workbench.launch import ray_train as module  # ray
-    elif name == "modal":
-        from workbench.launch import modal_app as module  # modal
-    else:
-        from workbench.launch import runpod_pod as module  # runpod
-    return module
