@@ -344,7 +344,7 @@ def launchers_section() -> list[str]:
         glob = "@package _global_" in path.read_text()
         node, comments = _choice_node(path, "launcher" if glob else None)
         comments = {(k if glob else f"launcher.{k}"): v for k, v in comments.items()}
-        cls = launch._module(name).Config if name in launch.LAUNCHERS else None
+        cls = launch.LAUNCHERS[name]().Config if name in launch.LAUNCHERS else None
         lines += [f"### `launcher={name}`", "", *_choice_table("launcher", node, cls, comments), ""]
     return lines
 

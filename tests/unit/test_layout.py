@@ -379,3 +379,37 @@ def function_level_imports() -> list[str]:
 
 def test_workbench_imports_sit_at_the_top_of_modules():
     assert function_level_imports() == []
+
+
+# docs/architecture.md: one section per layer listing LAYERS' modules, and the path of one run
+# naming `module:function` (or `module:Class.method`) where each is defined.
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def architecture_mismatches() -> list[str]:
+    text = ARCHITECTURE.read_text()
+    found = []
+    sections = re.split(r"^### \d+\. .*$", text.split("## The path of one run")[0], flags=re.M)[1:]
+    if len(sections) != len(LAYERS):
+        found.append(f"{len(sections)} layer sections, {len(LAYERS)} layers")
+    for i, (section, prefixes) in enumerate(zip(sections, LAYERS), 1):
+        listed = re.findall(r"`(workbench[\w.]*)`", section.split("Modules:", 1)[-1])
+        if listed != prefixes:
+            found.append(f"layer {i} lists {listed}, the test {prefixes}")
+    for module, name in re.findall(r"`(workbench[\w.]*):([\w.]+)`", text):
+        path = MODULES.get(module)
+        if path is None:
+            found.append(f"{module} is not a module")
+            continue
+        scope = ast.parse(path.read_text()).body
+        for part in name.split("."):
+            node = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part), None)
+            if node is None:
+                found.append(f"{module}:{name} is not defined")
+                break
+            scope = node.body
+    return found
+
+
+def test_the_architecture_page_says_what_the_code_does():
+    assert architecture_mismatches() == []
