@@ -6,17 +6,20 @@ or `max_new_tokens`), when the value itself is token-shaped (TOKEN_SHAPE: `hf_..
 `ghp_...`, `glpat-...`, `AKIA...`/`ASIA...`, ...) whatever key holds it and wherever inside a
 longer string it sits (`Bearer hf_...`), when it is the password of a URL (`https://user:PASSWORD@host`),
 or when it is the value of a secret-looking environment variable of this process (HF_TOKEN,
-WANDB_API_KEY, ...: `env_secret_values`), wherever it appears. Secret values become REDACTED.
+WANDB_API_KEY, ...: `env_secret_values`) or a value the process registered as secret
+(`register_secret`: a reward server's token read from a variable of any name), wherever it
+appears. Secret values become REDACTED.
 
     clean = redact(config_dict)                    # nested dicts/lists: a redacted copy
     line = scrub_text(text, secret_values(cfg))    # raw text: the rule, and these values too
     scrub_files([run / ".hydra" / "overrides.yaml"], secret_values(cfg))  # rewritten in place
     shown = redact_overrides(["+launcher.api_key=x", "optim.lr=1e-4"])    # a command line's overrides
+    register_secret(os.environ["REWARD_TOKEN"])    # scrubbed everywhere from now on, whatever its name
     handler.addFilter(LogFilter())                 # log lines (conf/train.yaml sets it on Hydra's handlers)
     shown = scrub_exception(exc, secret_values(cfg))  # exc, or a scrubbed stand-in to raise (Hydra prints it)
 
-Every text path applies the environment's secret values by itself, so a caller passes only the
-config's (`secret_values(cfg)`).
+Every text path applies the environment's secret values and the registered ones by itself, so a
+caller passes only the config's (`secret_values(cfg)`).
 
 Every writer of a run directory goes through here: config.yaml and manifest.json
 (workbench/run/runner.py), Hydra's `.hydra/` and `multirun.yaml` (workbench/cli.py), the
@@ -94,6 +97,19 @@ def env_secret_values() -> frozenset[str]:
     return _ENV_CACHE[1]
 
 
+# values registered as secret by this process (register_secret), scrubbed like the environment's
+_REGISTERED: set[str] = set()
+
+
+def register_secret(value: str) -> None:
+    """Treat `value` as a secret in everything this process writes or prints from now on: a
+    credential read from an environment variable whose name does not look secret (the reward
+    server's token in `reward.headers_from_env`, workbench/rollout/remote.py). Values shorter than
+    MIN_ENV_SECRET are left out, as for the environment's."""
+    if value and len(value) >= MIN_ENV_SECRET:
+        _REGISTERED.add(value)
+
+
 def _keyed(m: re.Match) -> str:
     key = m[1].lstrip("+~").rsplit(".", 1)[-1]
     if secret_key(key) and (_HEX40.fullmatch(m[4]) or key.lower().endswith("authorization")):
@@ -102,9 +118,9 @@ def _keyed(m: re.Match) -> str:
 
 
 def _literals(extra_secrets) -> list[str]:
-    """`extra_secrets` and the environment's secret values, longest first: a value that holds a
-    token shape or another value goes whole, no fragment stays."""
-    return sorted({s for s in extra_secrets if s} | env_secret_values(), key=len, reverse=True)
+    """`extra_secrets`, the environment's secret values and the registered ones, longest first: a
+    value that holds a token shape or another value goes whole, no fragment stays."""
+    return sorted({s for s in extra_secrets if s} | env_secret_values() | _REGISTERED, key=len, reverse=True)
 
 
 def _scrub(text: str, literals: list[str]) -> str:

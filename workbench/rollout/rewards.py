@@ -4,6 +4,7 @@
     python -m workbench method=grpo                           # reward=arith_digits: exact match + digit credit
     python -m workbench method=grpo reward=arith_format       # exact match + format, weighted
     python -m workbench method=grpo reward=model reward.path=runs/<rm run>   # a trained reward model
+    python -m workbench method=grpo reward=http reward.url=http://127.0.0.1:8000   # a reward server
 
 The `reward` config node is `{functions: [{name: arith_exact, weight: 1.0}, "format", ...]}`.
 Every function is called once per generation batch as
@@ -12,10 +13,13 @@ Every function is called once per generation batch as
 
 where `columns` are the prompt rows' other fields (e.g. `answer`), one list entry per
 completion. The name `model` is a trained reward model (workbench/rollout/reward_model.py), read
-from the node's `path`. A function that raises, returns the wrong number of values, or returns NaN / None
-stops the run with one line naming the function and the sample. A parameter a function requires
-(no default) that only a prompt row can give (e.g. `answer`) is checked on every prompt row before
-any weights load (check_columns), so a row without it stops the run at once, with its file:line.
+from the node's `path`; the name `http` is a reward server (workbench/rollout/remote.py), read
+from the node's `url` and its other fields, asked whether it is up before any weights load
+(check_columns) and named with its URL, status and body when it fails. A function that raises,
+returns the wrong number of values, or returns NaN / None stops the run with one line naming the
+function and the sample. A parameter a function requires (no default) that only a prompt row can
+give (e.g. `answer`) is checked on every prompt row before any weights load (check_columns), so a
+row without it stops the run at once, with its file:line.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from workbench.core.imports import user_function
 from workbench.core.limits import UserCodeTimeout, call_with_limit
 from workbench.data import arith
 from workbench.envs import rewards as episode_rewards
+from workbench.rollout.remote import HttpReward, RewardServiceError
 from workbench.rollout.reward_model import ModelReward
 
 _NUMBER = re.compile(r"-?\d+")
@@ -107,10 +112,12 @@ def _lookup(name: str, spec) -> Callable:
     if name == "model":  # a reward model directory, checked now; its weights load at the first call
 
         return ModelReward.from_spec(spec)
+    if name == "http":  # a reward server: the node's url, timeouts and headers, checked now; asked at check_columns
+        return HttpReward.from_spec(spec)
     if name in REGISTRY:
         return REGISTRY[name]
     if ":" not in name:
-        raise UserError(f"reward: unknown reward function {name!r}; built-ins are {sorted(REGISTRY)} and 'model', "
+        raise UserError(f"reward: unknown reward function {name!r}; built-ins are {sorted(REGISTRY)}, 'model' and 'http', "
                         "or name your own as 'package.module:function'")
 
     return user_function(name, "reward")
@@ -144,7 +151,11 @@ GIVEN = frozenset({"prompts", "completions", "completion_ids", "max_new_tokens",
 
 
 def required_columns(fn) -> set[str]:
-    """The parameters `fn` requires (no default) that only a prompt row's columns can give."""
+    """The parameters `fn` requires (no default) that only a prompt row's columns can give; for a
+    reward server, the fields its health check named (`needs_columns`, known after check_services)."""
+    declared = getattr(fn, "needs_columns", None)
+    if declared is not None:
+        return set(declared)
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a callable without a signature: found out at its first call
@@ -153,8 +164,19 @@ def required_columns(fn) -> set[str]:
             and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
+def check_services(fns: list[RewardFn]) -> None:
+    """Every reward service answers its health check (reward=http: workbench/rollout/remote.py);
+    a service that is down stops the run here, in one line."""
+    for rf in fns:
+        check = getattr(rf.fn, "check_service", None)
+        if callable(check):
+            check()
+
+
 def check_columns(fns: list[RewardFn], rows) -> None:
-    """Every (where, row) carries the columns each reward function requires (before weights load)."""
+    """Before weights load: every reward service is up (check_services), and every (where, row)
+    carries the columns each reward function requires."""
+    check_services(fns)
     needs = {rf.name: cols for rf in fns if (cols := required_columns(rf.fn))}
     if not needs:
         return
@@ -193,6 +215,8 @@ def score(fns: list[RewardFn], prompts, completions, completion_ids, columns: di
                 values = call_with_limit(rf.fn, kwargs, limit_s, what)
         except UserCodeTimeout:
             raise
+        except RewardServiceError as exc:  # named in full by the client; a service is not asked sample by sample
+            raise RewardServiceError(f"reward function {rf.name!r}{at}: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - find which sample a user's function fails on
             bad = next((i for i in range(n) if _fails(rf.fn, kwargs, i)), None)
             where = _describe(prompts, completions, bad) if bad is not None else "a batch"
