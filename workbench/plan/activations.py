@@ -46,7 +46,7 @@ def math_attention(s: Setup, seq: int) -> bool:
 
 def residual_bytes(s: Setup) -> int:
     """Bytes per element of the residual stream (the blocks' inputs and outputs)."""
-    if s.precision == "fp32" or (s.peft == "none" and weight_mode(s) == "autocast"):
+    if s.precision == "fp32" or (not s.adapter and weight_mode(s) == "autocast"):
         return 4  # fp32 embedding output plus half-precision matmul outputs stays fp32
     return 2
 
@@ -59,7 +59,7 @@ def block_bytes(arch, s: Setup, seq: int, math: bool | None = None) -> float:
     q, kv = heads * d, (arch.kv_heads or heads) * d
     c = COMPUTE[s.precision]
     mode = weight_mode(s)
-    adapters = s.peft != "none"
+    adapters = s.adapter
     # Each RMSNorm keeps an fp32 view of its input (the input itself when the stream is fp32, an
     # upcast copy otherwise) and 1/rms; with a trainable weight also the normalised input.
     norms = 2 * (4 * h + 4 + (0 if adapters else residual_bytes(s) * h))
@@ -83,7 +83,7 @@ def block_bytes(arch, s: Setup, seq: int, math: bool | None = None) -> float:
         mlp = arch.experts_per_token * 4 * inter * c + arch.experts * c
     else:
         mlp = 4 * inter * c
-    if s.peft == "dora":
+    if s.dora:
         # DoRA keeps each target's base output twice (scaled and unscaled) beside the LoRA path
         mlp += 2 * (q + 2 * kv + 2 * h + 2 * inter) * c
     return norms + inputs + attention + mlp
@@ -92,7 +92,7 @@ def block_bytes(arch, s: Setup, seq: int, math: bool | None = None) -> float:
 def dora_transient_bytes(arch, s: Setup) -> float:
     """peft's DoRA builds each adapter's weight as B(A(I)) with an in x in identity every forward
     (its graph is dropped at once); the widest input, down_proj's, sets the spike."""
-    if s.peft != "dora":
+    if not s.dora:
         return 0.0
     return max(arch.hidden, arch.intermediate) ** 2 * 4
 
@@ -102,7 +102,7 @@ def block_cast_bytes(counts, arch, s: Setup) -> float:
     if weight_mode(s) != "autocast":
         return 0.0
     # only the fp32 adapters are cast under LoRA; the frozen base is already half precision
-    weights = counts.lora if s.peft != "none" else counts.block_linear
+    weights = counts.lora if s.adapter else counts.block_linear
     return weights / max(arch.layers, 1) / (s.tp * s.pp) * COMPUTE[s.precision]
 
 
@@ -113,5 +113,5 @@ def cast_bytes(counts, arch, s: Setup) -> float:
     if not per_block:
         return 0.0
     blocks = per_block * (arch.layers if s.checkpointing == "none" else 1)
-    head = arch.vocab * arch.hidden / s.tp * COMPUTE[s.precision] if s.peft == "none" else 0.0
+    head = arch.vocab * arch.hidden / s.tp * COMPUTE[s.precision] if not s.adapter else 0.0
     return blocks + head

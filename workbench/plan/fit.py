@@ -96,9 +96,9 @@ def _steps(s, arch) -> list[dict]:
         if not s.offload_optimizer:
             name, stage, _ = offload_backend()
             out.append(dict(backend=name, stage=stage, offload_optimizer=True))
-    if s.peft == "none":
+    if not s.adapter:
         out.append(dict(peft="lora"))
-    if s.peft in ("none", "lora", "dora") and f.loads_4bit:  # no 4-bit Megatron layers
+    if not s.quantised and f.loads_4bit:  # no 4-bit Megatron layers
         out.append(dict(peft="qlora"))
     return out
 

@@ -191,7 +191,7 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     # parameters held per device before data-parallel sharding
     expert = counts.total - counts.active if counts.active < counts.total else 0
     per_dev = (counts.total - counts.embed - expert) / mp + counts.embed / s.tp + expert / (mp * s.ep)
-    if s.peft == "none":
+    if not s.adapter:
         trainable, frozen_bytes = per_dev, 0.0
         w_bytes = (2 if half_params else TRAINABLE[s.precision]) * trainable
     else:
@@ -200,21 +200,21 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         trainable = (counts.lora - counts.lora_split) / s.pp + counts.lora_split / mp if f.model_parallel \
             else counts.lora / mp
         base = per_dev
-        quant = counts.block_linear / mp if s.peft == "qlora" else 0.0
+        quant = counts.block_linear / mp if s.quantised else 0.0
         frozen_bytes = (base - quant) * FROZEN[s.precision] + quant * nf4_bytes_per_param(s.double_quant)
         w_bytes = frozen_bytes + trainable * 4  # adapters train in fp32
     if distopt:
         g_per = 4  # DDP's gradient buffer, reduced in fp32 (grad_reduce_in_fp32)
     else:
-        g_per = 2 if (half_params and s.peft == "none") else 4 if s.peft != "none" else TRAINABLE[s.precision]
-    state_per = 4 if (half_params or s.peft != "none") else TRAINABLE[s.precision]
+        g_per = 2 if (half_params and not s.adapter) else 4 if s.adapter else TRAINABLE[s.precision]
+    state_per = 4 if (half_params or s.adapter) else TRAINABLE[s.precision]
     moments = 2 if s.optimizer == "adamw" else 0
     grads = trainable * g_per
     optim = trainable * moments * state_per
-    master = trainable * 4 if (half_params and s.peft == "none") else 0.0
+    master = trainable * 4 if (half_params and not s.adapter) else 0.0
     weights = w_bytes
     stage = s.zero_stage  # the distributed optimizer shards main weights and moments: 1
-    if distopt and s.peft == "none" and expert and s.ep > 1:
+    if distopt and not s.adapter and expert and s.ep > 1:
         # expert state is sharded over the expert-data-parallel ranks (dp / ep of them), not dp
         e_dev = expert / (mp * s.ep)
         e_share = e_dev / trainable
@@ -242,7 +242,7 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         # gathered in the compute dtype where the backend keeps half-precision params (FSDP2's
         # MixedPrecisionPolicy included)
         unit_bytes = (COMPUTE[s.precision] if weight_mode(s) == "half" else TRAINABLE[s.precision]) \
-            if s.peft == "none" else FROZEN[s.precision]
+            if not s.adapter else FROZEN[s.precision]
         root = counts.embed / s.tp * unit_bytes
         gather = root + 2 * counts.per_block / mp * unit_bytes
     acts = activation_bytes(arch, s, tokens, seq)
@@ -254,56 +254,23 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         # the loss's selected logits come after the two are gone
         every = (tokens if tokens is not None else tokens_per_micro(s)) * arch.vocab / s.tp
         logit = max(logit, 2 * every * COMPUTE[s.precision])
-    embed_grad = arch.vocab * arch.hidden * g_per / s.tp if s.peft == "none" else 0.0
-    if distopt and s.peft == "none":  # autograd's gradient, in the parameters' dtype, before DDP adds it to its buffer
+    embed_grad = arch.vocab * arch.hidden * g_per / s.tp if not s.adapter else 0.0
+    if distopt and not s.adapter:  # autograd's gradient, in the parameters' dtype, before DDP adds it to its buffer
         embed_grad = arch.vocab * arch.hidden * (2 if half_params else 4) / s.tp
-    # torch's AdamW makes two parameter-sized temporaries: for the whole list at once with the
-    # foreach kernels (GPU default), for one tensor at a time on CPU; DeepSpeed/Megatron fuse.
-    if s.device == "cpu":
-        biggest = max(arch.vocab * arch.hidden, arch.hidden * arch.intermediate) / s.tp if s.peft == "none" \
-            else 16 * max(arch.hidden, arch.intermediate)
-        opt_span = min(biggest, trainable)
-    else:
-        opt_span = trainable / (dp if stage >= 1 else 1)
-    # Megatron-Core's optimizer steps with Transformer Engine's or Apex's fused Adam on a GPU, and
-    # torch's AdamW (one tensor at a time) on this rank's shards on a CPU.
-    fused = f.fused_optimizer or (distopt and s.device != "cpu")
-    if distopt and s.device == "cpu":
-        opt_span = opt_span / dp
-    opt_tmp = 0.0 if fused or s.offload_optimizer or not moments else 2 * opt_span * state_per
+    opt_tmp = _optimizer_temporaries(arch, s, trainable, dp, stage, moments * state_per)
     # backend=megatron bridges the runner's HF model into its GPTModel shards; the HF model stays
     # whole on every device when something reads it between steps (run.keeps_hf_base)
     hf_copy = 0.0
     if f.bridges_hf_model and s.hf_copy:
-        hf_copy = counts.total * (TRAINABLE[s.precision] if s.peft == "none" else FROZEN[s.precision])
+        hf_copy = counts.total * (TRAINABLE[s.precision] if not s.adapter else FROZEN[s.precision])
     weights += hf_copy
-    if f.bridges_hf_model and s.peft != "none":  # the HF model's adapters (fp32), bridged back after steps
+    if f.bridges_hf_model and s.adapter:  # the HF model's adapters (fp32), bridged back after steps
         if s.hf_copy or s.device == "cpu":
             weights += counts.lora * 4
         else:
             host += counts.lora * 4  # loaded on the host when its base is released (run.model_device)
-    whole = counts.total if f.bridges_hf_model else per_dev  # Megatron's reference and teacher are HF models, whole
-    reference = 0.0
-    if s.dpo_ref == "copy":  # resolved.reference says "copy" only where the method's loss needs one
-        ref_bytes = TRAINABLE[s.precision] if f.bridges_hf_model and s.peft == "none" else FROZEN[s.precision]
-        reference = whole * ref_bytes / (dp if stage >= 3 else 1)
-    if registry.spec(s.method).facts.teacher:
-        # a frozen teacher held whole on every device, in the frozen dtype; sized like the student
-        # unless plan.teacher_scale says how many times larger it is
-        reference += whole * s.teacher_scale * FROZEN[s.precision]
-    generation = 0.0
-    vllm = 0.0
-    if registry.spec(s.method).facts.generates:
-        if s.vllm_fraction:
-            vllm = s.vllm_fraction
-        else:
-            d = arch.head_dim or arch.hidden // arch.heads
-            # a rollout decodes all of this rank's completions at once; other generating methods
-            # (on-policy distillation) a micro-batch
-            seqs = s.rollout_prompts * s.generations if s.rollouts else max(s.micro_batch, s.generations)
-            kv = 2 * arch.layers * arch.kv_heads * d * COMPUTE[s.precision] * seqs * (s.seq_len + s.completion_len)
-            # the step's logits in fp32, the sampler's noise and its one-hot scores beside them
-            generation = kv / mp + LOGIT_COPIES * seqs * arch.vocab * 4
+    reference = _other_models(counts, s, per_dev, dp, stage)
+    generation, vllm = _generation(arch, s, mp)
     # Backward runs from the head down: at its start all activations (and the head's gradient)
     # are alive, by its end the activations are freed and all gradients (plus the dense
     # embedding gradient) exist; the optimizer step then holds gradients, state and temporaries.
@@ -334,3 +301,54 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
     return Estimate(weights=weights, master=master, grads=grads, optimizer=optim, activations=acts, casts=casts,
                     logits=logit, transient=transient, reference=reference, generation=generation, host=host,
                     peak=peak, vllm_fraction=vllm, hf_copy=hf_copy)
+
+
+def _optimizer_temporaries(arch, s: Setup, trainable: float, dp: int, stage: int, state_bytes: float) -> float:
+    """The optimizer step's temporaries. torch's AdamW makes two parameter-sized ones: for the
+    whole list at once with the foreach kernels (GPU default), for one tensor at a time on CPU;
+    DeepSpeed and Megatron fuse. `state_bytes`: the moments' bytes per trainable parameter."""
+    if s.device == "cpu":
+        biggest = max(arch.vocab * arch.hidden, arch.hidden * arch.intermediate) / s.tp if not s.adapter \
+            else 16 * max(arch.hidden, arch.intermediate)
+        span = min(biggest, trainable)
+    else:
+        span = trainable / (dp if stage >= 1 else 1)
+    distopt = s.distributed_optimizer
+    # Megatron-Core's optimizer steps with Transformer Engine's or Apex's fused Adam on a GPU, and
+    # torch's AdamW (one tensor at a time) on this rank's shards on a CPU.
+    fused = s.facts.fused_optimizer or (distopt and s.device != "cpu")
+    if distopt and s.device == "cpu":
+        span = span / dp
+    return 0.0 if fused or s.offload_optimizer or not state_bytes else span * state_bytes
+
+
+def _other_models(counts: Counts, s: Setup, per_dev: float, dp: int, stage: int) -> float:
+    """A copied reference model (the method's loss needs one: resolved.reference says "copy")
+    and a distillation teacher. Megatron's reference and teacher are HF models, whole."""
+    f = s.facts
+    whole = counts.total if f.bridges_hf_model else per_dev
+    out = 0.0
+    if s.dpo_ref == "copy":
+        ref_bytes = TRAINABLE[s.precision] if f.bridges_hf_model and not s.adapter else FROZEN[s.precision]
+        out = whole * ref_bytes / (dp if stage >= 3 else 1)
+    if registry.spec(s.method).facts.teacher:
+        # a frozen teacher held whole on every device, in the frozen dtype; sized like the student
+        # unless plan.teacher_scale says how many times larger it is
+        out += whole * s.teacher_scale * FROZEN[s.precision]
+    return out
+
+
+def _generation(arch, s: Setup, mp: int) -> tuple[float, float]:
+    """(bytes, vLLM's share of device memory) of generating during training: the KV cache and
+    the sampler's logits with HF generate, or the share a colocated vLLM engine reserves."""
+    if not registry.spec(s.method).facts.generates:
+        return 0.0, 0.0
+    if s.vllm_fraction:
+        return 0.0, s.vllm_fraction
+    d = arch.head_dim or arch.hidden // arch.heads
+    # a rollout decodes all of this rank's completions at once; other generating methods
+    # (on-policy distillation) a micro-batch
+    seqs = s.rollout_prompts * s.generations if s.rollouts else max(s.micro_batch, s.generations)
+    kv = 2 * arch.layers * arch.kv_heads * d * COMPUTE[s.precision] * seqs * (s.seq_len + s.completion_len)
+    # the step's logits in fp32, the sampler's noise and its one-hot scores beside them
+    return kv / mp + LOGIT_COPIES * seqs * arch.vocab * 4, 0.0

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from workbench.backends import registry as backends
 from workbench.backends.spec import BackendFacts
+from workbench.peft.kind import Peft
 from workbench.train.layout import Layout
 
 
@@ -56,6 +57,20 @@ class Setup:
     # megatron: the runner's HF model keeps its weights on every device beside the GPTModel shards
     # (run.keeps_hf_base: a full fine-tune, generation, a copied or precomputed reference)
     hf_copy: bool = False
+
+    @property
+    def adapter(self) -> bool:
+        """Trains adapters (lora, qlora, dora), the base frozen."""
+        return Peft(self.peft).adapter
+
+    @property
+    def quantised(self) -> bool:
+        """The frozen base in NF4 (qlora)."""
+        return Peft(self.peft).quantised
+
+    @property
+    def dora(self) -> bool:
+        return Peft(self.peft).dora
 
     @property
     def layout(self) -> Layout:

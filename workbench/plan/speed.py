@@ -21,13 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workbench.methods import registry
+from workbench.peft.kind import Peft
 
 
 def train_flops_per_token(n_active: float, n_trainable: float, peft: str, method: str = "sft",
                           ref: str = "none", generation: bool = True, old_logps: bool = False) -> float:
     """FLOPs per trained token. generation=False: a method that generates leaves its generation
     to `generation_seconds`; old_logps: a forward for the generating policy's log-probs."""
-    flops = 6.0 * n_active if peft == "none" else 4.0 * n_active + 2.0 * n_trainable
+    flops = 4.0 * n_active + 2.0 * n_trainable if Peft(peft).adapter else 6.0 * n_active
     need = registry.spec(method).facts
     if ref in ("adapter", "copy"):
         flops += 2.0 * n_active  # the reference model's forward pass

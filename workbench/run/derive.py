@@ -26,28 +26,11 @@ from workbench.backends.spec import BackendFacts
 from workbench.core.errors import UserError
 from workbench.methods import registry
 from workbench.methods.spec import MethodFacts
+from workbench.peft.kind import Peft
 from workbench.train import precision
 from workbench.train.layout import Layout, layout
 
 REFERENCES = ("none", "adapter", "copy", "precomputed")
-
-
-@dataclass(frozen=True)
-class Peft:
-    kind: str  # none | lora | qlora | dora
-    quant_storage: str  # storage dtype of packed 4-bit weights (a float dtype when sharded)
-
-    @property
-    def adapter(self) -> bool:
-        return self.kind != "none"
-
-    @property
-    def quantised(self) -> bool:
-        return self.kind == "qlora"
-
-    @property
-    def dora(self) -> bool:
-        return self.kind == "dora"
 
 
 @dataclass(frozen=True)

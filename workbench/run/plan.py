@@ -24,6 +24,7 @@ from workbench.config.files import CONF_DIR
 from workbench.config.schema import pick
 from workbench.core.errors import UserError
 from workbench.methods import registry
+from workbench.peft.kind import Peft
 from workbench.plan import catalog
 from workbench.plan.activations import LORA_TARGETS
 from workbench.plan.counts import count, probe
@@ -227,7 +228,7 @@ GPU_BANDWIDTH_SHARE = 0.8  # of the datasheet bandwidth a weight-streaming kerne
 def decoder(hw, arch, peak_flops: float, mfu: float, peft: str = "none") -> Decoder:
     """How `hw` decodes (workbench/plan/speed.py generation_seconds), its matmul peak `peak_flops`."""
     if hw.device == "cpu":
-        block = CPU_BLOCK_S + (LORA_TARGETS * CPU_ADAPTER_S if peft != "none" else 0.0)
+        block = CPU_BLOCK_S + (LORA_TARGETS * CPU_ADAPTER_S if Peft(peft).adapter else 0.0)
         return Decoder(peak_flops * CPU_DECODE_SHARE, CPU_BANDWIDTH, block * arch.layers, peak_flops * mfu, CPU_CALL_S)
     return Decoder(peak_flops * mfu, catalog.bandwidth_tbs(hw) * 1e12 * GPU_BANDWIDTH_SHARE, GPU_BLOCK_S * arch.layers,
                    peak_flops * mfu)
@@ -267,7 +268,7 @@ def _row(cfg, counts, name, hw, mfu, devices: int | None = None, calibrated: boo
 
     def rates(t) -> tuple[float, float]:
         """FLOPs per trained token of Setup `t`, and its generation's seconds per trained token."""
-        trainable = counts.total if t.peft == "none" else counts.lora
+        trainable = counts.lora if t.adapter else counts.total
         fpt = train_flops_per_token(counts.active, trainable, t.peft, t.method, t.dpo_ref, generation=not t.rollouts,
                                     old_logps=t.old_logps)
         extra = 0.0
@@ -356,7 +357,7 @@ def make_plan(cfg, counts=None, hardware: list[str] | None = None, others: bool 
         "model": cfg.model.name, "method": s.method, "peft": s.peft, "backend": s.backend,
         "precision": s.precision,
         "params": {"total": counts.total, "active": counts.active,
-                   "trainable": counts.total if s.peft == "none" else counts.lora},
+                   "trainable": counts.lora if s.adapter else counts.total},
         "tokens": run_tokens(cfg, s), "tokens_from": tokens_from(cfg, s), "mfu": mfu,
         "setup": asdict(s),
         "memory_gb": {k: round(v / GiB, 3) for k, v in est.terms().items()} | {"peak": round(est.peak / GiB, 3),

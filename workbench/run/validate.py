@@ -20,6 +20,7 @@ from workbench.core.errors import UserError
 from workbench.data.recipes import inline_recipe
 from workbench.methods import registry as methods
 from workbench.models.auto import adopt
+from workbench.peft.kind import KINDS as PEFT_KINDS
 from workbench.train.optim import OPTIMIZERS, SCHEDULERS
 from workbench.train.precision import POLICIES
 
@@ -118,7 +119,7 @@ def _check_values(cfg: DictConfig) -> None:
         ("data.seq_len", cfg.data.seq_len >= 8, "must be >= 8"),
         ("peft.r", cfg.peft.r >= 1, "must be >= 1"),
         ("hardware.procs", cfg.hardware.procs >= 1, "must be >= 1"),
-        ("peft.kind", cfg.peft.kind in ("none", "lora", "qlora", "dora"), "must be one of none, lora, qlora, dora"),
+        ("peft.kind", cfg.peft.kind in PEFT_KINDS, f"must be one of {', '.join(PEFT_KINDS)}"),
         ("precision.name", cfg.precision.name in PRECISIONS, f"must be one of {', '.join(PRECISIONS)}"),
         ("optim.name", cfg.optim.name in OPTIMIZERS, f"must be one of {', '.join(OPTIMIZERS)}"),
         ("optim.scheduler", cfg.optim.scheduler in SCHEDULERS, f"must be one of {', '.join(SCHEDULERS)}"),
