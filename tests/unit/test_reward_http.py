@@ -278,10 +278,12 @@ def test_grpo_learns_the_same_from_the_server(tmp_path, reward):
 
 
 def test_a_service_lost_mid_run_stops_it_keeping_its_checkpoints(tmp_path):
-    """The server answers 2 rollouts then dies: the run stops at step 3 with one line; steps 1
-    and 2 are checkpointed, and the run resumes from step 2 once the service is back (at the same
-    URL: reward.url is part of the run's config), to the losses of a run that never lost it."""
-    overrides = [*GRPO, "method.dynamic_sampling=false", "reward=http", "reward.retries=1", "reward.backoff_s=0.05"]
+    """The server answers 2 rollouts then dies: the run stops at step 3 with one line; step 2,
+    the last one trained, is checkpointed as the run stops (train.checkpoint_every=10 wrote none),
+    and the run resumes from it once the service is back (at the same URL: reward.url is part of
+    the run's config), to the losses of a run that never lost it."""
+    overrides = [*GRPO, "method.dynamic_sampling=false", "reward=http", "reward.retries=1", "reward.backoff_s=0.05",
+                 "train.checkpoint_every=10"]
     with serve("tests.rewards:char_length") as server:
         whole = train([*overrides, f"reward.url={server.url}"], tmp_path / "whole")
     run, port = tmp_path / "cut", free_port()
@@ -292,7 +294,9 @@ def test_a_service_lost_mid_run_stops_it_keeping_its_checkpoints(tmp_path):
     msg = str(err.value)
     assert msg.startswith(f"reward function 'http' at step 3: reward server {server.url}/score ") and "\n" not in msg
     assert "2 of 2 tries failed (1 retry, backoff 0.05 s" in msg and time.monotonic() - t0 < 30
-    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-00000001", "step-00000002"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-00000002"]
+    assert msg.endswith("step-00000002 is kept; relaunch with the same output_dir once the service answers "
+                        "(train.resume=auto continues from it)")
     with serve("tests.rewards:char_length", port=port) as server:
         resumed = train([*[o for o in overrides if o != "train.resume=never"], "train.resume=auto",
                          f"reward.url={server.url}"], run)

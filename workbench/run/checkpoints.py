@@ -11,6 +11,7 @@ another layout is workbench/train/resume.py's; the certificate is workbench/trai
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -96,19 +97,28 @@ class Checkpoints:
         return str(path), state
 
     # -- save --------------------------------------------------------------------------------
-    def save(self, state: TrainState) -> Path:
+    def boundary(self) -> tuple[dict, dict]:
+        """What a checkpoint written now would hold beside the weights: the method's state (the
+        data position) and every RNG, copied, so a save later in the step can be made as of this
+        step boundary (keep_after_failed_service)."""
+        return copy.deepcopy(self.method.state_dict()), rng_state()
+
+    def save(self, state: TrainState, boundary: tuple[dict, dict] | None = None) -> Path:
+        """The weights, the optimizer and `state`; the method's state and the RNGs as they are, or
+        as `boundary()` took them (the weights have not changed since)."""
+        method_state, rngs = boundary or (self.method.state_dict(), rng_state())
         with heartbeat.phase("checkpoint"):
             spec = replay.probe_spec(self.cfg)
             probe = replay.probe_loss_of(self.backend, spec, self.device)  # the weights being saved (collective)
             record = {"format": canonical.FORMAT, "step": state.step, "samples_seen": state.samples_seen,
                       "global_batch": self.run.batch.size, "train_state": state.to_dict(),
-                      "layout": resume.layout_of(self.cfg, self.run), "method": self.method.state_dict(),
+                      "layout": resume.layout_of(self.cfg, self.run), "method": method_state,
                       "schedule": self.backend.schedule_state(), "identity": self.identity,
                       "settings": resume_changes.settings(self.cfg),  # what a resume compares against
                       "probe": {**spec, "loss": probe}}
             barrier = dist.barrier if dist.is_initialized() else (lambda: None)
             with self.tracker.progress.status(f"checkpoint step {state.step}"):
-                return checkpoint.save(self.run_dir, state.step, self.backend.save_canonical, record, rng_state(),
+                return checkpoint.save(self.run_dir, state.step, self.backend.save_canonical, record, rngs,
                                        self.rank, keep=self.cfg.train.keep_checkpoints, barrier=barrier)
 
     def at_step(self, state: TrainState, saved: bool) -> Path:
@@ -135,6 +145,22 @@ class Checkpoints:
             return "last"
         self.load_weights(path)
         return str(path)
+
+    def keep_after_failed_service(self, state: TrainState, boundary: tuple[dict, dict] | None) -> str:
+        """After a reward service failed mid-step: the steps trained so far on disk, saved as of the
+        step's start (`boundary`: the data position and RNGs before the rollout drew from them;
+        one process only, since with several a save is a collective a failing rank may not
+        reach), and where a relaunch resumes from."""
+        if state.step and boundary is not None and self.world == 1:
+            latest = checkpoint.latest(self.run_dir)
+            if latest is None or not str(latest).endswith(f"{state.step:08d}"):
+                self.save(state, boundary)
+            checkpoint.flush()
+        latest = checkpoint.latest(self.run_dir)
+        if latest is None:
+            return "no step was trained yet"
+        return (f"checkpoint {latest} is kept; relaunch with the same output_dir once the service answers "
+                "(train.resume=auto continues from it)")
 
     def keep_after_failed_hook(self, tag: str, state: TrainState) -> str:
         """After an eval hook failed: make sure the trained weights so far are on disk, and say where."""

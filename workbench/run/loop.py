@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from workbench.core import heartbeat
+from workbench.rollout.remote import RewardServiceError
 from workbench.run.checkpoints import Checkpoints
 from workbench.run.derive import Run
 from workbench.run.evaluation import Evaluator
@@ -51,12 +52,16 @@ def loop(p: Parts, guard, watch, results: dict) -> dict | None:
     """Train from `p.state.step` to `train.max_steps`; the stall watch's verdict if it stopped
     the run early, else None. A preemption signal checkpoints and exits inside (guard)."""
     cfg, state = p.run.cfg, p.state
+    # a generating method's step may fail in its rollout (a reward service gone): what a checkpoint
+    # at the step's start would hold, to save the steps trained so far (one process)
+    keep = p.run.facts.generates and p.run.layout.world == 1
+    boundary = p.checkpoints.boundary() if keep else None
     while state.step < cfg.train.max_steps:
         crash_if_asked(cfg.debug, state.step, p.run.layout.rank)
         t0 = time.perf_counter()
         heartbeat.step(state.step)
         p.memory.before(state.step)  # the plan check's memory window (CPU: its own step)
-        batch = next_batch(p)                                              # data
+        batch = next_batch_or_keep(p, boundary)                            # data
         if watch is not None and watch.begins(batch.signal, state.step):
             watch.checkpoint = str(p.checkpoints.save(state))  # the last weights trained with signal
         p.shapes.update(batch)
@@ -68,6 +73,7 @@ def loop(p: Parts, guard, watch, results: dict) -> dict | None:
         p.tracker.log(row, show=state.step % cfg.train.log_every == 0 or state.step == 1)
         stalled = watch_step(p.tracker, watch, row, batch)
         saved = checkpoint_if_due(p, watch)                                # checkpoint
+        boundary = p.checkpoints.boundary() if keep else None
         if guard.stop_requested():  # collective: every rank checkpoints at the same step
             guard.exit_preempted(state.step, p.checkpoints.at_step(state, saved))
         if cfg.eval.every_n_steps and state.step % cfg.eval.every_n_steps == 0:  # evaluate
@@ -87,6 +93,16 @@ def crash_if_asked(debug, step: int, rank: int) -> None:
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
     if step == debug.crash_at_step and rank == debug.crash_rank and first_attempt:
         os._exit(17)
+
+
+def next_batch_or_keep(p: Parts, boundary: tuple | None):
+    """next_batch; where a reward service fails for good (its retries spent), the steps trained
+    so far are checkpointed first, as of this step's start (`boundary`; one process: with several
+    the last periodic checkpoint stands), and the error says where to resume from."""
+    try:
+        return next_batch(p)
+    except RewardServiceError as exc:
+        raise RewardServiceError(f"{exc}; {p.checkpoints.keep_after_failed_service(p.state, boundary)}") from exc
 
 
 def next_batch(p: Parts):

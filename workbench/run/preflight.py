@@ -110,7 +110,9 @@ def check(cfg, env: rules.Env | None = None) -> dict:
 
         check_versions()
     if registry.spec(cfg.method.name).facts.data == "prompts":  # GRPO scores rollouts with cfg.reward
-        rewards.resolve(cfg.reward)  # as the method does when it is built: built-ins known, user functions import
+        fns = rewards.resolve(cfg.reward)  # as the method does when it is built: built-ins known, user functions import
+        if here:  # a reward service that is down stops a run here, before anything loads (a dry run plans without it)
+            rewards.check_services(fns)
     hooks.check_tasks(cfg.eval.tasks, cfg)  # names, user hooks importable, held-out data for loss/preference/reward
     if cfg.get("env") is not None:  # env=<name>: a known environment with valid tool schemas (workbench/envs/)
 
