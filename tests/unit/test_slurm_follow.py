@@ -93,7 +93,38 @@ def test_with_accounting_sacct_answers_and_nothing_is_lost(monkeypatch, capsys):
     assert follower.get_state("5_0") == "RUNNING" and follower.get_state("5_1") == "UNKNOWN"
     cluster.queue = {"5_0": "CANCELLED by 0"}
     assert follower.is_done("5_0")
-    assert "squeue" not in cluster.calls and capsys.readouterr().err == ""
+    # states come from sacct alone (squeue is asked only for held, requeued jobs)
+    assert "scontrol" not in cluster.calls and capsys.readouterr().err == ""
+
+
+def test_a_requeued_job_held_for_its_begin_time_is_released_once_per_requeue(capsys):
+    """Slurm holds a requeued job about two minutes (Reason=BeginTime): the follower sets its begin
+    time to now, once per requeue; a job never requeued keeps the begin time its user asked for."""
+    calls = []
+    restarts = {"21_0": 1, "22": 0}
+
+    def run(argv, **kw):
+        calls.append(argv)
+        if argv[0] == "squeue" and "PENDING" in argv:
+            return subprocess.CompletedProcess(argv, 0, "21_0|BeginTime\n22|BeginTime\n23|Priority\n", "")
+        if argv[:2] == ["scontrol", "show"]:
+            return subprocess.CompletedProcess(argv, 0, f"JobId={argv[-1]} JobState=PENDING Reason=BeginTime "
+                                                        f"Restarts={restarts.get(argv[-1], 0)}\n", "")
+        if argv[:2] == ["scontrol", "update"]:
+            return subprocess.CompletedProcess(argv, 0, "", "")
+        return subprocess.CompletedProcess(argv, 0, "", "")  # sacct: nothing listed yet
+
+    follower = Follower(poll_s=0, run=run)
+    for job in ("21_0", "22", "23"):
+        follower.register_job(job)
+    for _ in range(3):
+        follower.update()
+    updates = [a for a in calls if a[:2] == ["scontrol", "update"]]
+    assert updates == [["scontrol", "update", "JobId=21_0", "StartTime=now"]]  # once; not 22 (never requeued)
+    assert capsys.readouterr().err.count("Slurm job 21_0 was requeued: its begin time is set to now") == 1
+    restarts["21_0"] = 2  # requeued again: released again
+    follower.update()
+    assert len([a for a in calls if a[:2] == ["scontrol", "update"]]) == 2
 
 
 def test_a_job_that_ended_without_a_result_is_one_line_and_a_failed_job_of_the_summary(tmp_path):

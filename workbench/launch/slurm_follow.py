@@ -14,7 +14,10 @@ each time, and a job that dies before it writes a result is waited for forever. 
 - `launch` submits as Hydra's launcher does, then collects the jobs: one that ended without a
   result (its processes never started, a node failed, scancel) becomes a FAILED job of the sweep
   with the last line of its error stream and the path of that log, and the sweep goes on;
-  the sweep summary lists it, and the command exits 2 at the end (workbench/cli.py).
+  the sweep summary lists it, and the command exits 2 at the end (workbench/cli.py);
+- a job requeued mid-run (a node lost or a preemption: workbench/launch/slurm.py) is held by
+  Slurm for about two minutes before it may start again (Reason=BeginTime); `Follower` sets its
+  begin time to now, once per requeue, so it starts as soon as it has its nodes.
 
 hydra_plugins/workbench_slurm/ registers the launcher with Hydra; conf/launcher/slurm.yaml picks it.
 """
@@ -47,6 +50,7 @@ class Follower:
         self.unseen: dict[str, float] = {}  # job id -> when neither squeue nor scontrol first lacked it
         self.accounting: bool | None = None  # sacct answers; None until asked
         self.last = float("-inf")
+        self.released: dict[str, int] = {}  # job id -> the requeue (Restarts) whose hold was lifted
 
     def register_job(self, job_id: str) -> None:
         self.info.setdefault(job_id, {})
@@ -70,6 +74,7 @@ class Follower:
         if not open_:
             return
         bases = sorted({j.split("_")[0] for j in open_})
+        self._release_requeued(bases)
         found = self._sacct(bases) if self.accounting is not False else None
         if found is None:
             found = self._queue(bases)
@@ -119,6 +124,26 @@ class Follower:
                     found[job] = {"State": fields.get("JobState", "UNKNOWN"), "ExitCode": fields.get("ExitCode"),
                                   "Reason": fields.get("Reason"), "NodeList": fields.get("NodeList")}
         return found
+
+    def _release_requeued(self, bases: list[str]) -> None:
+        """A requeued job waits for its begin time (Slurm sets it about two minutes ahead) although
+        all it needs is nodes: set it to now, once per requeue. A job never requeued (Restarts=0)
+        keeps the begin time its user asked for (sbatch --begin)."""
+        done = self._call(["squeue", "-h", "-r", "-t", "PENDING", "-o", "%i|%r"])
+        for line in (done.stdout if done is not None and done.returncode == 0 else "").splitlines():
+            job, _, reason = line.strip().partition("|")
+            if job.split("_")[0] not in bases or reason != "BeginTime":
+                continue
+            shown = self._call(["scontrol", "show", "job", "-o", job])
+            fields = dict(f.split("=", 1) for f in (shown.stdout if shown is not None else "").split() if "=" in f)
+            restarts = int(fields.get("Restarts", "0") or 0)
+            if restarts == 0 or self.released.get(job) == restarts:
+                continue
+            self.released[job] = restarts
+            moved = self._call(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+            if moved is not None and moved.returncode == 0:
+                print(f"Slurm job {job} was requeued: its begin time is set to now, so it starts again as soon as "
+                      "it has its nodes", file=sys.stderr, flush=True)
 
     def _call(self, argv: list[str]):
         try:
