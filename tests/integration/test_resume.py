@@ -104,12 +104,19 @@ GRPO = ["method=grpo", "peft=none", 'reward.functions=["tests.rewards:char_lengt
 
 
 def test_grpo_resumed_between_passes_samples_the_same_prompts_again(tmp_path):
-    """A checkpoint after the first of two passes over a rollout: the resumed run makes that
-    rollout again from the same prompts (the data position after it is the checkpoint's)."""
+    """A checkpoint after the first of two passes over a rollout keeps that rollout; one without
+    it (read at another layout, or written before checkpoints kept rollouts) makes the rollout
+    again from the same prompts (the data position after it is the checkpoint's). SIGKILL with
+    the rollout kept: tests/integration/test_grpo_kill.py."""
     train([*GRPO, "train.max_steps=1"], tmp_path)
-    state = checkpoint.record(checkpoint.ckpt_root(tmp_path) / "step-00000001")["method"]
-    assert state["rollout"]["uses"] == 1 and state["rollout"]["index"] == 0
-    train([*GRPO, "train.max_steps=3"], tmp_path)  # step 2: the same rollout again; step 3: a new one
+    step = checkpoint.ckpt_root(tmp_path) / "step-00000001"
+    state = checkpoint.record(step)["method"]
+    assert state["rollout"]["uses"] == 1 and state["rollout"]["index"] == 0 and state["pending"] == [0]
+    (step / "rollouts.pt").unlink()
+    (step / checkpoint.FILES).write_text(json.dumps({"files": checkpoint._inventory(step)}))
+    res = train([*GRPO, "train.max_steps=3"], tmp_path)  # step 2: the same rollout again; step 3: a new one
+    rl = res["resume"]["certificate"]["rl"]
+    assert (rl["pending_rollouts"], rl["policy_version"], rl["restored"], rl["same_rollouts"]) == (1, [0], False, False)
     rows = [json.loads(x) for x in (tmp_path / "samples" / "grpo.jsonl").read_text().splitlines()]
     first, again, third = rows[:4], rows[4:8], rows[8:12]
     assert [r["prompt"] for r in again] == [r["prompt"] for r in first]

@@ -43,3 +43,19 @@ class Method(Protocol):
         """A `StallWatch` (workbench/train/signal.py) for a method whose steps can carry no
         gradient (GRPO), or None."""
         return None
+
+    def rollouts_state(self) -> dict:
+        """This rank's work a checkpoint cannot make again from its weights and RNG: a generating
+        method's rollouts already sampled for the next steps (GRPO: one step ahead, or reused by a
+        further pass), as tensors, lists and numbers (saved per rank, read with weights_only=True).
+        Asked only when a checkpoint is written."""
+        return {}
+
+    def load_rollouts(self, saved: dict | None) -> None:
+        """What `rollouts_state` saved, on a resume at the layout that wrote it; None elsewhere."""
+        return None
+
+    def resume_facts(self, state: dict) -> dict:
+        """A generating method's part of the resume certificate (`rl`), from `state`: the step
+        resumed, the digest of the RNG state the resume set and whether it was restored. {}: none."""
+        return {}

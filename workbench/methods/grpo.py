@@ -34,6 +34,11 @@ mean/std per function, completion lengths, clip fractions, KL, the share of the 
 with reward spread (`signal_share`; steps without any are warned about and can stop the run,
 workbench/train/signal.py); a few sample completions of each generation go to
 <run_dir>/samples/grpo.jsonl.
+
+Resume: a checkpoint keeps the data position and, per rank, the rollouts already generated that
+the next steps train on (`rollouts_state`: the one a further pass reuses, the one generated ahead),
+so a run killed mid-rollout continues with the uninterrupted run's losses; `resume_facts` is the
+certificate's `rl` part (docs/guides/resume.md, "GRPO and rollouts one step ahead").
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from workbench.methods.grpo_env import EpisodeRollouts
 from workbench.methods.grpo_rules import RULES, BatchShape, check, step_shape
 from workbench.methods.reference import Reference
 from workbench.methods.spec import MethodFacts, MethodSpec, Rollouts
-from workbench.rollout import advantages, objectives, rewards
+from workbench.rollout import advantages, objectives, pending, rewards
 from workbench.rollout.async_rollouts import AsyncRollouts
 from workbench.rollout.generate import generate
 from workbench.rollout.vllm_engine import VLLMEngine
@@ -190,6 +195,8 @@ class GRPO(Method):
         self.shape = batch_shape(cfg, ctx.run.batch)
         self._rollout_state: dict | None = None  # where the cached rollout's prompts began (checkpoints)
         self._regenerate: dict | None = None  # a rollout to make again after resuming mid-iteration
+        self._version = 0  # the optimizer steps behind the weights that sampled the cached rollout
+        self._resumed: dict = {}  # what a resume put back (resume_facts)
         # env=<name>: rollouts are multi-turn episodes (workbench/methods/grpo_env.py)
         self.episodes = None
         if ctx.cfg.get("env") is not None:
@@ -410,18 +417,21 @@ class GRPO(Method):
             self.mixture.load_state_dict(again["mixture_before"])
             self._step = again["step"]
             self._rollout_state = again
-            self._cached = self._rollout(backend, again["index"])
+            self._cached, self._version = self._rollout(backend, again["index"]), state.step
             self.mixture.load_state_dict(after)  # the data position the checkpoint holds, whatever refills drew
             self._uses = again["uses"]
         if self._cached is None or self._uses >= self.cfg.num_iterations:
             self._step = state.step
             index = state.step // self.cfg.num_iterations
-            self._rollout_state = {"index": index, "step": state.step, "mixture_before": self.mixture.state_dict()}
+            # async: the position before the rollout in flight is the one before this step's draw
+            before = self._async.saved_state if self._async is not None else self.mixture.state_dict()
+            self._rollout_state = {"index": index, "step": state.step, "mixture_before": before}
             if self._async is None:
-                self._cached, self._uses = self._rollout(backend, index), 0
+                self._cached, self._uses, self._version = self._rollout(backend, index), 0, state.step
             else:  # sampled by the previous step's weights while it trained (workbench/rollout/async_rollouts.py)
                 more = (index + 1) * self.cfg.num_iterations < self.ctx.cfg.train.max_steps
-                self._cached, self._uses = self._async.next(backend, index, more), 0
+                self._version = self._async.version if self._async.pending is not None else state.step
+                self._cached, self._uses = self._async.next(backend, index, more, version=state.step), 0
                 self._step_tokens = float(sum(int(m["n_tokens"].sum()) for m in self._cached.micro))
         self._uses += 1
         # the rollout's forward passes ran once: the FLOP count takes them on its first step only
@@ -456,16 +466,71 @@ class GRPO(Method):
 
     def state_dict(self) -> dict:
         """The data position (with rollouts one step ahead: before the rollout in flight); mid-iteration
-        (num_iterations > 1) also where the cached rollout's prompts began, so a resume samples that
-        rollout's prompts again before moving on."""
+        (num_iterations > 1) also where the cached rollout's prompts began, so a resume that cannot
+        take the rollout back (`rollouts_state`) samples its prompts again before moving on; and the
+        policy version of each rollout the next steps train on (`pending`; cheap: no waiting)."""
         state = {"mixture": self._async.saved_state if self._async else self.mixture.state_dict()}
+        versions = []
         if self._rollout_state is not None and 0 < self._uses < self.cfg.num_iterations:
             state["rollout"] = {**self._rollout_state, "uses": self._uses}
+            versions.append(self._version)
+        if self._async is not None and self._async.pending is not None:
+            versions.append(self._async.version)
+        state["pending"] = versions
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.mixture.load_state_dict(state["mixture"])
         self._regenerate = state.get("rollout")
+        if self._async is not None:  # the position before the rollout in flight, until the next step moves it
+            self._async.saved_state = state["mixture"]
+        self._resumed = {"mixture": state["mixture"], "pending": list(state.get("pending", []))}
+
+    def rollouts_state(self) -> dict:
+        """The rollouts already generated that the next steps train on, as a checkpoint keeps them
+        (workbench/rollout/pending.py): the one a further pass reuses (num_iterations > 1), and the
+        one generated ahead (async; waited for: it is the next step's batch anyway), with the data
+        position after it."""
+        out = {}
+        if self._cached is not None and 0 < self._uses < self.cfg.num_iterations:
+            out["cached"] = {**pending.pack(self._cached), "uses": self._uses, "version": self._version}
+        ahead = self._async.settle() if self._async is not None else None
+        if ahead is not None:
+            out["ahead"] = {**pending.pack(ahead[0]), "version": ahead[1], "mixture_after": self.mixture.state_dict()}
+        return out
+
+    def load_rollouts(self, saved: dict | None) -> None:
+        """Take back what `rollouts_state` kept (None: a checkpoint read at another layout, or one
+        without any): the resumed steps then train on the rollouts the uninterrupted run had."""
+        saved = saved or {}
+        if "cached" in saved:
+            c = saved["cached"]
+            self._cached, self._uses, self._version = pending.unpack(c, self.ctx.device), c["uses"], c["version"]
+            self._rollout_state, self._regenerate = self._regenerate, None
+            self._step_tokens = float(sum(int(m["n_tokens"].sum()) for m in self._cached.micro))
+        if "ahead" in saved and self._async is not None:
+            a = saved["ahead"]
+            self._async.preload(pending.unpack(a, self.ctx.device), a["version"])
+            self.mixture.load_state_dict(a["mixture_after"])
+        self._resumed["restored"] = [pending.completions(saved[k]) for k in ("cached", "ahead") if k in saved]
+
+    def resume_facts(self, state: dict) -> dict:
+        """The certificate's `rl` part (manifest.json resume.certificate.rl): where the sampler
+        resumed, the digest of the RNG state the resume set, the policy version of each rollout the
+        resumed steps train on before generating their own, and whether those were taken back."""
+        saved, restored = self._resumed.get("pending", []), self._resumed.get("restored", [])
+        regenerated = "regenerated from the saved generator"
+        return {"sampler_position": int(sum(self._resumed.get("mixture", {}).get("taken", []))),
+                "sampler_after_pending": int(sum(self.mixture.taken)),
+                "sampling_noise": f"keyed by (train.seed={self.ctx.cfg.train.seed}, step, prompt sample index)",
+                "generator_sha256": state.get("generator_sha256"), "generator": state.get("generator"),
+                "policy_version": saved if saved else [int(state.get("step", 0))],
+                "pending_rollouts": len(saved) if saved else regenerated,
+                "pending_completions": restored,
+                "restored": bool(saved) and len(restored) == len(saved),
+                # the resumed steps train on what the uninterrupted run did: nothing was pending (the
+                # next rollout is the checkpoint's weights' own), or every pending one came back
+                "same_rollouts": not saved or len(restored) == len(saved)}
 
 
 def _signal_share(with_signal: float, groups: int) -> float:

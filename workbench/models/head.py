@@ -35,6 +35,9 @@ class SelectiveLM(nn.Module):
         super().__init__()
         self.inner = model
         self.chunk = chunk  # model.loss_chunk: positions per piece of the head with targets; 0: all at once
+        # SDPA's math kernel for short CPU training sequences (below); off where another thread runs
+        # the model meanwhile (async rollouts): the kernel choice is a process-wide flag
+        self.math_for_short = True
         lm = base_model(model)
         config = getattr(lm, "config", None)
         # Families whose CausalLM forward rescales the head's output in ways not listed here
@@ -59,7 +62,7 @@ class SelectiveLM(nn.Module):
             # Under a causal mask no real token attends to the padding after it, so the padding
             # mask changes nothing that is trained; without it SDPA takes its faster causal path.
             attention_mask = None
-        with _attention_kernel(input_ids, getattr(lm, "is_gradient_checkpointing", False)):
+        with _attention_kernel(input_ids, getattr(lm, "is_gradient_checkpointing", False) or not self.math_for_short):
             if targets is None:
                 return self._forward(lm, input_ids, attention_mask, position_ids, select)
             if not self._split:

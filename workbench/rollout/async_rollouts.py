@@ -21,8 +21,17 @@ thread or copy cannot work: sharded weights (FSDP2, ZeRO-3: generation is a coll
 than one data-parallel rank (the thread's collectives would interleave with the training's),
 vLLM (its own engine), and a KL term in the reward (it reads the reference off the live model).
 
-Resume: the data position saved in a checkpoint (`mixture_state`) is the one before the rollout
-still in flight, so a resumed run generates that rollout again, with the resumed weights.
+Resume: a checkpoint waits for the rollout in flight (`settle`) and keeps it with the policy
+version that sampled it (the optimizer steps behind the weights the snapshot held); a resumed run
+takes it back (`preload`) and trains on exactly what the uninterrupted run would have. Where it
+cannot be taken back (a checkpoint read at another layout), `saved_state` is the data position
+before it, so the resumed run generates that rollout again, with the resumed weights.
+
+Repeatability: the training thread picks SDPA's math kernel for short CPU sequences
+(workbench/models/head.py), and that choice is a process-wide flag; a snapshot forward that
+overlapped it would run another kernel than one that did not, and its log-probs would differ in
+the last bits from run to run. With rollouts one step ahead the training model keeps the default
+kernels (`math_for_short` off), so both threads compute the same numbers whatever the timing.
 """
 
 from __future__ import annotations
@@ -62,16 +71,19 @@ class Snapshot:
 class AsyncRollouts:
     def __init__(self, module: torch.nn.Module, make, data_state=None):
         """make(view, step) -> StepBatch; data_state() -> the data position to checkpoint."""
+        module.math_for_short = False  # no process-wide kernel switch while the snapshot thread runs (above)
         self.snapshot = Snapshot(module)
         self.make = make
         self.data_state = data_state
         self.pending: Future | None = None
+        self.version = 0  # the optimizer steps behind the weights that sampled the pending rollout
         self.saved_state = data_state() if data_state else None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead")
         self.lock = threading.Lock()
         self.waited = 0.0  # seconds the training thread waited for a rollout, all steps
 
-    def next(self, backend, step: int, more: bool):
+    def next(self, backend, step: int, more: bool, version: int = 0):
+        """`version`: the optimizer steps trained so far (the weights the snapshot takes now)."""
         import time
 
         if self.pending is None:
@@ -87,8 +99,24 @@ class AsyncRollouts:
         if self.data_state:
             self.saved_state = self.data_state()
         if more:
-            self.pending = self.pool.submit(self.make, self.snapshot, step + 1)
+            self.pending, self.version = self.pool.submit(self.make, self.snapshot, step + 1), version
         return batch
+
+    def settle(self):
+        """The rollout in flight once it is done, with its policy version: (batch, version), or None
+        when none is pending or it failed (the next step raises what it raised, as it would have)."""
+        if self.pending is None:
+            return None
+        try:
+            return self.pending.result(), self.version
+        except Exception:  # noqa: BLE001 - re-raised by next(), where the step that needs it asks
+            return None
+
+    def preload(self, batch, version: int) -> None:
+        """A rollout a checkpoint kept: the next call of next() takes it instead of generating one."""
+        done: Future = Future()
+        done.set_result(batch)
+        self.pending, self.version = done, version
 
     def close(self) -> None:
         if self.pending is not None:

@@ -80,9 +80,19 @@ class Checkpoints:
             set_rng_state(saved_rng)
         else:  # another layout: each rank's generator starts from (seed, step, rank)
             seed_everything(noise.key(self.cfg.train.seed, state.step, self.rank) % (1 << 32))
+        # rollouts generated before the checkpoint (GRPO's): per rank and in its micro-batches, so only
+        # at the layout and batch split that wrote them
+        split = (written["micro"], written["accum"], written["dp"]) == (self.run.batch.micro, self.run.batch.accum,
+                                                                         self.run.batch.dp)
+        self.method.load_rollouts(checkpoint.rollouts(path, self.rank) if same and split else None)
         cert = replay.certificate(rec["probe"], replay.probe_loss_of(self.backend, rec["probe"], self.device),
                                   resume.describe(written), resume.describe(here),
                                   (written["precision"], here["precision"]))
+        rl = self.method.resume_facts({"step": state.step, "generator_sha256": checkpoint.rng_digest(path, self.rank),
+                                       "generator": "restored" if saved_rng is not None else
+                                       f"re-seeded from (train.seed, step {state.step}, rank {self.rank})"})
+        if rl:  # a generating method's state beyond the weights
+            cert["rl"] = rl
         b = self.run.batch
         # a change to what a step computes was refused before weights loaded unless allowed (runner.build)
         self.changes = resume_changes.compare({**rec, "name": path.name}, self.cfg)
@@ -107,6 +117,8 @@ class Checkpoints:
         """The weights, the optimizer and `state`; the method's state and the RNGs as they are, or
         as `boundary()` took them (the weights have not changed since)."""
         method_state, rngs = boundary or (self.method.state_dict(), rng_state())
+        # rollouts already generated for the next steps; none for a save as of an earlier boundary
+        rollouts = self.method.rollouts_state() if boundary is None else None
         with heartbeat.phase("checkpoint"):
             spec = replay.probe_spec(self.cfg)
             probe = replay.probe_loss_of(self.backend, spec, self.device)  # the weights being saved (collective)
@@ -119,7 +131,8 @@ class Checkpoints:
             barrier = dist.barrier if dist.is_initialized() else (lambda: None)
             with self.tracker.progress.status(f"checkpoint step {state.step}"):
                 return checkpoint.save(self.run_dir, state.step, self.backend.save_canonical, record, rngs,
-                                       self.rank, keep=self.cfg.train.keep_checkpoints, barrier=barrier)
+                                       self.rank, keep=self.cfg.train.keep_checkpoints, barrier=barrier,
+                                       rollouts=rollouts)
 
     def at_step(self, state: TrainState, saved: bool) -> Path:
         """This step's checkpoint, written now unless it already was, and committed (a preemption

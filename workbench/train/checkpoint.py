@@ -8,6 +8,8 @@
         train.json            step, global samples, data position, LR schedule, the layout that wrote
                               it, the model/adapter/tokenizer it belongs to, the replay probe
         rng.pt, rng.rankN.pt  each rank's RNG (restored only at the same layout)
+        rollouts.pt, ...      each rank's rollouts already generated for the next steps, when the
+                              method has any (GRPO; restored only at the same layout)
         files.json            every other file of the checkpoint with its size and sha256
     <output_dir>/checkpoints/latest   text file naming the newest complete checkpoint
 
@@ -188,10 +190,11 @@ def _write_failed(root: Path, name: str, tmp: Path, exc: OSError) -> CheckpointW
 
 
 def save(output_dir, step: int, write_tensors, record: dict, rng: dict, rank: int = 0, keep: int = 2,
-         barrier=lambda: None) -> Path:
+         barrier=lambda: None, rollouts: dict | None = None) -> Path:
     """Write step `step`'s checkpoint (collective): `write_tensors(dir)` writes this rank's part of
-    the canonical tensors (and may return a future), every rank its RNG, rank 0 `record` as
-    train.json; committed now, or by `flush()` once the future completes."""
+    the canonical tensors (and may return a future), every rank its RNG (and its `rollouts`, when
+    the method has any), rank 0 `record` as train.json; committed now, or by `flush()` once the
+    future completes."""
     flush()
     root = ckpt_root(output_dir)
     name = f"step-{step:08d}"
@@ -205,6 +208,8 @@ def save(output_dir, step: int, write_tensors, record: dict, rng: dict, rank: in
         barrier()
         pending = write_tensors(tmp / CANONICAL)
         torch.save(rng, tmp / f"rng{sfx}.pt")
+        if rollouts:
+            torch.save(rollouts, tmp / f"rollouts{sfx}.pt")
         if rank == 0:
             (tmp / TRAIN).write_text(json.dumps({**record, "integrity": 1}, indent=1))
     except OSError as exc:
@@ -261,6 +266,18 @@ def record(path: Path) -> dict:
 def rng(path: Path, rank: int) -> dict | None:
     """The RNG state rank `rank` saved, or None when that rank did not exist then."""
     f = Path(path) / f"rng{_rank_suffix(rank)}.pt"
+    return torch.load(f, weights_only=True) if f.is_file() else None
+
+
+def rng_digest(path: Path, rank: int) -> str | None:
+    """sha256 of the RNG state rank `rank` saved (its file's bytes), or None when it has none."""
+    f = Path(path) / f"rng{_rank_suffix(rank)}.pt"
+    return _sha256(f) if f.is_file() else None
+
+
+def rollouts(path: Path, rank: int) -> dict | None:
+    """The rollouts rank `rank` saved for the steps after this checkpoint, or None."""
+    f = Path(path) / f"rollouts{_rank_suffix(rank)}.pt"
     return torch.load(f, weights_only=True) if f.is_file() else None
 
 
