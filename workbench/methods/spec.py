@@ -119,6 +119,8 @@ class MethodSpec:
         (a config the planner changes, or a test's hand-made one, may leave options out)."""
         if node is None:
             return OmegaConf.structured(self.config)
+        if OmegaConf.get_type(node) is self.config:  # validated: merged onto the Config already
+            return node
         return OmegaConf.merge(OmegaConf.structured(self.config), node)
 
     def generation(self, node) -> Rollouts | None:
