@@ -165,10 +165,7 @@ class Checkpoints:
         one process only, since with several a save is a collective a failing rank may not
         reach), and where a relaunch resumes from."""
         if state.step and boundary is not None and self.world == 1:
-            latest = checkpoint.latest(self.run_dir)
-            if latest is None or not str(latest).endswith(f"{state.step:08d}"):
-                self.save(state, boundary)
-            checkpoint.flush()
+            self._save_unless_saved(state, boundary)
         latest = checkpoint.latest(self.run_dir)
         if latest is None:
             return "no step was trained yet"
@@ -179,9 +176,13 @@ class Checkpoints:
         """After an eval hook failed: make sure the trained weights so far are on disk, and say where."""
         if tag == "start":
             return "nothing was trained yet"
-        if tag == "step" and self.world == 1:
-            latest = checkpoint.latest(self.run_dir)
-            if latest is None or not str(latest).endswith(f"{state.step:08d}"):
-                self.save(state)  # a checkpoint of the step the hook failed at (single process only: no peers)
-            checkpoint.flush()
+        if tag == "step" and self.world == 1:  # a checkpoint of the step the hook failed at (no peers to wait for)
+            self._save_unless_saved(state)
         return f"the run's checkpoint is kept: {checkpoint.latest(self.run_dir)}"
+
+    def _save_unless_saved(self, state: TrainState, boundary: tuple[dict, dict] | None = None) -> None:
+        """This step's checkpoint on disk and committed, written now unless the latest one is it."""
+        latest = checkpoint.latest(self.run_dir)
+        if latest is None or not str(latest).endswith(f"{state.step:08d}"):
+            self.save(state, boundary)
+        checkpoint.flush()
