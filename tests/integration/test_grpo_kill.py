@@ -92,8 +92,21 @@ def kill_mid_rollout(overrides: list[str], stall_at: int, out) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
+@pytest.fixture
+def one_thread():
+    """The killed child runs with one thread (dist_env); the uninterrupted run and the resume in
+    this process do too, so every step sums in the same order and the losses compare bit for bit
+    whatever thread count pytest was started with."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("mode", list(CASES))
-def test_grpo_killed_mid_rollout_resumes_to_the_same_losses(mode, tmp_path):
+def test_grpo_killed_mid_rollout_resumes_to_the_same_losses(mode, tmp_path, one_thread):
     overrides, stall_at = CASES[mode]
     overrides = [*BASE, *overrides]
     full = tmp_path / "full"
