@@ -97,9 +97,12 @@ def test_with_accounting_sacct_answers_and_nothing_is_lost(monkeypatch, capsys):
     assert "scontrol" not in cluster.calls and capsys.readouterr().err == ""
 
 
-def test_a_requeued_job_held_for_its_begin_time_is_released_once_per_requeue(capsys):
+def test_a_requeued_job_held_for_its_begin_time_is_released_once_per_requeue(capsys, monkeypatch):
     """Slurm holds a requeued job about two minutes (Reason=BeginTime): the follower sets its begin
-    time to now, once per requeue; a job never requeued keeps the begin time its user asked for."""
+    time to now once it has been held KillWait + RELEASE_MARGIN_S (the requeued instance's srun
+    is gone by then), once per requeue; a job never requeued keeps the begin time its user asked for."""
+    clock = [100.0]
+    monkeypatch.setattr(slurm_follow.time, "monotonic", lambda: clock[0])
     calls = []
     restarts = {"21_0": 1, "22": 0}
 
@@ -107,6 +110,8 @@ def test_a_requeued_job_held_for_its_begin_time_is_released_once_per_requeue(cap
         calls.append(argv)
         if argv[0] == "squeue" and "PENDING" in argv:
             return subprocess.CompletedProcess(argv, 0, "21_0|BeginTime\n22|BeginTime\n23|Priority\n", "")
+        if argv[:3] == ["scontrol", "show", "config"]:
+            return subprocess.CompletedProcess(argv, 0, "InactiveLimit           = 0 sec\nKillWait                = 5 sec\n", "")
         if argv[:2] == ["scontrol", "show"]:
             return subprocess.CompletedProcess(argv, 0, f"JobId={argv[-1]} JobState=PENDING Reason=BeginTime "
                                                         f"Restarts={restarts.get(argv[-1], 0)}\n", "")
@@ -117,12 +122,20 @@ def test_a_requeued_job_held_for_its_begin_time_is_released_once_per_requeue(cap
     follower = Follower(poll_s=0, run=run)
     for job in ("21_0", "22", "23"):
         follower.register_job(job)
+    follower.update()
+    assert follower.release_after() == 5 + slurm_follow.RELEASE_MARGIN_S  # KillWait from scontrol show config
+    clock[0] += 14.9
+    follower.update()
+    assert not [a for a in calls if a[:2] == ["scontrol", "update"]]  # held for less than 15 s: not yet
+    clock[0] += 0.2
     for _ in range(3):
         follower.update()
     updates = [a for a in calls if a[:2] == ["scontrol", "update"]]
     assert updates == [["scontrol", "update", "JobId=21_0", "StartTime=now"]]  # once; not 22 (never requeued)
     assert capsys.readouterr().err.count("Slurm job 21_0 was requeued: its begin time is set to now") == 1
-    restarts["21_0"] = 2  # requeued again: released again
+    restarts["21_0"] = 2  # requeued again: released again, after its own wait
+    follower.update()
+    clock[0] += 15.1
     follower.update()
     assert len([a for a in calls if a[:2] == ["scontrol", "update"]]) == 2
 

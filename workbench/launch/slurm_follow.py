@@ -34,6 +34,9 @@ from workbench.launch import sweep
 
 POLL_S = 10.0    # between two looks at the queue: a job's end is seen within this
 BUDGET_S = 60.0  # a job that neither squeue nor scontrol knows for this long is LOST
+# a requeued job is released this long after Slurm's KillWait: the requeued instance's srun waits
+# KillWait + 2 s for its step before it cancels it (measured in the cluster tier)
+RELEASE_MARGIN_S = 10.0
 # What sacct/squeue/scontrol call a job that has not ended (submitit's list and Slurm's others)
 NOT_ENDED = {"READY", "PENDING", "RUNNING", "UNKNOWN", "REQUEUED", "COMPLETING", "PREEMPTED", "CONFIGURING",
              "SUSPENDED", "RESIZING", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SIGNALING", "STAGE_OUT"}
@@ -43,14 +46,18 @@ class Follower:
     """The watcher submitit's Slurm jobs consult (`register_job`, `get_info`, `get_state`,
     `is_done`: the methods its Job calls), shared by all the jobs of one launch."""
 
-    def __init__(self, poll_s: float = POLL_S, budget_s: float = BUDGET_S, run=subprocess.run):
-        self.poll_s, self.budget_s, self.run = poll_s, budget_s, run
+    def __init__(self, poll_s: float = POLL_S, budget_s: float = BUDGET_S, run=subprocess.run,
+                 release_after_s: float | None = None):
+        """`release_after_s`: how long a requeued job stays held before its begin time is set to now
+        (None: Slurm's KillWait + RELEASE_MARGIN_S, read from `scontrol show config`)."""
+        self.poll_s, self.budget_s, self.run, self.release_after_s = poll_s, budget_s, run, release_after_s
         self.info: dict[str, dict] = {}     # job id ("12_0", "12") -> its latest State, ExitCode, Reason
         self.ended: set[str] = set()
         self.unseen: dict[str, float] = {}  # job id -> when neither squeue nor scontrol first lacked it
         self.accounting: bool | None = None  # sacct answers; None until asked
         self.last = float("-inf")
         self.released: dict[str, int] = {}  # job id -> the requeue (Restarts) whose hold was lifted
+        self.held: dict[tuple[str, int], float] = {}  # (job id, Restarts) -> when first seen held
 
     def register_job(self, job_id: str) -> None:
         self.info.setdefault(job_id, {})
@@ -128,7 +135,10 @@ class Follower:
     def _release_requeued(self, bases: list[str]) -> None:
         """A requeued job waits for its begin time (Slurm sets it about two minutes ahead) although
         all it needs is nodes: set it to now, once per requeue. A job never requeued (Restarts=0)
-        keeps the begin time its user asked for (sbatch --begin)."""
+        keeps the begin time its user asked for (sbatch --begin). Not at once: the requeued
+        instance's srun lingers up to KillWait after the requeue, and cancelling its step then
+        would cancel the new instance's step of the same id; so the hold is lifted once the job
+        has been seen held for `release_after()` seconds."""
         done = self._call(["squeue", "-h", "-r", "-t", "PENDING", "-o", "%i|%r"])
         for line in (done.stdout if done is not None and done.returncode == 0 else "").splitlines():
             job, _, reason = line.strip().partition("|")
@@ -139,11 +149,22 @@ class Follower:
             restarts = int(fields.get("Restarts", "0") or 0)
             if restarts == 0 or self.released.get(job) == restarts:
                 continue
+            first = self.held.setdefault((job, restarts), time.monotonic())
+            if time.monotonic() - first < self.release_after():
+                continue
             self.released[job] = restarts
             moved = self._call(["scontrol", "update", f"JobId={job}", "StartTime=now"])
             if moved is not None and moved.returncode == 0:
                 print(f"Slurm job {job} was requeued: its begin time is set to now, so it starts again as soon as "
                       "it has its nodes", file=sys.stderr, flush=True)
+
+    def release_after(self) -> float:
+        if self.release_after_s is None:
+            done = self._call(["scontrol", "show", "config"])
+            kill_wait = next((line.split("=", 1)[1].split()[0] for line in (done.stdout if done is not None else "")
+                              .splitlines() if line.replace(" ", "").startswith("KillWait=")), "30")
+            self.release_after_s = float(kill_wait) + RELEASE_MARGIN_S if kill_wait.isdigit() else 30 + RELEASE_MARGIN_S
+        return self.release_after_s
 
     def _call(self, argv: list[str]):
         try:
