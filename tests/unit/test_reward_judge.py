@@ -265,7 +265,22 @@ def test_the_config_node_composes_and_resolves(tmp_path):
     assert judge.plan_line(cfg.reward, 32, seconds_per_call=0.25).startswith(
         "judge: at most 32 calls per step (one per completion, fewer as the cache fills), ~")
     assert judge.plan_line(cfg.reward, 32, seconds_per_call=0.25).endswith(
-        "4 at a time, model 'judge' at http://127.0.0.1:9/v1; ~2 s per step")
+        "4 at a time, model 'judge' at http://127.0.0.1:9/v1; ~2 s per step at 0.25 s per call")
+    # ceil(32 calls / 4 at a time) x 0.25 s = 2 s a step; 100 steps: 200 s
+    assert judge.plan_line(cfg.reward, 32, 0.25, steps=100).endswith("at most 3.33 min over 100 steps")
+
+
+def test_the_plan_counts_the_judge(tmp_path):
+    """A dry run's plan holds the judge's calls per step (the tiny config's GRPO step: 8
+    completions), and with reward.seconds_per_call the seconds: ceil(8 / 4 at a time) x 0.5 s = 1 s
+    a step, 10 s over 10 steps; no note without a judge."""
+    from workbench.run.plan import make_plan
+
+    base = ["method=grpo", "reward=judge", "reward.base_url=http://127.0.0.1:9/v1", "train.max_steps=10"]
+    notes = make_plan(compose([*base, "reward.seconds_per_call=0.5"], tmp_path), others=False)["notes"]
+    line = next(n for n in notes if n.startswith("judge: "))
+    assert "at most 8 calls per step" in line and "~1 s per step at 0.5 s per call" in line and "0.167 min" in line
+    assert not any(n.startswith("judge: ") for n in make_plan(compose(["method=grpo"], tmp_path), others=False)["notes"])
 
 
 def test_the_token_reaches_the_server_and_nothing_else(monkeypatch, capsys):
@@ -318,12 +333,18 @@ def test_down_at_start_fails_before_weights_in_one_line(tmp_path, monkeypatch):
                               "<file.gguf> --model_alias judge --port 8080) or correct reward.base_url")
 
 
-def test_grpo_trains_on_the_judge(tmp_path):
-    """Two GRPO steps of the tiny model with the fake judge as the reward, through the run."""
+def test_grpo_trains_on_the_judge(tmp_path, capsys):
+    """Two GRPO steps of the tiny model with the fake judge as the reward, through the run: the
+    judge's line as the run starts, and each step's calls, cache hits and seconds in its row."""
     with FakeJudge() as server:
         out = train(["method=grpo", "reward=judge", f"reward.base_url={server.url}", "train.max_steps=2",
-                     "train.resume=never", "method.log_completions=0"], tmp_path)
+                     "train.resume=never", "method.log_completions=0", "train.log_every=1"], tmp_path)
         assert server.requests >= 1 and len(out["losses"]) == 2
+    assert "judge: at most " in capsys.readouterr().err
+    steps = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in r]
+    assert len(steps) == 2 and all(r["judge_calls"] + r["judge_cache_hits"] >= 1 for r in steps)
+    # every call the server answered is one step's judge_calls (the cache asks each question once)
+    assert sum(r["judge_calls"] for r in steps) == server.requests and all(r["judge_seconds"] >= 0 for r in steps)
     rows = (tmp_path / "samples" / "judge_cache.jsonl").read_text().splitlines()
     assert rows and all(0.0 <= json.loads(r)["score"] <= 1.0 for r in rows)
 

@@ -215,6 +215,9 @@ class GRPO(Method):
         if ctx.run.layout.is_main:
             print(self.shape.describe() + (" (dynamic sampling: groups without reward spread are refilled)"
                                            if self.cfg.dynamic_sampling else ""), file=sys.stderr)
+            for rf in self.reward_fns:  # reward=judge: what each step asks of its server
+                if hasattr(rf.fn, "plan_line"):
+                    print(rf.fn.plan_line(self.shape.prompts * self.shape.generations), file=sys.stderr)
 
     def data_report(self) -> dict:
         return {s.source.name: {"prompts": len(s.rows), "fingerprint": s.fingerprint} for s in self.sources}
@@ -276,6 +279,9 @@ class GRPO(Method):
         columns = {k: [r.get(k) for r in rows for _ in range(G)] for k in extra_cols}
         per_fn = rewards.score(self.reward_fns, prompts, texts, comp, columns, max_new_tokens=c.max_new_tokens,
                                step=self._step, limit_s=self.reward_timeout)
+        for rf in self.reward_fns:  # reward=judge: calls, cache hits, tokens, seconds of this scoring
+            for k, v in (rf.fn.metrics() if hasattr(rf.fn, "metrics") else {}).items():
+                self._service[k] = self._service.get(k, 0.0) + v
         total = (per_fn * torch.tensor([f.weight for f in self.reward_fns])).sum(dim=1)
         if c.truncated_reward is not None:
             cut = torch.tensor([not stopped(ids, c.max_new_tokens) for ids in comp])
@@ -311,6 +317,7 @@ class GRPO(Method):
         c, t = self.cfg, self.ctx.cfg.train
         G, tok = c.num_generations, self.ctx.tokenizer
         self._passes = []  # the step's forward passes without gradient, for the FLOP count
+        self._service = {}  # a remote reward's counts over the step's scoring calls (refills included)
         groups, acct = self._collect(backend, index)
         total = torch.cat([g["total"] for g in groups])
         per_fn = torch.cat([g["per_fn"] for g in groups])
@@ -350,7 +357,7 @@ class GRPO(Method):
             m["advantages"] = adv[j * t.micro_batch_size:(j + 1) * t.micro_batch_size].to(self.ctx.device)
             if kl_in_reward and c.num_iterations == 1 and self._async is None:  # on-policy: ratio 1 by logp.detach()
                 del m["old_logps"]
-        info = self._signal_info(acct, total, per_fn, comp)
+        info = self._signal_info(acct, total, per_fn, comp) | self._service
         if self.episodes:
             info.update(self.episodes.info(groups))
         if kl_in_reward:  # per completion token, as TRL logs it

@@ -262,6 +262,13 @@ class JudgeReward:
     def from_spec(cls, spec) -> JudgeReward:
         return cls(*settings(spec))
 
+    def plan_line(self, completions_per_step: int) -> str:
+        """The plan's line (plan_line below) for this judge, printed as a GRPO run starts."""
+        j = self.judge
+        return plan_line({"score": j.score, "rubric": j.rubric, "max_tokens": j.max_tokens, "model": j.model,
+                          "concurrency": self.settings.concurrency, "base_url": self.settings.url},
+                         completions_per_step)
+
     def __repr__(self) -> str:  # no headers: a repr may end up in a log line
         return f"JudgeReward({self.judge.model!r} at {self.settings.public('')})"
 
@@ -432,14 +439,17 @@ def estimate(spec, completions_per_step: int, seconds_per_call: float | None = N
     return out
 
 
-def plan_line(spec, completions_per_step: int, seconds_per_call: float | None = None) -> str:
-    """The planner's line for a reward=judge run."""
+def plan_line(spec, completions_per_step: int, seconds_per_call: float | None = None, steps: int | None = None) -> str:
+    """The planner's line for a reward=judge run; with `steps`, the seconds of the whole run too."""
     e = estimate(spec, completions_per_step, seconds_per_call)
     get = spec.get if hasattr(spec, "get") else {}.get
     where = remote.public_url(str(get("base_url") or "?"))
     line = (f"judge: at most {e['calls']} calls per step (one per completion, fewer as the cache fills), "
             f"~{e['tokens']:,} tokens, {e['concurrency']} at a time, model {get('model')!r} at {where}")
-    return line + (f"; ~{e['seconds']:.3g} s per step" if "seconds" in e else "")
+    if "seconds" not in e:
+        return line
+    whole = f", at most {e['seconds'] * steps / 60:.3g} min over {steps} steps" if steps else ""
+    return line + f"; ~{e['seconds']:.3g} s per step at {seconds_per_call:g} s per call{whole}"
 
 
 # -- a packaged model as the judge ------------------------------------------------------------------

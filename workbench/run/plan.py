@@ -387,6 +387,7 @@ def _notes(cfg, s, est) -> list[str]:
         notes.append(f"logits = model.loss_chunk={run.loss_chunk} positions at a time, chosen because one micro-batch's "
                      f"{cfg.model.arch.vocab:,}-token logits at once would take {logits_at_once(cfg) / GiB:.1f} GiB; "
                      "set model.loss_chunk to choose another size")
+    notes += _judge_notes(cfg, s)
     if not est.hf_copy:
         return notes
     why = [w for w, yes in (("generation decodes with it", run.facts.generates),
@@ -397,6 +398,20 @@ def _notes(cfg, s, est) -> list[str]:
     return notes + [f"weights = {own:.1f} GiB of backend={s.backend}'s model (tp={s.tp} x pp={s.pp} shards) and adapters "
             f"+ {est.hf_copy / GiB:.1f} GiB for the whole HF model, kept on every device because "
             f"{' and '.join(why) or 'the run reads it between steps'}; no backend.tp/pp splits that copy"]
+
+
+def _judge_notes(cfg, s) -> list[str]:
+    """reward=judge: the calls, tokens and (with reward.seconds_per_call) seconds a step asks of the
+    judge's server, which the memory and speed tables above do not hold."""
+    spec = pick(cfg, "reward", None)
+    functions = (spec.get("functions") if hasattr(spec, "get") else None) or []
+    if not s.rollouts or not any((f.get("name") if hasattr(f, "get") else f) == "judge" for f in functions):
+        return []
+    from workbench.rollout import judge  # only a judge run pays for the import
+
+    per_call = spec.get("seconds_per_call")
+    return [judge.plan_line(spec, s.rollout_prompts * s.generations * s.dp, None if per_call is None else float(per_call),
+                            int(cfg.train.max_steps))]
 
 
 def refusal(plan: dict) -> str:
