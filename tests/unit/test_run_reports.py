@@ -87,6 +87,21 @@ def test_resume_with_only_cadence_and_length_changes_continues_and_lists_them(tm
     assert "resume: changed since step-00000002: train.log_every 1 -> 2, train.max_steps 2 -> 3" in err
 
 
+def test_a_moved_reward_service_is_listed_a_changed_reward_is_refused(tmp_path):
+    """reward.url (and the timeouts, tries, concurrency) say where and how the reward is asked,
+    not what it scores: a resume lists them; a changed reward function is still refused."""
+    from workbench.train.resume_changes import check, settings
+
+    def cfg(*extra):
+        return compose(["method=grpo", "reward=http", "reward.url=http://127.0.0.1:8000", *extra], tmp_path / "run")
+
+    rec = {"name": "step-00000002", "settings": settings(cfg())}
+    moved = check(rec, cfg("reward.url=http://10.0.0.5:9000", "reward.retries=5"))
+    assert moved.result == [] and {k for k, _, _ in moved.other} == {"reward.url", "reward.retries"}
+    with pytest.raises(UserError, match=r"reward.functions"):
+        check(rec, cfg("reward.functions=[arith_exact]"))
+
+
 def test_a_finished_run_relaunched_with_another_lr_is_refused_not_reported_as_finished(tmp_path):
     out = tmp_path / "run"
     train(["train.max_steps=2"], out)

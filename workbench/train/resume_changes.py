@@ -33,6 +33,11 @@ RESULT_KEYS = ("train.seed", "train.keep_global_batch", "kernels")
 # kernels compute the same attention).
 NEUTRAL = ("data.preview", "data.preview_samples", "data.cache", "data.cache_dir", "model.gradient_checkpointing",
            "model.loss_chunk", "model.attn_implementation", "model.arch_from")
+# Where and how a remote reward is asked (reward=http, reward=judge): a service that moved, or was
+# given more time or tries, scores as it did; listed, not refused. Its headers and rubric are not here.
+NEUTRAL += tuple(f"reward.{k}" for k in ("url", "base_url", "request_timeout_s", "retries", "backoff_s",
+                                          "backoff_max_s", "concurrency", "max_batch", "timeout_s",
+                                          "seconds_per_call", "info_path"))
 # Sections recorded so that their changes can be listed; everything else (trackers, launchers,
 # export, plan, debug) is neither recorded nor compared.
 LISTED_SECTIONS = ("train", "backend", "hardware", "eval")
