@@ -101,6 +101,25 @@ def test_multimodal_family_is_refused_naming_its_text_family():
     assert (type(text).__name__, text.hidden_size, text.num_hidden_layers) == ("Gemma3TextConfig", 64, 2)
 
 
+def test_a_mixture_of_experts_family_gets_its_experts_by_its_own_names():
+    """qwen3_moe names its experts num_experts (mixtral: num_local_experts) and their width
+    moe_intermediate_size: model.arch's numbers reach them, and a MoE family given no experts is
+    refused in one line rather than built with its default 128 experts."""
+    from tests.conftest import compose
+    from workbench.core.errors import UserError
+    from workbench.models.load import build_meta, hf_config
+
+    arch = ["model.arch.family=qwen3_moe", "model.arch.experts=4", "model.arch.experts_per_token=2"]
+    c = hf_config(compose(arch).model.arch)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (4, 2, 128)
+    moe = build_meta(compose(arch).model)
+    assert sum(p.numel() for p in moe.parameters()) < 20e6  # its default 128 experts of width 768: 38M more
+    with pytest.raises(UserError, match=r"model.arch.family='qwen3_moe' is a mixture of experts: set "
+                                        r"model.arch.experts and model.arch.experts_per_token \(its own default "
+                                        r"would build 128 experts\)"):
+        hf_config(compose(["model.arch.family=qwen3_moe"]).model.arch)
+
+
 # -- a rank the kernel kills -------------------------------------------------------------------
 HOG_MIB = 1536  # well above a worker's own peak (about 0.7 GiB here), so the figure must include it
 

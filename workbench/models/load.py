@@ -257,7 +257,31 @@ def hf_config(arch, vocab: int | None = None):
         use = f"model.arch.family={name}" if name in CONFIG_MAPPING else "its text model's model type"
         raise UserError(f"model.arch.family={arch.family!r} is a multimodal model type whose language model sits "
                         f"in a text_config; the workbench trains text models: use {use}")
-    return tf.AutoConfig.for_model(arch.family, **common)
+    return _with_experts(tf.AutoConfig.for_model(arch.family, **common), arch)
+
+
+# The names mixture-of-experts configs give their expert count, experts per token and expert
+# width (qwen3_moe / qwen2_moe: num_experts, num_experts_per_tok, moe_intermediate_size; deepseek:
+# n_routed_experts): without them a family's own defaults (qwen3_moe: 128 experts) are built.
+EXPERT_FIELDS = {"experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+                 "experts_per_token": ("num_experts_per_tok", "moe_topk"),
+                 "intermediate": ("moe_intermediate_size",)}
+
+
+def _with_experts(config, arch):
+    """`config` with model.arch's expert numbers written under its family's names; UserError for
+    a mixture-of-experts family given no experts."""
+    if not any(hasattr(config, k) for k in EXPERT_FIELDS["experts"]):
+        return config
+    if not arch.experts or not arch.experts_per_token:
+        raise UserError(f"model.arch.family={arch.family!r} is a mixture of experts: set model.arch.experts and "
+                        f"model.arch.experts_per_token (its own default would build "
+                        f"{next(getattr(config, k) for k in EXPERT_FIELDS['experts'] if hasattr(config, k))} experts)")
+    for field, names in EXPERT_FIELDS.items():
+        for name in names:
+            if hasattr(config, name):
+                setattr(config, name, getattr(arch, field))
+    return config
 
 
 def build_meta(model_cfg):
