@@ -30,7 +30,7 @@ from workbench.export.gguf import write
 from workbench.export.merge import dtype_name, fp32_copy, merged_model
 from workbench.export.parity import compare, rounding
 from workbench.export.reward_model import export_reward_model
-from workbench.models.load import gguf_metadata
+from workbench.models.load import tokenizer_metadata
 
 
 def _generation_config(tokenizer, contract):
@@ -120,14 +120,13 @@ def _export(trained, tokenizer, contract, run, out_dir: Path, results: dict) -> 
 def _gguf(merged_dir, out_dir, kind, merged, tokenizer, contract, convs, cfg, merged_dtype) -> dict:
     """Write one GGUF file and gate it against the merged model it was converted from."""
     from gguf import GGUFReader
-    from transformers import AutoModelForCausalLM
 
 
     path = write(merged_dir, out_dir / "gguf" / f"model-{kind}.gguf", kind, eos_id=contract.end_of_turn_id,
-                 pre=gguf_metadata(cfg.model).get("tokenizer.ggml.pre"))
+                 pre=tokenizer_metadata(cfg.model).get("tokenizer.ggml.pre"))
     field = GGUFReader(str(path)).fields["tokenizer.ggml.eos_token_id"]
     declared = int(field.contents())
-    back = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    back = _read_back(path, merged.config)
     reference = fp32_copy(merged)
     gate = compare(reference, back, tokenizer, convs, contract.end_of_turn_id, rounding(merged_dtype, kind),
                    declared_eos=declared)
@@ -140,3 +139,26 @@ def _gguf(merged_dir, out_dir, kind, merged, tokenizer, contract, convs, cfg, me
     return gate
 
 
+def _read_back(path: Path, config):
+    """The GGUF file as transformers (5.17) reads it, with two gaps of its reader met by handing it
+    the merged model's config: it takes no attention.key_length for some architectures (qwen3) and
+    builds its default head size (Gemma: its attention scale, the released models' 256), and it
+    reads a llama-architecture file whose name says "mistral"
+    (the writer's mistral, ARCHES) as model type mistral, for which gguf-py has no tensor map. The
+    file carries both facts, and llama.cpp reads them (llama_cpp.check runs the file)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    if config.model_type == "mistral":
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        config = LlamaConfig(**fields)
+    else:
+        back = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        if _attention(back.config) == _attention(config):
+            return back
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=torch.float32)
+
+
+def _attention(config) -> tuple:
+    """The head size and Gemma's attention scale, which GGUF files give as key_length alone."""
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return head, getattr(config, "query_pre_attn_scalar", None)

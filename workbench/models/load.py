@@ -166,6 +166,12 @@ def gguf_metadata(model_cfg) -> dict:
     return json.loads(meta.read_text()) if res.kind == "converted" and meta.exists() else {}
 
 
+def tokenizer_metadata(model_cfg) -> dict:
+    """gguf_metadata of the model the tokenizer comes from: a model that borrows one (model=tiny,
+    model.tokenizer=<name>) reads the GGUF metadata (the llama.cpp pre-tokenizer) of that donor."""
+    return gguf_metadata(zoo_entry(model_cfg.tokenizer) if model_cfg.tokenizer else model_cfg)
+
+
 def materialise(model_cfg, res: Resolved) -> Resolved:
     """Turn a packaged GGUF into a cached HF directory (no-op for other kinds)."""
     if res.kind == "gguf":
@@ -257,7 +263,13 @@ def hf_config(arch, vocab: int | None = None):
         use = f"model.arch.family={name}" if name in CONFIG_MAPPING else "its text model's model type"
         raise UserError(f"model.arch.family={arch.family!r} is a multimodal model type whose language model sits "
                         f"in a text_config; the workbench trains text models: use {use}")
-    return _with_experts(tf.AutoConfig.for_model(arch.family, **common), arch)
+    config = _with_experts(tf.AutoConfig.for_model(arch.family, **common), arch)
+    if getattr(config, "query_pre_attn_scalar", None) is not None:
+        # Gemma scales attention by 1/sqrt(query_pre_attn_scalar), whose default (256) is the
+        # released models' head size; a model built from these numbers scales by its own head size,
+        # as every other family does and as GGUF files can say
+        config.query_pre_attn_scalar = common.get("head_dim") or arch.hidden // arch.heads
+    return config
 
 
 # The names mixture-of-experts configs give their expert count, experts per token and expert
