@@ -4,6 +4,12 @@
     python scripts/grpo_seeds.py --seeds 0 1 2 reward=arith_exact      # from a 20-step SFT warm start
     python scripts/grpo_seeds.py --seeds 0 5 --from-base precision=fp32   # another precision
     python scripts/grpo_seeds.py --seeds 5 --from-base reward=arith_format method.scale_rewards=group  # any override
+    python scripts/grpo_seeds.py --seeds 0 1 --serve arith_exact       # the reward from a server, reward=http
+
+With --serve NAME the reward is reward function NAME served over HTTP by the reference server
+(workbench/rollout/reward_server.py, in a thread of this process) and read with `reward=http`;
+each row keeps its per-step loss and reward, so a served run can be held to the in-process run
+of the same seed (`--compare A.jsonl B.jsonl`: equal curves, step by step).
 
 For each seed: (unless --from-base) 20 LoRA SFT steps with that seed, merged, as the starting
 policy; then GRPO on it with the given overrides, held-out 2-digit-addition exact match
@@ -27,8 +33,10 @@ COMMON = ["train.export=false", "train.resume=never", "train.log_every=10", "eva
           "eval.at_end=true", "eval.num_samples=200", "eval.tasks=[arith_add2,arith_add2_val]"]
 
 
-def one_seed(seed: int, steps: int, from_base: bool, overrides: list[str], out: Path, sft_precision: str) -> dict:
+def one_seed(seed: int, steps: int, from_base: bool, overrides: list[str], out: Path, sft_precision: str,
+             serve: str | None = None) -> dict:
     from tests.conftest import train
+    from workbench.rollout.reward_server import RewardServer
 
     model = []
     if not from_base:
@@ -38,12 +46,45 @@ def one_seed(seed: int, steps: int, from_base: bool, overrides: list[str], out: 
                    "eval=none", "train.export=true", f"precision={sft_precision}"], out / f"sft{seed}", base=[])
         model = [f"model.path={merged}"]
     t = time.perf_counter()
-    res = train(["method=grpo", *model, f"train.max_steps={steps}", f"train.seed={seed}", f"data.shuffle_seed={seed}",
-                 *COMMON, *overrides],
-                out / f"grpo{seed}-{int(time.time())}", base=[])
+    run_dir = out / f"grpo{seed}-{int(time.time())}"
+    server = RewardServer(serve).start() if serve else None
+    try:
+        served = ["reward=http", f"reward.url={server.url}"] if server else []
+        res = train(["method=grpo", *model, f"train.max_steps={steps}", f"train.seed={seed}", f"data.shuffle_seed={seed}",
+                     *COMMON, *overrides, *served], run_dir, base=[])
+    finally:
+        if server:
+            server.stop()
     return {"seed": seed, "from_base": from_base, "steps": steps, "overrides": overrides, "sft_precision": sft_precision,
+            "served": serve, "requests": server.requests if server else 0,
             **scored(res, "eval/arith_add2"), **scored(res, "eval/arith_add2_val", "val_"),
-            "grpo_seconds": round(time.perf_counter() - t)}
+            "grpo_seconds": round(time.perf_counter() - t), "curve": curve(run_dir)}
+
+
+def curve(run_dir: Path) -> list[dict]:
+    """The logged training rows' step, loss and reward (what --compare holds two runs to)."""
+    from workbench.telemetry.compare import read_run
+
+    return [{k: r.get(k) for k in ("step", "loss", "reward", "reward_std")} for r in read_run(run_dir).rows]
+
+
+def compare(a: Path, b: Path) -> int:
+    """Seed by seed, the largest difference between two files' curves (0 when a served reward
+    carries the in-process reward's float64 scores exactly)."""
+    def rows(p):
+        return {r["seed"]: r for r in map(json.loads, p.read_text().splitlines()) if "curve" in r}
+
+    ra, rb = rows(a), rows(b)
+    worst = 0.0
+    for seed in sorted(set(ra) & set(rb)):
+        ca, cb = ra[seed]["curve"], rb[seed]["curve"]
+        diffs = [abs(x[k] - y[k]) for x, y in zip(ca, cb, strict=True) for k in ("loss", "reward", "reward_std")
+                 if x[k] is not None and y[k] is not None]
+        worst = max(worst, *diffs)
+        print(f"seed {seed}: {len(ca)} logged steps, largest difference {max(diffs):.3g}; held out "
+              f"{ra[seed]['after']:.3f} and {rb[seed]['after']:.3f}")
+    print(f"largest difference over every seed: {worst:.3g}")
+    return 0
 
 
 def scored(res: dict, prefix: str, tag: str = "") -> dict:
@@ -64,19 +105,25 @@ def main(argv: list[str]) -> int:
                     "CPUs without native bf16)")
     ap.add_argument("--work", default="/tmp/grpo_seeds")
     ap.add_argument("--out", default=str(ROOT / "runs" / "grpo_seeds.jsonl"))
+    ap.add_argument("--serve", metavar="REWARD", help="serve reward function REWARD over HTTP; the run reads it "
+                    "with reward=http")
+    ap.add_argument("--compare", nargs=2, metavar="JSONL", help="compare two files' curves seed by seed, run nothing")
     # key=value words are Hydra overrides wherever they stand: `--seeds 0 1 2 reward=arith_exact`
     # would otherwise hand "reward=arith_exact" to --seeds
     overrides = [w for w in argv if "=" in w and not w.startswith("-")]
     a, unknown = ap.parse_known_args([w for w in argv if w not in overrides])
     if unknown:
         ap.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if a.compare:
+        return compare(*map(Path, a.compare))
     rows = []
     for seed in a.seeds:
-        row = one_seed(seed, a.steps, a.from_base, overrides, Path(a.work) / f"s{seed}", a.sft_precision)
+        row = one_seed(seed, a.steps, a.from_base, overrides, Path(a.work) / f"s{seed}", a.sft_precision,
+                       a.serve)
         rows.append(row)
         print(json.dumps(row), flush=True)
     gains = [r["after"] - (r["before"] or 0.0) for r in rows]  # without a start eval: gain over 0
-    summary = {"summary": True, "overrides": overrides, "from_base": a.from_base, "gains": gains,
+    summary = {"summary": True, "overrides": overrides, "from_base": a.from_base, "served": a.serve, "gains": gains,
                "mean_gain": sum(gains) / len(gains), "min_gain": min(gains),
                "max_grpo_seconds": max(r["grpo_seconds"] for r in rows)}
     print(json.dumps(summary))
