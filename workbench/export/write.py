@@ -121,7 +121,6 @@ def _gguf(merged_dir, out_dir, kind, merged, tokenizer, contract, convs, cfg, me
     """Write one GGUF file and gate it against the merged model it was converted from."""
     from gguf import GGUFReader
 
-
     path = write(merged_dir, out_dir / "gguf" / f"model-{kind}.gguf", kind, eos_id=contract.end_of_turn_id,
                  pre=tokenizer_metadata(cfg.model).get("tokenizer.ggml.pre"))
     field = GGUFReader(str(path)).fields["tokenizer.ggml.eos_token_id"]
@@ -143,9 +142,9 @@ def _read_back(path: Path, config):
     """The GGUF file as transformers (5.17) reads it, with two gaps of its reader met by handing it
     the merged model's config: it takes no attention.key_length for some architectures (qwen3) and
     builds its default head size (Gemma: its attention scale, the released models' 256), and it
-    reads a llama-architecture file whose name says "mistral"
-    (the writer's mistral, ARCHES) as model type mistral, for which gguf-py has no tensor map. The
-    file carries both facts, and llama.cpp reads them (llama_cpp.check runs the file)."""
+    reads a llama-architecture file whose name says "mistral" (the writer's mistral, ARCHES) as
+    model type mistral, for which gguf-py has no tensor map. The file carries both facts, and
+    llama.cpp reads them (llama_cpp.check runs the file)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     if config.model_type == "mistral":
