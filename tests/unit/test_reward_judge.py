@@ -140,10 +140,12 @@ def test_yes_no_by_log_probabilities():
         assert fn.check_service() == ["judge"]
         got = call(fn, ["5", "16", "42"])
         assert got == pytest.approx([0.8 / 0.95, 0.2 / 0.9, 0.8 / 0.95])
-        p = server.payloads[0]
-        assert (p["temperature"], p["max_tokens"], p["logprobs"], p["top_logprobs"], p["model"]) == (0, 1, True, 10, "judge")
-        assert p["messages"] == [{"role": "user", "content": "Question: What is 2 + 3?\nProposed answer: 5\nCorrect "
-                                  "answer: 5\nIs the proposed answer correct? Reply with yes or no."}]
+        # the three calls go out concurrently, so the server sees them in any order
+        assert all((p["temperature"], p["max_tokens"], p["logprobs"], p["top_logprobs"], p["model"])
+                   == (0, 1, True, 10, "judge") for p in server.payloads)
+        first = [p["messages"] for p in server.payloads if "2 + 3" in p["messages"][0]["content"]]
+        assert first == [[{"role": "user", "content": "Question: What is 2 + 3?\nProposed answer: 5\nCorrect "
+                           "answer: 5\nIs the proposed answer correct? Reply with yes or no."}]]
         assert fn.last_info[1]["how"] == "logprobs" and fn.last_info[1]["judge_reply"] == "No"
         assert fn.metrics() == {"judge_calls": 3.0, "judge_cache_hits": 0.0, "judge_tokens": 93.0,
                                 "judge_seconds": pytest.approx(fn.metrics()["judge_seconds"]), "judge_unparsed": 0.0}

@@ -33,6 +33,7 @@ from workbench.plan.memory import estimate, tokens_per_micro
 from workbench.plan.setup import Setup
 from workbench.plan.speed import Decoder, Rollout, generation_seconds, speed, train_flops_per_token
 from workbench.plan.tables import change_here, duration, money, needed_how, show
+from workbench.rollout import judge
 from workbench.run import rules
 from workbench.run.derive import derive, logits_at_once
 from workbench.telemetry.peak import measured_peak_flops
@@ -407,8 +408,6 @@ def _judge_notes(cfg, s) -> list[str]:
     functions = (spec.get("functions") if hasattr(spec, "get") else None) or []
     if not s.rollouts or not any((f.get("name") if hasattr(f, "get") else f) == "judge" for f in functions):
         return []
-    from workbench.rollout import judge  # only a judge run pays for the import
-
     per_call = spec.get("seconds_per_call")
     return [judge.plan_line(spec, s.rollout_prompts * s.generations * s.dp, None if per_call is None else float(per_call),
                             int(cfg.train.max_steps))]
