@@ -5,11 +5,16 @@
     python scripts/grpo_seeds.py --seeds 0 5 --from-base precision=fp32   # another precision
     python scripts/grpo_seeds.py --seeds 5 --from-base reward=arith_format method.scale_rewards=group  # any override
     python scripts/grpo_seeds.py --seeds 0 1 --serve arith_exact       # the reward from a server, reward=http
+    python scripts/grpo_seeds.py --seeds 0 --judge /tmp/judge/run/export/gguf/model-q8_0.gguf   # reward=judge
 
 With --serve NAME the reward is reward function NAME served over HTTP by the reference server
 (workbench/rollout/reward_server.py, in a thread of this process) and read with `reward=http`;
 each row keeps its per-step loss and reward, so a served run can be held to the in-process run
-of the same seed (`--compare A.jsonl B.jsonl`: equal curves, step by step).
+of the same seed (`--compare A.jsonl B.jsonl`: equal curves, step by step). With --judge GGUF
+the reward is `reward=judge` (yes/no by log-probabilities) asked of that GGUF, a judge that
+scripts/train_judge.py makes, with the rubric and system message it was trained on, served by
+llama.cpp's server on loopback (scripts/judge_quality.py's `serve`); each row adds the judge's
+calls, cache hits and seconds.
 
 For each seed: (unless --from-base) 20 LoRA SFT steps with that seed, merged, as the starting
 policy; then GRPO on it with the given overrides, held-out 2-digit-addition exact match
@@ -34,7 +39,10 @@ COMMON = ["train.export=false", "train.resume=never", "train.log_every=10", "eva
 
 
 def one_seed(seed: int, steps: int, from_base: bool, overrides: list[str], out: Path, sft_precision: str,
-             serve: str | None = None) -> dict:
+             serve: str | None = None, judge: Path | None = None) -> dict:
+    from scripts.judge_quality import free_port
+    from scripts.judge_quality import serve as serve_gguf
+    from scripts.train_judge import RUBRIC, SYSTEM
     from tests.conftest import train
     from workbench.rollout.reward_server import RewardServer
 
@@ -48,15 +56,25 @@ def one_seed(seed: int, steps: int, from_base: bool, overrides: list[str], out: 
     t = time.perf_counter()
     run_dir = out / f"grpo{seed}-{int(time.time())}"
     server = RewardServer(serve).start() if serve else None
+    judge_proc, served = None, []
+    if server:
+        served = ["reward=http", f"reward.url={server.url}"]
+    elif judge:  # one llama.cpp thread: the run's own generation and training take the other core
+        judge_proc, url, _ = serve_gguf(judge, free_port(), threads=1)
+        served = ["reward=judge", f"reward.base_url={url}", "reward.concurrency=1", f"reward.rubric='{RUBRIC}'",
+                  f"reward.system='{SYSTEM}'"]
     try:
-        served = ["reward=http", f"reward.url={server.url}"] if server else []
         res = train(["method=grpo", *model, f"train.max_steps={steps}", f"train.seed={seed}", f"data.shuffle_seed={seed}",
                      *COMMON, *overrides, *served], run_dir, base=[])
     finally:
         if server:
             server.stop()
+        if judge_proc:
+            judge_proc.terminate()
+            judge_proc.wait(10)
     return {"seed": seed, "from_base": from_base, "steps": steps, "overrides": overrides, "sft_precision": sft_precision,
-            "served": serve, "requests": server.requests if server else 0,
+            "served": serve, "requests": server.requests if server else 0, "judge": str(judge) if judge else None,
+            **judge_totals(run_dir),
             **scored(res, "eval/arith_add2"), **scored(res, "eval/arith_add2_val", "val_"),
             "grpo_seconds": round(time.perf_counter() - t), "curve": curve(run_dir)}
 
@@ -66,6 +84,14 @@ def curve(run_dir: Path) -> list[dict]:
     from workbench.telemetry.compare import read_run
 
     return [{k: r.get(k) for k in ("step", "loss", "reward", "reward_std")} for r in read_run(run_dir).rows]
+
+
+def judge_totals(run_dir: Path) -> dict:
+    """reward=judge's calls, cache hits and seconds summed over the logged steps (none: {})."""
+    from workbench.telemetry.compare import read_run
+
+    rows = [r for r in read_run(run_dir).rows if "judge_calls" in r]
+    return {k: round(sum(r[k] for r in rows), 1) for k in ("judge_calls", "judge_cache_hits", "judge_seconds")} if rows else {}
 
 
 def compare(a: Path, b: Path) -> int:
@@ -107,6 +133,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default=str(ROOT / "runs" / "grpo_seeds.jsonl"))
     ap.add_argument("--serve", metavar="REWARD", help="serve reward function REWARD over HTTP; the run reads it "
                     "with reward=http")
+    ap.add_argument("--judge", type=Path, metavar="GGUF", help="reward=judge: serve this GGUF with llama.cpp's "
+                    "server and ask it (yes/no)")
     ap.add_argument("--compare", nargs=2, metavar="JSONL", help="compare two files' curves seed by seed, run nothing")
     # key=value words are Hydra overrides wherever they stand: `--seeds 0 1 2 reward=arith_exact`
     # would otherwise hand "reward=arith_exact" to --seeds
@@ -119,11 +147,12 @@ def main(argv: list[str]) -> int:
     rows = []
     for seed in a.seeds:
         row = one_seed(seed, a.steps, a.from_base, overrides, Path(a.work) / f"s{seed}", a.sft_precision,
-                       a.serve)
+                       a.serve, a.judge)
         rows.append(row)
         print(json.dumps(row), flush=True)
     gains = [r["after"] - (r["before"] or 0.0) for r in rows]  # without a start eval: gain over 0
-    summary = {"summary": True, "overrides": overrides, "from_base": a.from_base, "served": a.serve, "gains": gains,
+    summary = {"summary": True, "overrides": overrides, "from_base": a.from_base, "served": a.serve,
+               "judge": str(a.judge) if a.judge else None, "gains": gains,
                "mean_gain": sum(gains) / len(gains), "min_gain": min(gains),
                "max_grpo_seconds": max(r["grpo_seconds"] for r in rows)}
     print(json.dumps(summary))

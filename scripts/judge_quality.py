@@ -24,6 +24,7 @@ import argparse
 import json
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,6 +74,12 @@ def serve(gguf: Path, port: int, threads: int, chat_format: str | None = None):
             time.sleep(0.1)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def agreement(scores: list[float], truth: list[float]) -> dict:
     said = [s >= 0.5 for s in scores]
     right = [t == 1.0 for t in truth]
@@ -99,7 +106,7 @@ def ranking(scores: list[float], right: list[bool]) -> float:
 
 
 def judge_one(name: str, gguf: Path, scores: list[str], data, port: int, threads: int,
-              chat_format: str | None = None, rubric: str | None = None) -> list[dict]:
+              chat_format: str | None = None, rubric: str | None = None, system: str | None = None) -> list[dict]:
     prompts, texts, answers = data
     truth = rewards.arith_exact(texts, answers)
     proc, url, started = serve(gguf, port, threads, chat_format)
@@ -108,13 +115,13 @@ def judge_one(name: str, gguf: Path, scores: list[str], data, port: int, threads
         for score in scores:
             fn = judge.JudgeReward.from_spec({"base_url": url, "model": "judge", "score": score, "concurrency": 1,
                                               "request_timeout_s": 120, "timeout_s": 3600, "max_unparsed_share": 1.0,
-                                              "rubric": rubric})
+                                              "rubric": rubric, "system": system})
             fn.check_service()
             t0 = time.monotonic()
             got = fn(prompts=prompts, completions=texts, completion_ids=None, answer=answers)
             took = time.monotonic() - t0
             hows = [i["how"] for i in fn.last_info]
-            row = {"judge": name, "rubric": rubric or "built-in",
+            row = {"judge": name, "rubric": rubric or "built-in", "system": system,
                    "gguf": gguf.name, "chat_format": chat_format or "the GGUF's", "score": score,
                    "server_start_s": round(started, 2),
                    "seconds_per_call": round(took / len(texts), 3), "unparsed": fn.totals["unparsed"],
@@ -157,6 +164,9 @@ def main(argv=None) -> int:
                          "270M package's does not: without one the server falls back to llama-2's)")
     ap.add_argument("--rubric", help="a rubric of your own for every judge and scoring (default: each scoring's "
                                      "built-in, workbench/rollout/judge.py RUBRICS)")
+    ap.add_argument("--system", help="a system message before the rubric (default: none)")
+    ap.add_argument("--as-trained", action="store_true", help="the rubric and system message scripts/train_judge.py "
+                    "trains its judge on")
     ap.add_argument("--seed", type=int, default=0, help="the offsets of the wrong completions")
     ap.add_argument("--threads", type=int, default=2, help="the server's CPU threads")
     ap.add_argument("--port", type=int, default=0, help="0: a free port")
@@ -171,19 +181,18 @@ def main(argv=None) -> int:
             print(f"error: --judge {spec}: write NAME=PATH to an existing .gguf file", file=sys.stderr)
             return 2
         judges.append((name, Path(path)))
+    if a.as_trained:
+        from scripts.train_judge import RUBRIC, SYSTEM
+
+        a.rubric, a.system = RUBRIC, SYSTEM
     data = completions(a.seed)
     print(HEADER, flush=True)
     rows = []
     for name, gguf in judges:
-        port = a.port
-        if not port:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+        port = a.port or free_port()
         formats = dict(f.partition("=")[::2] for f in a.chat_format)
-        rows += judge_one(name, gguf, a.scores, data, port, a.threads, formats.get(name) or None, a.rubric)
+        rows += judge_one(name, gguf, a.scores, data, port, a.threads, formats.get(name) or None, a.rubric,
+                          a.system)
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
     return 0
