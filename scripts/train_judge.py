@@ -61,7 +61,8 @@ def proposal(answer: int, rng: random.Random) -> str:
 
 
 def rows(seed: int, n: int) -> list[dict]:
-    """`messages` rows: the rubric written with one question and proposal, and the yes/no reply."""
+    """`messages` rows: the system message, the rubric written with one question's answer and a
+    proposal for it, and the yes/no reply."""
     rng = random.Random(seed)
     questions = [json.loads(x)["messages"] for x in TRAIN.read_text().splitlines()]
     rng.shuffle(questions)
