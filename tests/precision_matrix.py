@@ -15,7 +15,7 @@ same two (train.grad_accum=2), so they see the same global batch. Methods that g
 sample with each rank's own stream, so their reference is the same method on 2 DDP ranks
 (backend=single launched on 2 processes), never the 1-process run. `scripts/precision_matrix.py`
 runs the whole matrix and writes docs/precision-matrix.md; tests/distributed/test_precision.py
-runs the default tier's share (DEFAULT) and, marked slow, the rest.
+runs DEFAULT, a quick share (`-k default_share`), and the rest, all in the slow tier.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ BACKENDS: dict[str, tuple[tuple[str, ...], int]] = {
 # backends whose 2 processes hold one replica between them (data-parallel size 1): they take
 # both micro-batches by accumulation, as backend=single does
 ONE_REPLICA = ("megatron-tp2", "megatron-pp2", "sp2")
-# sequence parallelism is in the default tier's share (DEFAULT) only: the whole matrix and its
+# sequence parallelism is in the quick share (DEFAULT) only: the whole matrix and its
 # generated page (docs/precision-matrix.md) cover the other backends
 MATRIX_BACKENDS = tuple(b for b in BACKENDS if b != "sp2")
 
@@ -104,7 +104,7 @@ def cells() -> list[Cell]:
     return [Cell(m, b, p, f) for m in METHODS for b in MATRIX_BACKENDS for p in PRECISIONS for f in PEFTS]
 
 
-# The default tier's share: every backend under bf16-mixed for SFT with and without LoRA, and one
+# The quick share: every backend under bf16-mixed for SFT with and without LoRA, and one
 # preference and one RL method under bf16-mixed on Megatron, FSDP2 and sp=2 (DPO with LoRA on FSDP2,
 # where a full copy of the reference is refused: rule sharded-copied-reference).
 DEFAULT = ([Cell("sft", b, "bf16-mixed", f) for b in BACKENDS for f in ("none", "lora")]

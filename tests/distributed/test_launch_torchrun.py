@@ -37,6 +37,7 @@ def test_killed_rank_restarts_and_finishes_with_the_same_loss(tmp_path, referenc
     assert got == pytest.approx(reference, rel=LOSS_RTOL)  # 2 ranks vs 1: tests/tolerances.py
 
 
+@pytest.mark.slow  # two nodes' agents: the cluster tier runs them on two nodes (tests/cluster/test_torchrun_nodes.py)
 def test_two_agents_on_loopback_form_one_job(tmp_path, reference):
     endpoint = f"127.0.0.1:{free_port()}"
     args = [*RUN, "train.max_steps=2", "hardware.procs=1", "hardware.nodes=2",

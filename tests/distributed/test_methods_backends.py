@@ -19,7 +19,9 @@ import pytest
 from tests.conftest import train
 from tests.helpers import close, ov, worker_job
 
-pytestmark = pytest.mark.distributed
+# The slow tier: 18 runs in two torchrun jobs (about 4 min on 2 cores). The default tier's
+# precision share (tests/distributed/test_precision.py) trains SFT, DPO and GRPO on these backends.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 CHAR_LENGTH = 'reward.functions=["tests.rewards:char_length"]'
 PG_SHAPE = ["method.num_generations=4", "method.dynamic_sampling=false", CHAR_LENGTH]

@@ -35,6 +35,8 @@ def _tokenizer_only_folder(entry: Path) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # 2 ranks converting SmolLM2 (over a minute); tests/unit/test_data_cache.py and
+# test_atomic.py hold the lock and seal in one process
 def test_two_ranks_convert_once_over_a_broken_entry(tmp_path):
     cache = tmp_path / "cache"
     entry = cache / "models" / "smollm2-135m"

@@ -2,13 +2,13 @@
 backend=single at the same precision, within the precision's tolerance (tests/tolerances.py), or
 is refused by a named rule before weights load.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/distributed/test_precision.py          # default share
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m slow tests/distributed/test_precision.py -k default_share
     .venv/bin/python scripts/precision_matrix.py    # the whole matrix (slow tier) -> docs/precision-matrix.md
 
-The default tier runs DEFAULT (every backend, sp=2 included, under bf16-mixed for SFT with and
+The slow tier runs DEFAULT (every backend, sp=2 included, under bf16-mixed for SFT with and
 without LoRA, DPO and GRPO on Megatron, FSDP2 and sp=2) in two torchrun jobs (Megatron's, and the
-rest's); the slow tier runs every method x backend x precision x peft, one job per backend
-(sequence parallelism is in the default share only). With WORKBENCH_MATRIX_JSON
+rest's), and every method x backend x precision x peft, one job per backend (sequence
+parallelism is in DEFAULT only). With WORKBENCH_MATRIX_JSON
 set, the slow tier also writes every cell's verdict and losses there (scripts/precision_matrix.py
 renders the docs from it).
 """
@@ -39,6 +39,11 @@ def default_share(tmp_path_factory, teacher):
     return run(_with_references(DEFAULT), tmp_path_factory.mktemp("precision_default"), teacher, job_per_backend=False)
 
 
+# The slow tier since the default tier outgrew CI's time: 24 cells and their references in two
+# torchrun jobs, about 5 min on 2 cores. The default tier trains every backend at fp32
+# (tests/distributed/test_backends.py, test_megatron_*.py, test_sequence_parallel.py) and every
+# family on every backend (tests/distributed/test_family_matrix.py).
+@pytest.mark.slow
 @pytest.mark.parametrize("cell", DEFAULT, ids=lambda c: c.name)
 def test_default_share_trains_like_single(default_share, cell):
     assert classify(cell) == ("trains", ""), cell.name

@@ -33,6 +33,8 @@ def test_merged_export_passes_the_gate(tmp_path, peft):
     assert written["export"]["parity"]["merged"]["passed"]
 
 
+@pytest.mark.slow  # two GGUF files read back and run in llama.cpp (nearly 2 min); the default tier
+# exports f16 GGUF and checks it in llama.cpp in tests/integration/test_family_export.py
 def test_gguf_exports_load_back_and_pass(tmp_path):
     res = train(["peft=lora", *RUN, "export.gguf=[f16,q8_0]"], tmp_path)
     f16, q8 = res["export"]["parity"]["gguf-f16"], res["export"]["parity"]["gguf-q8_0"]

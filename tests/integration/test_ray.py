@@ -17,7 +17,9 @@ from tests.tolerances import LOSS_RTOL
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train.torch")
 
-pytestmark = pytest.mark.distributed
+# The slow tier (a Ray cluster's start and a killed worker: over 3 min on 2 cores); the cluster
+# tier runs Ray across two nodes (tests/cluster/test_ray_nodes.py).
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ the first time; on CPU the profiled step too), and compares them with
 the planner's prediction for exactly this run on its hardware
 (workbench/run/plan.py; tokens/s at `plan.mfu` of the device's peak, the peak the run's MFU is
 taken against). One console line, `plan_check` in results.json and a table in report.md; a
-figure off by more than `TOLERANCE` is named in a warning.
+figure worse than planned by more than `TOLERANCE` (more memory, a slower step) is named in a
+warning, one better than planned in the plain line.
 
 `plan.calibrate=true` stores measured/predicted per hardware (the profile, the device's model
 and the precision) in $WORKBENCH_CACHE/plan_calibration.json; a later dry run on that hardware
@@ -206,9 +207,19 @@ def line(check: dict, steps: int, note: str = "") -> str:
         head += f" (prediction calibrated: {check['calibrated']})"
     if note:
         head += f"; {note}"
-    if check["off"]:
-        return f"warning: {head}; off by more than {TOLERANCE:.0%}: {', '.join(check['off'])}"
+    worse = [k for k in check["off"] if _worse(k, check["figures"][k]["ratio"])]
+    better = [k for k in check["off"] if k not in worse]
+    if better:
+        head += f"; better than planned by more than {TOLERANCE:.0%}: {', '.join(better)}"
+    if worse:
+        return f"warning: {head}; off by more than {TOLERANCE:.0%}: {', '.join(worse)}"
     return head
+
+
+def _worse(key: str, ratio: float) -> bool:
+    """Whether measured/predicted `ratio` is a surprise that costs: more memory or a slower step
+    than planned. A run faster than its plan is one plain line, not a warning: nothing to act on."""
+    return ratio < 1 if key == "tokens_per_s" else ratio > 1
 
 
 def step_figures(rows: list[dict], skip=()) -> dict:
