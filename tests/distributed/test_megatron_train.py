@@ -18,6 +18,10 @@ import pytest
 from tests.helpers import sgd_weight_bound, torchrun
 from tests.tolerances import LOSS_RTOL
 
+# the slow tier: the default tier trains Megatron like single in test_megatron_lora.py,
+# test_megatron_methods.py and the family matrix's Megatron cells
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("megatron.core")
 
 ROOT = Path(__file__).resolve().parents[2]
