@@ -19,8 +19,8 @@ import pytest
 from tests.conftest import train
 from tests.helpers import close, ov, worker_job
 
-# The slow tier: 18 runs in two torchrun jobs (about 4 min on 2 cores). The default tier's
-# precision share (tests/distributed/test_precision.py) trains SFT, DPO and GRPO on these backends.
+# The slow tier: 18 runs in two torchrun jobs (about 4 min on 2 cores). The default tier trains
+# SFT, DPO and GRPO on these backends (tests/distributed/test_backends.py).
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 CHAR_LENGTH = 'reward.functions=["tests.rewards:char_length"]'
