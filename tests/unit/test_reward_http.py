@@ -268,7 +268,7 @@ def test_grpo_learns_the_same_from_the_server(tmp_path, reward):
     arith_exact on a random model scores 0 everywhere; char_length has spread, so the gradients
     are not 0 and the weights move (an on-policy GRPO loss is 0 up to rounding either way)."""
     # arith_exact scores 0 everywhere, so dynamic sampling would refill every group, generating
-    # rounds of rollouts that change nothing here (x3 the test's time); char_length keeps it on
+    # rounds of rollouts that change nothing here (about twice the test's time); char_length keeps it on
     grpo = [*GRPO, "method.dynamic_sampling=false"] if reward == "arith_exact" else GRPO
     local = train([*grpo, f"reward.functions=[{reward}]"], tmp_path / "local")
     with serve(reward) as server:
