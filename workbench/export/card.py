@@ -42,7 +42,9 @@ def model_card(run, results: dict, export: dict) -> str:
             continue
         cpp = r.get("llama_cpp") or {}
         in_cpp = llama_cpp.counts(cpp) if cpp.get("ran") else "-"
-        lines.append(f"| {name} | {r['rounding']} | {r['kl_mean']:.2e} | {r['greedy_equal']}/{r['prompts']} | "
+        ties = r.get("greedy_near_ties") or 0  # parted where the reference's margin is within the rounding
+        equal = f"{r['greedy_equal']}/{r['prompts']}" + (f" ({ties} near-tie{'s' if ties > 1 else ''})" if ties else "")
+        lines.append(f"| {name} | {r['rounding']} | {r['kl_mean']:.2e} | {equal} | "
                      f"{r['declared_eos']} | {in_cpp} | {r['passed']} |")
     lines += ["", "## How it was made", "", "The run directory holds `config.yaml` (the composed config, secrets "
               "removed) and `manifest.json` (package versions, git commit, data fingerprints). Overrides:", "",
