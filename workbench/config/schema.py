@@ -205,6 +205,9 @@ class TrainConfig:
     compile: bool = False
     # NaN/Inf loss or gradients: skip up to this many steps, then stop (workbench/train/faults.py); 0 = stop
     max_bad_steps: int = 0
+    # a supervised run whose loss has not improved for N steps warns once, and its end says so
+    # (workbench/telemetry/stall.py); 0: never
+    stall_steps: int = 100
     # Keep the best evaluated checkpoint in checkpoints/best/ (workbench/train/keep_best.py): a metric
     # such as loss/loss; mode auto = min for losses/perplexity, else max; export_best exports it.
     keep_best: str | None = None

@@ -27,7 +27,7 @@ from workbench.export import llama_cpp
 from workbench.export.write import export
 from workbench.models.load import locate
 from workbench.run.plan import make_plan
-from workbench.telemetry import manifest, report
+from workbench.telemetry import manifest, report, stall
 from workbench.telemetry import plan_check as check
 from workbench.train import signal
 from workbench.train.distributed import all_max
@@ -137,6 +137,7 @@ def summary(run_dir: Path, cfg, step: int, first: int, rows: list[dict], results
                          + (f" ({n} questions)" if n else ""))
     if results.get("stalled"):
         lines.append(f"stopped early at step {results['stalled']['step']}: {results['stalled']['reason']}")
+    lines += stall.end_lines(results)  # a supervised loss that stopped falling, as warned mid-run
     lines.append(f"run directory: {run_dir} (report.md, results.json, metrics.jsonl)")
     exported = results.get("export") or {}
     paths = [str(exported[k]) for k in ("merged", "adapter", "reward_model") if exported.get(k)]

@@ -7,7 +7,8 @@ The loop works with the `Parts` the runner hands it, each named for what it does
 checkpoints (workbench/run/checkpoints.py), the evaluations (workbench/run/evaluation.py) and
 the plan check's probes (workbench/telemetry/plan_check.py). Around the step are the fault guard
 (signals, non-finite steps; workbench/train/faults.py, wrapping workbench/train/step.py) and the
-stall watch (GRPO steps without gradient; workbench/train/signal.py). What happens before the
+stall watch (GRPO steps without gradient; workbench/train/signal.py) and the loss watch (a
+supervised loss that stopped falling; workbench/telemetry/stall.py). What happens before the
 first step (build, resume, manifest) and after the last (evaluation, export, report) is
 workbench/run/runner.py's.
 """
@@ -26,6 +27,7 @@ from workbench.run.derive import Run
 from workbench.run.evaluation import Evaluator
 from workbench.telemetry.metrics import Tracker, throughput
 from workbench.telemetry.plan_check import Memory, Shapes
+from workbench.telemetry.stall import LossWatch, watch_loss
 from workbench.train import noise
 from workbench.train.state import TrainState
 
@@ -56,6 +58,7 @@ def loop(p: Parts, guard, watch, results: dict) -> dict | None:
     # at the step's start would hold, to save the steps trained so far (one process)
     keep = p.run.facts.generates and p.run.layout.world == 1
     boundary = p.checkpoints.boundary() if keep else None
+    losses = LossWatch.of(p.run)  # a supervised run whose loss stops falling says so (train.stall_steps)
     while state.step < cfg.train.max_steps:
         crash_if_asked(cfg.debug, state.step, p.run.layout.rank)
         t0 = time.perf_counter()
@@ -72,6 +75,7 @@ def loop(p: Parts, guard, watch, results: dict) -> dict | None:
         p.memory.after(state.step)
         p.tracker.log(row, show=state.step % cfg.train.log_every == 0 or state.step == 1)
         stalled = watch_step(p.tracker, watch, row, batch)
+        watch_loss(losses, row, p.tracker.console, results)
         saved = checkpoint_if_due(p, watch)                                # checkpoint
         boundary = p.checkpoints.boundary() if keep else None
         if guard.stop_requested():  # collective: every rank checkpoints at the same step

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from workbench.evals import stats
-from workbench.telemetry import compare, plots
+from workbench.telemetry import compare, plots, stall
 from workbench.train import signal
 
 
@@ -138,6 +138,7 @@ def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
     ]
     if losses:
         lines.append(f"- loss: first {losses[0]:.4f}, last {losses[-1]:.4f}")
+    lines += [f"- **{line}**" for line in stall.end_lines(results)]  # the loss watch's warnings
     spread = signal.steps_with_signal(rows)
     if spread:
         lines.append(f"- reward spread: {spread[0]} of {spread[1]} steps had groups with reward spread (on average "

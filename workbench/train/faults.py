@@ -56,7 +56,7 @@ def check_config(cfg) -> None:
     from pathlib import Path
 
 
-    for key in ("max_bad_steps", "checkpoint_every", "keep_checkpoints"):
+    for key in ("max_bad_steps", "checkpoint_every", "keep_checkpoints", "stall_steps"):
         if cfg.train[key] < 0:
             raise UserError(f"train.{key}={cfg.train[key]} must be >= 0")
     if cfg.train.resume not in ("auto", "never"):
