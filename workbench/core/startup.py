@@ -23,13 +23,24 @@ collector paused (3.3-3.4 s with workbench/core/imports.py's INCIDENTAL hidden a
 from __future__ import annotations
 
 import gc
+import time
 
 _paused = False
 _frozen = False
+_started: float | None = None  # when this launch's job began (time.time()); None outside `python -m workbench`
+
+
+def started() -> float | None:
+    """When the current command-line job began: the process start (pause(), before the imports),
+    or for a multirun's later jobs the end of the one before. What report.md's wall time counts
+    from (conversion, training, export and the parity gate: the whole job). None for code that
+    runs the runner without `python -m workbench`."""
+    return _started
 
 
 def pause() -> None:
-    global _paused
+    global _paused, _started
+    _started = time.time()
     if gc.isenabled():
         gc.disable()
         _paused = True
@@ -46,7 +57,9 @@ def training() -> None:
 
 def after_job() -> None:
     """The job is over (or never trained: a dry run, a remote launch, an error)."""
-    global _paused, _frozen
+    global _paused, _frozen, _started
+    if _started is not None:  # a multirun's next job, if any, starts now
+        _started = time.time()
     if _frozen:
         gc.unfreeze()
         _frozen = False

@@ -35,6 +35,9 @@ class Checkpoints:
         self.resumed: dict | None = None  # where the run resumed from, its certificate
         self.resumed_step = 0  # the step the run continued from (0: a fresh start)
         self.changes = resume_changes.Changes()  # settings the resume changed (workbench/train/resume_changes.py)
+        # the run's launches so far, each from its first step: what it resumed from and what it
+        # changed; every checkpoint carries it, so the report of a chained resume covers them all
+        self.history: list[dict] = [{"first_step": 1, "resumed_from": None}]
 
     def latest_valid(self):
         return checkpoint.latest_valid(self.run_dir)
@@ -45,13 +48,14 @@ class Checkpoints:
         # resume_point verifies each checkpoint's files and falls back past a damaged one
         path = checkpoint.resume_point(self.run_dir, self.cfg.train.resume)
         self.resumed, self.resumed_step = None, 0
+        self.history = [{"first_step": 1, "resumed_from": None}]
         if path is None:
             return None, state
         path_, state = self._load(path, state)
         self.resumed_step = state.step
         if self.is_main:
             print(f"resuming from step {state.step} ({path})", file=sys.stderr, flush=True)
-            line = resume_changes.say(self.changes)
+            line = resume_changes.say(self.changes, int(self.cfg.train.max_steps))
             if line:
                 print(line, file=sys.stderr, flush=True)
         return path_, state
@@ -96,7 +100,12 @@ class Checkpoints:
         b = self.run.batch
         # a change to what a step computes was refused before weights loaded unless allowed (runner.build)
         self.changes = resume_changes.compare({**rec, "name": path.name}, self.cfg)
-        self.resumed = {"from": str(path), "certificate": cert, "changes": self.changes.to_dict(), "batch": (
+        changed = self.changes.to_dict()
+        # a checkpoint from before the history was kept: one launch up to it
+        self.history = [*(rec.get("history") or [{"first_step": 1, "resumed_from": None}]),
+                        {"first_step": state.step + 1, "resumed_from": path.name, "result": changed["result"],
+                         "other": changed["other"]}]
+        self.resumed = {"from": str(path), "certificate": cert, "changes": changed, "history": self.history, "batch": (
             f"global batch {b.size} = {b.micro} x {b.accum} x {b.dp} data-parallel (written as {written['micro']} x "
             f"{written['accum']} x {written['dp']}), {state.samples_seen} samples seen, RNG "
             + ("restored" if saved_rng is not None else "re-seeded for the new layout"))}
@@ -127,6 +136,7 @@ class Checkpoints:
                       "layout": resume.layout_of(self.cfg, self.run), "method": method_state,
                       "schedule": self.backend.schedule_state(), "identity": self.identity,
                       "settings": resume_changes.settings(self.cfg),  # what a resume compares against
+                      "history": self.history,  # which steps ran in which launch, under which changes
                       "probe": {**spec, "loss": probe}}
             barrier = dist.barrier if dist.is_initialized() else (lambda: None)
             with self.tracker.progress.status(f"checkpoint step {state.step}"):

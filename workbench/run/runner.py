@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from workbench.methods import registry as methods
 from workbench.models import unsloth_loader
 from workbench.models.build import build_model
 from workbench.models.head import SelectiveLM
-from workbench.run import finish
+from workbench.run import finish, fresh
 from workbench.run.checkpoints import Checkpoints
 from workbench.run.derive import Run
 from workbench.run.evaluation import Evaluator
@@ -44,7 +45,7 @@ from workbench.telemetry.metrics import Tracker
 from workbench.telemetry.peak import peak_flops
 from workbench.train import checkpoint, faults, precision, replay, resume, resume_changes
 from workbench.train.context import Context
-from workbench.train.distributed import init_distributed
+from workbench.train.distributed import init_distributed, launched_here
 from workbench.train.state import TrainState, seed_everything
 from workbench.train.watchdog import Watchdog, gpu_env
 
@@ -116,6 +117,8 @@ class Runner:
         """Train, evaluate, export and report, with the watchdog on (workbench/train/watchdog.py):
         an error here reaches the other ranks at once, a stall anywhere ends the run with stacks."""
         cfg = self.cfg
+        if cfg.train.resume == "never":  # a fresh start is fresh: an earlier run here is moved aside first
+            self._start_fresh()
         self.dog = Watchdog(self.run_dir, self.rank, self.world, cfg.hardware.stall_timeout_s, cfg.eval.timeout_s,
                             last_checkpoint=lambda: checkpoint.latest_valid(self.run_dir), secrets=self.secrets)
         if cfg.debug.hang_phase and self.rank == cfg.debug.hang_rank:
@@ -137,9 +140,22 @@ class Runner:
         finally:
             self.dog.stop()
 
+    def _start_fresh(self) -> None:
+        """train.resume=never: rank 0 moves an earlier run out of output_dir (workbench/run/fresh.py)
+        before anything of this one is written there; the other ranks wait for it."""
+        if self.is_main:
+            moved = fresh.set_aside(self.run_dir, launched=launched_here())
+            if moved is not None:
+                print(fresh.line(self.run_dir, moved), file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.barrier()
+
     def _train(self) -> dict:
-        t_launch = time.perf_counter()
+        # the job's start: `python -m workbench`'s, so the conversion and preflight before the runner count
+        started = startup.started() or time.time()
+        t_launch = time.perf_counter() - (time.time() - started)
         results = self._start()
+        results["started"] = started  # the report's wall time runs from here to its writing (finish.py)
         done = self._finished_before()
         if done is not None:
             return done
@@ -162,7 +178,7 @@ class Runner:
         self._last_checkpoint(stalled, results)
         guard.uninstall()  # from here on (eval, export) a signal stops the run as usual
         results.update(bad_steps=guard.bad_steps, losses=clock.losses, first_step_seconds=clock.first_step_at,
-                       wall_seconds=time.perf_counter() - t_launch)
+                       wall_seconds=time.time() - started)
         if self.cfg.eval.at_end:
             results["eval_end"] = self.evaluator.evaluate("end", self.state)
         finish.export_and_report(self.run, self.run_dir, results, backend=self.backend, tokenizer=self.tokenizer,
@@ -185,7 +201,8 @@ class Runner:
         if self.is_main:
             self.tracker.console(f"already finished: {self.run_dir} trained {self.state.step} of train.max_steps="
                                  f"{self.cfg.train.max_steps} steps; nothing to do (results.json, report.md there). "
-                                 "Raise train.max_steps to train further, or choose a new output_dir")
+                                 f"Raise train.max_steps to train further{_extend_note(self.cfg)}, or choose a new "
+                                 "output_dir")
         self.tracker.finish(None)
         return json.loads(stored.read_text())
 
@@ -229,3 +246,11 @@ class Runner:
         elif self.state.step and (self.cfg.train.checkpoint_every or self.cfg.train.max_steps):
             self.checkpoints.save(self.state)
         checkpoint.flush()
+
+
+def _extend_note(cfg) -> str:
+    """What raising train.max_steps does to this run's schedule (workbench/train/resume_changes.py)."""
+    if cfg.optim.scheduler == "constant":
+        return ""
+    return (f" (with train.resume_changes=allow: optim.scheduler={cfg.optim.scheduler} is recomputed over the new "
+            "length, which changes the LR of the steps after this one)")

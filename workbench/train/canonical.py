@@ -21,8 +21,9 @@ offsets in its header, no pickled metadata. DCP does the resharding: a reader as
 it needs in its own shapes (plain tensors, or DTensor shards under FSDP2 / Megatron TP) and DCP
 reads the overlapping chunks whatever layout wrote them. Each backend writes only what it owns
 (DDP replicas are deduplicated, DeepSpeed and pipeline stages write different keys per rank).
-Hyperparameters (lr, betas, eps, weight decay) always come from the config, never the checkpoint;
-the schedule (`schedule_state`) is JSON in train.json (workbench/train/checkpoint.py).
+Hyperparameters (lr, betas, eps, weight decay) and the schedule's shape always come from the
+config, never the checkpoint; where the schedule stands (`schedule_state`) is JSON in train.json
+(workbench/train/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -174,12 +175,21 @@ def schedule_state(scheduler, scaler=None) -> dict:
 
 
 def apply_schedule(scheduler, optimizer, state: dict, scaler=None) -> None:
-    """Restore `schedule_state`. LambdaLR.load_state_dict does not set the param groups' lr, so it
-    is set here from the restored schedule (the first optimizer step after resuming uses it)."""
+    """Restore `schedule_state`: where the schedule stands (its count), not what it computed. The
+    base LR and the schedule's shape are this run's config (optim.lr, optim.scheduler over
+    train.max_steps), so a resume that changes them (train.resume_changes=allow) applies the new
+    values from its first step; the checkpoint's base_lrs and last LR would otherwise carry the old
+    ones on. LambdaLR.load_state_dict does not set the param groups' lr, so it is set here (the
+    first optimizer step after resuming uses it)."""
     s = scheduler.state_dict()
-    s.update({k: v for k, v in state.items() if k != "scaler"})
+    s.update({k: v for k, v in state.items() if k in ("last_epoch", "_step_count")})
     scheduler.load_state_dict(s)
-    last = scheduler.get_last_lr()
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is not None:  # LambdaLR (workbench/train/optim.py): this config's factor at the restored count
+        last = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, lambdas, strict=True)]
+        scheduler._last_lr = last
+    else:
+        last = scheduler.get_last_lr()
     for group, lr in zip(optimizer.param_groups, last):
         group["lr"] = lr
     if scaler is not None and state.get("scaler"):
