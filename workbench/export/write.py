@@ -17,6 +17,7 @@ workbench/export/card.py.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -53,8 +54,35 @@ def _save_tokenizer(tokenizer, contract, path: Path) -> None:
 
 def export(trained, tokenizer, contract, run, out_dir: Path, results: dict | None = None) -> dict:
     """`run`: the resolved run (workbench/run/resolved.py) the model was trained under."""
-    with hidden("deepspeed"):  # save_pretrained would import it just to probe (workbench/core/imports.py)
-        return _export(trained, tokenizer, contract, run, out_dir, results or {})
+    try:
+        with hidden("deepspeed"):  # save_pretrained would import it just to probe (workbench/core/imports.py)
+            return _export(trained, tokenizer, contract, run, out_dir, results or {})
+    finally:
+        normal_permissions(Path(out_dir))
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc), else set and put back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def normal_permissions(folder: Path) -> None:
+    """Every file under `folder` readable as the user's umask says (0644 under the usual 022).
+    transformers writes model.safetensors through a private temporary file, which leaves it 0600:
+    an export others on the machine, a serving process under another user or a copy to a shared
+    disk cannot read."""
+    mode = 0o666 & ~_umask()
+    for f in folder.rglob("*") if folder.is_dir() else ():
+        if f.is_file() and not f.is_symlink() and (f.stat().st_mode & 0o777) != mode:
+            os.chmod(f, mode)
 
 
 def _parity_prompts(cfg) -> list:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -94,7 +95,12 @@ def export_and_report(run, run_dir: Path, results: dict, *, backend, tokenizer, 
     with heartbeat.phase("export"):
         trained = backend.gathered_model() if cfg.train.export else None  # collective under sharding
         if is_main and cfg.train.export:
+            t0 = time.time()
+            tracker.console(export_line(run, run_dir))  # minutes without a step line: say what runs
             results["export"] = export(trained, tokenizer, contract, run, run_dir / "export", results)
+            tracker.console(f"export: done in {time.time() - t0:.0f} s")
+    if results.get("started"):  # the whole job: conversion, training, evaluation, export, parity
+        results["wall_seconds"] = time.time() - results["started"]
     if is_main:
         # results copy eval prompts and samples, which may quote a token: redacted on the way to disk
         report.write(run_dir, run, redact(results, secrets), tracker.rows)
@@ -105,6 +111,19 @@ def export_and_report(run, run_dir: Path, results: dict, *, backend, tokenizer, 
     if failed and not cfg.export.allow_mismatch:
         raise UserError(f"export: the parity gate failed for {', '.join(failed)} (see {run_dir}/report.md "
                         "and results.json); the files are kept; export.allow_mismatch=true accepts them")
+
+
+def export_line(run, run_dir: Path) -> str:
+    """What the export is about to write and check, said before it starts (it prints nothing
+    until done: minutes for a GGUF read back by transformers and llama.cpp)."""
+    cfg = run.cfg
+    parts = ["adapter"] if run.peft.adapter else []
+    if cfg.train.export_merged:
+        parts.append("merged safetensors")
+        parts += [f"GGUF {kind}" for kind in cfg.export.gguf]
+    gate = (f", then the parity gate on {cfg.export.parity_prompts} prompts (each file read back and compared "
+            "with the trained model)" if cfg.train.export_merged and not run.facts.scalar_head else "")
+    return f"export: writing {', '.join(parts) or 'the model'} to {run_dir / 'export'}{gate}"
 
 
 def summary(run_dir: Path, cfg, step: int, first: int, rows: list[dict], results: dict) -> list[str]:

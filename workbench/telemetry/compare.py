@@ -42,6 +42,8 @@ def read_run(run_dir) -> RunRecord:
     if (run_dir / "metrics.jsonl").exists():
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "loss" in r and "eval" not in r]  # eval rows (workbench/evals/hooks.py) carry `eval`
+    # a step logged again (trained again after a crash resumed from an earlier checkpoint) counts once, as last trained
+    rows = list({r["step"]: r for r in rows}.values()) if all("step" in r for r in rows) else rows
     results = json.loads((run_dir / "results.json").read_text()) if (run_dir / "results.json").exists() else {}
     config = {}
     if (run_dir / "config.yaml").exists():
@@ -53,15 +55,29 @@ def read_run(run_dir) -> RunRecord:
 
 def run_dirs(paths: list[str]) -> list[Path]:
     """Run directories among `paths`; a directory without metrics.jsonl is searched one level
-    down (a multirun sweep dir holds its jobs as 0/, 1/, ...)."""
+    down (a multirun sweep dir holds its jobs as 0/, 1/, ...), following each job's
+    sweep_job.json to where it trained (a sweep given `output_dir=DIR` trains in DIR/<n>)."""
     out = []
     for p in map(Path, paths):
         if (p / "metrics.jsonl").exists():
             out.append(p)
         elif p.is_dir():
-            subs = [d for d in p.iterdir() if (d / "metrics.jsonl").exists()]
-            out += sorted(subs, key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else 0, d.name))
+            subs = sorted((d for d in p.iterdir() if d.is_dir()),
+                          key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else 0, d.name))
+            out += [d for d in (_trained_in(d) for d in subs) if d is not None and d not in out]
     return out
+
+
+def _trained_in(job: Path) -> Path | None:
+    """The run directory of a sweep's job directory: itself, or where its sweep_job.json says it
+    trained; None when neither holds metrics.jsonl."""
+    if (job / "metrics.jsonl").exists():
+        return job
+    try:
+        there = json.loads((job / "sweep_job.json").read_text()).get("output_dir")
+    except (OSError, ValueError):
+        return None
+    return Path(there) if there and (Path(there) / "metrics.jsonl").exists() else None
 
 
 def final_metrics(run: RunRecord) -> dict[str, float]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from workbench.evals import stats
 from workbench.telemetry import compare, plots, stall
-from workbench.train import signal
+from workbench.train import resume_changes, signal
 
 
 def evaluations(results: dict, rows: list[dict]) -> list[dict]:
@@ -93,9 +93,9 @@ def _pairs(rows: list[dict]) -> str:
     return ", ".join(f"`{c['key']}` {c['before']} -> {c['now']}" for c in rows)
 
 
-def _resume(resumed: dict | None) -> list[str]:
+def _resume(resumed: dict | None, max_steps: int) -> list[str]:
     """The replay certificate of a resumed run (workbench/train/replay.py) and the settings the
-    resume changed (workbench/train/resume_changes.py)."""
+    resume changed (workbench/train/resume_changes.py), with the steps each value ran."""
     cert = (resumed or {}).get("certificate")
     if not cert:
         return []
@@ -104,12 +104,75 @@ def _resume(resumed: dict | None) -> list[str]:
            f"{cert['rel_diff']:.2e}, tolerance {cert['tolerance']:.1e}); {resumed.get('batch', '')}"]
     changes = resumed.get("changes") or {}
     if changes.get("result"):
+        found = resume_changes.Changes(since=changes["since"], result=[(c["key"], c["before"], c["now"])
+                                                                       for c in changes["result"]],
+                                       from_step=changes.get("from_step"))
         out.append(f"- **changed on resume from {changes['since']}, changing what the steps after it compute** "
-                   f"(train.resume_changes=allow): {_pairs(changes['result'])}; the steps before it ran with the "
-                   "earlier values")
+                   f"(train.resume_changes=allow): {_pairs(changes['result'])}; "
+                   f"{resume_changes.steps_note(found, max_steps)}")
     if changes.get("other"):
         out.append(f"- changed on resume from {changes['since']} (what a step computes unchanged): "
                    f"{_pairs(changes['other'])}")
+    return out
+
+
+def whole_run(run_dir: Path, rows: list[dict], last_step: int | None) -> list[dict]:
+    """The training rows of the whole run, from metrics.jsonl: a resumed run's report covers the
+    launches before it too. A step logged twice (trained again after a crash resumed from an
+    earlier checkpoint) counts once, as last trained; steps after `last_step` (logged by a launch
+    that crashed past this run's last checkpoint and were trained again) are not this run's.
+    `rows`: this launch's, used when the file is missing."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return rows
+    by_step: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except ValueError:
+            continue  # a line cut short by a crash
+        if "loss" in row and "step" in row and "eval" not in row:
+            by_step[int(row["step"])] = row
+    for row in rows:  # this launch's, as it logged them
+        by_step[int(row["step"])] = row
+    return [by_step[k] for k in sorted(by_step) if last_step is None or k <= last_step]
+
+
+def _launches(history: list[dict] | None, last_step: int) -> list[str]:
+    """One line per launch of a run resumed more than once ("steps 1-8: a new run; 9-12: resumed
+    from step-00000008, optim.lr 0.0002 -> 0.001")."""
+    if not history or len(history) < 2:
+        return []
+    parts = []
+    for i, h in enumerate(history):
+        end = history[i + 1]["first_step"] - 1 if i + 1 < len(history) else last_step
+        span = f"{h['first_step']}-{end}" if end > h["first_step"] else f"{h['first_step']}"
+        what = f"resumed from {h['resumed_from']}" if h.get("resumed_from") else "a new run"
+        changed = (h.get("result") or []) + (h.get("other") or [])
+        if changed:
+            what += ", " + _pairs(changed)
+        parts.append(f"steps {span}: {what}" if end >= h["first_step"] else f"{what} (no step trained)")
+    return [f"- launches: {len(history)}; " + "; ".join(parts)]
+
+
+def _earlier(run_dir: Path, results: dict) -> dict:
+    """A resumed run's evaluation before training (and during it, up to the resume), kept from the
+    results.json of the launch that ran it, so the report's "before" column is the run's."""
+    path = Path(run_dir) / "results.json"
+    if not results.get("resumed_from") or results.get("eval_start") or not path.exists():
+        return results
+    try:
+        before = json.loads(path.read_text())
+    except ValueError:
+        return results
+    out = dict(results)
+    if before.get("eval_start"):
+        out["eval_start"] = before["eval_start"]
+    history = (results.get("resume") or {}).get("history") or []
+    first = history[-1]["first_step"] if history else None  # this launch's first step
+    kept = [e for e in before.get("eval_during") or [] if isinstance(e, dict) and first and e.get("step", 0) < first]
+    if kept:
+        out["eval_during"] = kept + [e for e in results.get("eval_during") or [] if e not in kept]
     return out
 
 
@@ -128,14 +191,21 @@ def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
     """`run`: the resolved run (workbench/run/resolved.py)."""
     cfg = run.cfg
     run_dir = Path(run_dir)
-    losses = results.get("losses") or []
+    launch = results.get("losses") or []  # this launch's steps; the report is the whole run's
+    last = rows[-1]["step"] if rows else None
+    rows = whole_run(run_dir, rows, last)
+    results = _earlier(run_dir, results)
+    losses = [r["loss"] for r in rows] if rows else launch
     tps = compare.step_median(rows, "tokens_per_s")
+    resumed = results.get("resumed_from")
+    this = f"; {len(launch)} in this launch, resumed from {resumed}" if resumed else ""
     lines = [
         f"# Run report: {cfg.method.name} on {cfg.model.name} (peft={run.peft.kind}, backend={cfg.backend.name}, "
         f"precision={run.precision.name})", "",
-        f"- steps: {len(losses)} (resumed from: {results.get('resumed_from') or 'no'})",
+        f"- steps: {len(losses)}{this}" if resumed else f"- steps: {len(losses)} (resumed from: no)",
         f"- parameters: {results.get('n_params', 0):,} total, {results.get('n_trainable', 0):,} trainable",
     ]
+    lines += _launches((results.get("resume") or {}).get("history"), last or len(losses))
     if losses:
         lines.append(f"- loss: first {losses[0]:.4f}, last {losses[-1]:.4f}")
     lines += [f"- **{line}**" for line in stall.end_lines(results)]  # the loss watch's warnings
@@ -151,8 +221,9 @@ def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
         lines.append(f"- throughput: median {tps:.0f} tokens/s{extra}")
     if results.get("first_step_seconds") is not None:
         lines.append(f"- first optimizer step {results['first_step_seconds']:.1f} s after start; "
-                     f"wall {results.get('wall_seconds', 0):.0f} s")
-    lines += _resume(results.get("resume"))
+                     f"wall {results.get('wall_seconds', 0):.0f} s (this launch: conversion, training, "
+                     "evaluation, export)")
+    lines += _resume(results.get("resume"), int(cfg.train.max_steps))
     lines += _stall(results.get("stalled"))
     lines += _plan_check(results.get("plan_check"))
     acc = _acc_rows(results)
@@ -172,6 +243,7 @@ def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
         lines += ["", "Export:", "", "```", json.dumps(results["export"], indent=1), "```"]
     (run_dir / "report.md").write_text("\n".join(lines) + "\n")
     slim = {k: v for k, v in results.items() if k != "losses"}
+    losses = launch  # results.json keeps this launch's losses (what the runner returned)
     # eval/<task>/accuracy_ci95: [lo, hi] beside each accuracy measured on n questions; only in the
     # file, so the in-memory results stay {metric: number}
     for key in ("eval_start", "eval_end"):
