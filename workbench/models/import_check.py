@@ -16,11 +16,24 @@ it, must stay under PPL_BOUND.
 workbench/models/convert.py runs it right after converting and keeps the report beside the
 converted weights (import_check.json); a model that fails is not cached, and the run stops with
 one line naming what disagrees.
+
+A report made without llama.cpp is redone once llama-cpp-python is installed (`refresh`, from
+workbench/models/load.py `import_report`): the weights converted then are checked against the
+reference they lacked, in a child process (`python -m workbench.models.import_check GGUF DIR`),
+and the new report replaces the old one in the cache entry (resealed). One that disagrees stops
+the run in one line naming the entry to remove.
+
+    report = refresh(report, converted_dir, gguf_path, assemble, name)
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 REPORT = "import_check.json"
@@ -39,6 +52,9 @@ LOGPROB_TOLERANCE = 0.25
 # at 11.4 (Gemma 3 270M) and 14.3 (SmolLM2-135M); Gemma with transformers' fragmenting tokenizer
 # at 7,296, with only its <bos> restored at 1,170. 60 leaves a small model room and catches both.
 PPL_BOUND = 60.0
+
+
+NO_REFERENCE = "llama-cpp-python is not installed"  # what a report made without llama.cpp says it lacked
 
 
 def _piece(tokenizer, i: int) -> str:
@@ -93,8 +109,8 @@ def _compare(llm, model, tokenizer, ids: list[int]) -> dict:
     if llm is None:
         lps = _hf_logprobs(model, ids)
         ppl = math.exp(-sum(lps) / len(lps))
-        return {"passed": ppl <= PPL_BOUND, "against": f"a perplexity bound of {PPL_BOUND:g} (llama-cpp-python "
-                "is not installed)", "tokens": len(ids), "perplexity": ppl,
+        return {"passed": ppl <= PPL_BOUND, "against": f"a perplexity bound of {PPL_BOUND:g} ({NO_REFERENCE})",
+                "tokens": len(ids), "perplexity": ppl,
                 "problem": None if ppl <= PPL_BOUND else f"perplexity {ppl:,.1f} on the check text is over "
                                                         f"{PPL_BOUND:g}: tokenizer or weights are off"}
     import llama_cpp
@@ -136,3 +152,88 @@ def line(report: dict) -> str:
                 f"{report['perplexity_llama_cpp']:.2f} in llama.cpp")
     return f"import check passed against {report['against']}: perplexity {report['perplexity']:.2f} on a " \
            f"{report['tokens']}-token text"
+
+
+# -- a report made without the reference, redone once it is there --------------------------------
+def reference_available() -> bool:
+    """Whether llama-cpp-python can be imported here (found, not imported: it is slow to load)."""
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def stale(report: dict | None) -> bool:
+    """A report that passed only against the perplexity bound because llama.cpp was missing, on a
+    machine where it is now installed."""
+    return bool(report) and NO_REFERENCE in str(report.get("against", "")) and reference_available()
+
+
+def _run_child(gguf: Path, converted: Path) -> dict | None:
+    """The check of the converted weights in `converted` against `gguf`, in a process of its own
+    (the model and llama.cpp freed when it ends; workbench/models/convert.py says why a child);
+    None, with the reason on stderr, when the child could not run it."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (src, env.get("PYTHONPATH")) if x)
+    proc = subprocess.run([sys.executable, "-m", "workbench.models.import_check", str(gguf), str(converted)],
+                          env=env, capture_output=True, text=True)
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+    except (IndexError, ValueError):
+        return None
+    finally:
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            print(f"warning: the import check could not be redone against llama.cpp ({tail}); keeping the cached "
+                  "verdict", file=sys.stderr)
+
+
+def refresh(report: dict | None, converted: Path, gguf: Path | None, assemble=None, name: str = "") -> dict | None:
+    """`report` (the cache entry `converted`'s import_check.json) as it is, or redone against
+    llama.cpp when it was made without it and llama-cpp-python is installed now (`stale`).
+    `gguf`: the file it was converted from; `assemble(path)` joins it from a package's parts when
+    it is not on disk (removed again afterwards). One process redoes it, under the entry's lock."""
+    if not stale(report) or gguf is None:
+        return report
+    from workbench.core import atomic, cache
+    from workbench.core.errors import UserError
+
+    converted, gguf = Path(converted), Path(gguf)
+    with cache.lock(converted):
+        current = json.loads((converted / REPORT).read_text())
+        if not stale(current):  # another process redid it while this one waited
+            return current
+        joined = False
+        if not gguf.exists():
+            if assemble is None:
+                return current
+            assemble(gguf)
+            joined = True
+        print(f"model: llama-cpp-python is installed now; redoing the import check of {converted} against it "
+              "(its cached verdict was against a perplexity bound)", file=sys.stderr, flush=True)
+        try:
+            new = _run_child(gguf, converted)
+        finally:
+            if joined:
+                gguf.unlink(missing_ok=True)
+        if new is None:
+            return current
+        if not new["passed"]:
+            raise UserError(f"model={name or converted.name}: {line(new)}; the weights cached at {converted} were "
+                            "converted before llama-cpp-python was installed: remove that directory to convert again")
+        atomic.write_text(converted / REPORT, json.dumps(new, indent=1))
+        cache.seal(converted)  # the entry's seal records each file's size
+        return new
+
+
+def _main(gguf: str, converted: str) -> None:
+    """The child of `_run_child`: the check of the converted directory, its report as JSON on stdout."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(converted)
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
+    print(json.dumps(check(gguf, model, tok)))
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:3])

@@ -191,7 +191,12 @@ def import_report(model_cfg) -> dict | None:
     except UserError:
         return None
     path = Path(res.path, import_check.REPORT)
-    return json.loads(path.read_text()) if res.kind == "converted" and path.exists() else None
+    report = json.loads(path.read_text()) if res.kind == "converted" and path.exists() else None
+    if import_check.stale(report):  # made without llama.cpp, which is here now: redone against it
+        package = model_cfg.gguf_package  # a GGUF shipped in parts is joined again for it (as _convert_gguf does)
+        report = import_check.refresh(report, Path(res.path), _gguf_in_package(package),
+                                      lambda path: importlib.import_module(package).assemble(path), model_cfg.name)
+    return report
 
 
 _TOKENIZERS: dict = {}
