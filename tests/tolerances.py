@@ -101,6 +101,13 @@ DORA_ACTIVATION_RTOL = 0.02
 #   most 2.9% off (SmolLM2 fsdp2 lora fp32); 10% is 3.4x that.
 PLAN_MEMORY_RTOL = 0.10
 
+# - the step traced on fake tensors (dry_run=trace, workbench/plan/trace.py) against the same
+#   step on real tensors measured by the CPU allocator (tests/unit/test_trace.py: tiny, single and
+#   2-rank fsdp2): the bar the trace is held to (issue 73: "within 5%"); measured 0.4% on the
+#   first case. What a fake step cannot see is what the allocator holds besides tensor storages
+#   the dispatcher reports (a kernel's internal scratch), well under a percent here.
+TRACE_RTOL = 0.05
+
 def f32_roundings(n: int) -> float:
     """A value of one sign after n float32 roundings (a float64 cast to float32, each addition of
     a same-sign sum, a division): each moves it by at most half an ulp of its size."""

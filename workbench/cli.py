@@ -4,13 +4,15 @@
     python -m workbench --cfg job               # print the composed config and exit
     python -m workbench -m optim.lr=1e-4,3e-4   # multirun sweep
     python -m workbench dry_run=true            # preflight only: no weights loaded
+    python -m workbench dry_run=trace           # ... and the step run on fake tensors (workbench/plan/trace.py)
 
 Exit status: 0 done; 2 a mistake in config, data or environment (one `error:` line, before any
 weights load; in a multirun the failed job is listed in the sweep summary, the other jobs go on
 and the command exits 2 once the summary is written), a checkpoint that could not be written
 (disk full) or more NaN/Inf steps than `train.max_bad_steps`; 3 a rank stalled or another rank
 failed (the watchdog, workbench/train/watchdog.py: stacks in `<run>/stalls/`); 4 with dry_run=true,
-the plan does not fit the configured hardware (the whole plan is printed, then one `error:` line
+the plan does not fit the configured hardware, with dry_run=trace the traced step where it was traced
+(the whole plan is printed, then one `error:` line
 ending with the smallest change that fits; plan.json=true says `"fits": false` too; in a multirun
 it is a failed job of the sweep); 75 preempted by
 SIGTERM/SIGINT after writing a checkpoint (relaunch with the same output_dir to continue);
@@ -113,9 +115,17 @@ def run_job(cfg: DictConfig) -> dict | None:
         from workbench.run.plan import DOES_NOT_FIT_EXIT, WEIGHTS_FROM, does_not_fit, render, to_json  # deferred
 
         plan = facts["plan"]
+        fits = plan["fits"]
+        if cfg.dry_run == "trace":  # the step itself, on fake tensors (workbench/plan/trace.py): its verdict
+            from workbench.plan.trace import trace_run  # deferred
+
+            print(f"trace: running the step on fake tensors as rank 0 of {facts['run'].layout.world} ...",
+                  file=sys.stderr, flush=True)
+            plan["trace"] = trace_run(facts["run"], plan)  # plan.json=true carries it too
+            fits = plan["trace"]["fits"] if plan["trace"]["traced"] else fits
         if cfg.plan.json:  # machine-readable: the plan plus what preflight found, and the verdict
             shown = {k: v for k, v in facts.items() if k not in ("run", "tokenizer")}
-            print(to_json({**shown, "fits": plan["fits"], "exit_status": 0 if plan["fits"] else DOES_NOT_FIT_EXIT}))
+            print(to_json({**shown, "fits": fits, "exit_status": 0 if fits else DOES_NOT_FIT_EXIT}))
         else:
             weights = WEIGHTS_FROM.get(facts["model_source"], facts["model_source"])
             print(f"preflight ok: model={cfg.model.name} ({facts['n_params']:,} parameters), method={cfg.method.name}, "
@@ -128,7 +138,16 @@ def run_job(cfg: DictConfig) -> dict | None:
             if reason:
                 print(f"launch: torchrun ({reason})")
             render(plan)
-        if not plan["fits"]:  # the whole plan is printed; the status says it does not fit (4)
+            if "trace" in plan:
+                from workbench.plan.trace import lines  # deferred
+
+                print("\n".join(lines(plan["trace"], plan)))
+        if not fits:  # the whole plan is printed; the status says it does not fit (4)
+            if plan["fits"]:  # the plan fits, its trace does not
+                from workbench.plan.trace import refusal  # deferred
+                from workbench.run.plan import DoesNotFit  # deferred
+
+                raise DoesNotFit(refusal(plan["trace"]))
             raise does_not_fit(plan)
         return facts
     remote = dispatch(cfg)

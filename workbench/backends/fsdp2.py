@@ -78,6 +78,7 @@ class FSDP2Backend(Backend):
 
     # -- setup ---------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, ctx) -> None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -93,7 +94,10 @@ class FSDP2Backend(Backend):
         mp = MixedPrecisionPolicy(param_dtype=param_dtype,
                                   reduce_dtype=getattr(torch, self.cfg.reduce_dtype) if param_dtype else None)
         keep_quant_state(model)
-        mesh = init_device_mesh(self.device, (self.world,))
+        # The mesh holds real rank numbers even where a dry run traces this wrap on fake tensors
+        # (workbench/plan/trace.py): made under fake tensors, it could not say which rank holds what.
+        with unset_fake_temporarily():
+            mesh = init_device_mesh(self.device, (self.world,))
         kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=self.cfg.reshard_after_forward)
         if self.cfg.cpu_offload:
             kw["offload_policy"] = CPUOffloadPolicy()

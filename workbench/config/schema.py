@@ -387,7 +387,8 @@ class Schema:
     # the run directory: checkpoints, export/, metrics.jsonl, report.md, manifest.json;
     # conf/train.yaml sets runs/<date>_<time>, and under -m each job gets its sweep subdir
     output_dir: str = "runs/default"
-    dry_run: bool = False
+    # false | true (preflight and plan, no weights) | trace (also the step on fake tensors: workbench/plan/trace.py)
+    dry_run: Any = False
     launcher: Any = None  # where the run executes (conf/launcher/; options checked by workbench/launch/)
     reward: Any = None  # GRPO reward functions (conf/reward/)
     env: Any = None  # GRPO environment for multi-turn episodes (conf/env/, workbench/envs/)

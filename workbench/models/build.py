@@ -16,10 +16,12 @@ from workbench.peft import lora
 from workbench.train import kernels, precision
 
 
-def build_model(run, train: bool = True) -> torch.nn.Module:
-    """`train=False` leaves out what only training needs (kernels, checkpointing, fp8 swaps)."""
+def build_model(run, train: bool = True, base: torch.nn.Module | None = None) -> torch.nn.Module:
+    """`train=False` leaves out what only training needs (kernels, checkpointing, fp8 swaps).
+    `base`: the HF model, built already instead of loaded (the dry run's trace builds it from
+    fake tensors, workbench/plan/trace.py); the rest is done to it as to a loaded one."""
     cfg = run.cfg
-    model = load_model(cfg.model, dtype=run.load_dtype, device=run.model_device)
+    model = base if base is not None else load_model(cfg.model, dtype=run.load_dtype, device=run.model_device)
     if train:
         kernels.apply(model, cfg.kernels, run.device)
         if cfg.model.gradient_checkpointing:

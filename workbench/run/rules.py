@@ -38,6 +38,7 @@ RUNNABLE_DEVICES = ("cpu", "cuda")
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "auto")
 FLASH = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 KERNELS = ("none", "liger")
+PLANNING = (True, "trace")  # dry_run values that plan without training (trace: workbench/plan/trace.py)
 
 
 # -- readers of the chosen specs' facts --------------------------------------------------------
@@ -121,13 +122,13 @@ FIRST: list[Rule] = [
          lambda c, e: device(c) == "cuda" and not e.cuda,
          # a dry run warns with it (it plans without a GPU): it is told what the run would need
          lambda c, e: f"hardware={c.hardware.name} wants CUDA but no GPU is visible; " + (
-             "the plan is for that hardware, to train on this machine use hardware=cpu" if c.dry_run is True
+             "the plan is for that hardware, to train on this machine use hardware=cpu" if c.dry_run in PLANNING
              else "use hardware=cpu, or add dry_run=true to only plan"), machine=True),
     Rule("planning-only-accelerator", {"hardware": "gaudi3, trn2, tpu-v5p"},
          lambda c, e: device(c) not in RUNNABLE_DEVICES,
          lambda c, e: f"hardware={c.hardware.name} (device {c.hardware.device}) is a planning profile; the "
                       "backends run on cpu or cuda: " + (
-                          "the plan is for it, to train use a cuda profile such as hardware=8xh100" if c.dry_run is True
+                          "the plan is for it, to train use a cuda profile such as hardware=8xh100" if c.dry_run in PLANNING
                           else "add dry_run=true to plan, or use a cuda profile such as hardware=8xh100"),
          machine=True),
     Rule("procs-exceed-gpus", {"hardware": "procs > visible GPUs"},

@@ -128,6 +128,7 @@ def _check_values(cfg: DictConfig) -> None:
         ("model.loader", cfg.model.loader in ("hf", "unsloth"), "must be hf or unsloth"),
         ("train.resume_check", cfg.train.resume_check in ("error", "warn"), "must be error or warn"),
         ("train.resume_changes", cfg.train.resume_changes in ("refuse", "allow"), "must be refuse or allow"),
+        ("dry_run", cfg.dry_run in (False, True, "trace"), "must be true, false or trace"),
     ]
     for name, ok, why in checks:
         if not ok:

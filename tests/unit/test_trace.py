@@ -1,0 +1,151 @@
+"""`dry_run=trace` (workbench/plan/trace.py) held to real runs: the step traced on fake tensors
+against the same step on real tensors, measured by the torch CPU allocator (what tensors occupy:
+workbench/telemetry/tensor_memory.py, the plan check's measure), on the tiny model; single in
+this process, fsdp2 on 2 ranks of a real gloo group (torchrun) against the trace over a fake
+group of 2. Then the command line: the traced figures beside the plan, a backend that is not
+traced saying so, and a bad value refused.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/test_trace.py
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m slow tests/unit/test_trace.py   # 70B DPO on 8 x H100
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+if __name__ == "__main__":  # a torchrun worker (below) imports the tests package from the root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.conftest import ROOT, compose  # noqa: E402
+from tests.tolerances import TRACE_RTOL  # noqa: E402
+
+# The batch is the tracer's own (make_batch: rows of data.seq_len), small enough for a real step.
+SHAPE = ["data.seq_len=64", "train.micro_batch_size=2"]
+CASES = {  # the headline's kind: adapters on a frozen base, autocast, the reference pass, accumulation
+    "dpo-lora-bf16": ["method=dpo", "peft=lora", "precision=bf16-mixed", "train.grad_accum=2"],
+    # a full fine-tune with a copied reference; SFT (slow tier)
+    "dpo-full-fp32": ["method=dpo", "peft=none", "precision=fp32"],
+    "sft-lora-bf16": ["method=sft", "peft=lora", "precision=bf16-mixed", "train.grad_accum=2"],
+}
+DEFAULT_TIER = ("dpo-lora-bf16",)
+
+
+def _real(overrides: list[str], out: Path) -> dict:
+    """The tracer's step on real tensors: the allocator's peak and the tracker's figures."""
+    from workbench.plan.trace import _step
+    from workbench.run.resolved import resolve_run
+    from workbench.telemetry.tensor_memory import Window
+
+    run = resolve_run(compose([*SHAPE, *overrides], out))
+    gc.collect()  # an earlier trace's fake tensors are not counted as alive
+    got = _step(run, None, Window())
+    return {"measured": got["measured"], "tracked": got["peak"], "terms": got["terms"]}
+
+
+def _traced(overrides: list[str], out: Path, procs: int = 1) -> dict:
+    from workbench.plan.trace import trace_run
+    from workbench.run.plan import make_plan
+
+    cfg = compose([*SHAPE, *overrides, f"hardware.procs={procs}"], out)
+    from workbench.run.resolved import resolve_run
+
+    got = trace_run(resolve_run(cfg, planning=True), make_plan(cfg, others=False))
+    assert got["traced"], got
+    return got
+
+
+def _agree(traced: dict, real: dict, label: str) -> None:
+    peak = traced["peak_gb"] * 2**30
+    err = peak / real["measured"] - 1
+    print(f"{label}: traced {peak / 2**20:.2f} MiB, real step {real['measured'] / 2**20:.2f} MiB (allocator), "
+          f"{real['tracked'] / 2**20:.2f} MiB (tracker), {err:+.2%}")
+    assert abs(err) <= TRACE_RTOL, f"{label}: the trace is {err:+.2%} off the real step; traced {traced['terms_gb']}"
+
+
+@pytest.mark.parametrize("case", [c if c in DEFAULT_TIER else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
+def test_the_trace_equals_the_real_step_single(case, tmp_path):
+    real = _real(CASES[case], tmp_path / "real")
+    _agree(_traced(CASES[case], tmp_path / "trace"), real, f"single {case}")
+
+
+def worker(out: Path) -> None:
+    """torchrun worker: each rank runs the tracer's step on real tensors over gloo."""
+    import torch.distributed as dist
+
+    from workbench.train.distributed import init_distributed
+
+    rank, world = init_distributed("cpu", 5)
+    overrides = [*CASES["dpo-lora-bf16"], "backend=fsdp2", f"hardware.procs={world}"]
+    got = _real(overrides, out / f"rank{rank}")
+    (out / f"rank{rank}.json").write_text(json.dumps(got))
+    dist.destroy_process_group()
+
+
+def test_the_trace_over_a_fake_group_equals_two_real_fsdp2_ranks(tmp_path):
+    from tests.helpers import torchrun
+
+    torchrun(Path(__file__).resolve(), ["--worker", tmp_path], timeout=300)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    real = max(ranks, key=lambda r: r["measured"])
+    traced = _traced([*CASES["dpo-lora-bf16"], "backend=fsdp2"], tmp_path / "trace", procs=2)
+    assert traced["world"] == 2 and traced["categories_gb"].get("Sharded Param", 0) > 0
+    _agree(traced, real, "fsdp2 x 2 dpo-lora-bf16")
+
+
+def _cli(overrides: list[str], tmp_path, capsys):
+    from workbench.cli import run_job
+
+    facts = run_job(compose([*SHAPE, *overrides], tmp_path, validate=False))
+    return facts, capsys.readouterr().out
+
+
+def test_dry_run_trace_prints_the_traced_terms_beside_the_plan(tmp_path, capsys):
+    facts, out = _cli(["dry_run=trace", "method=dpo"], tmp_path, capsys)
+    trace = facts["plan"]["trace"]
+    assert trace["traced"] and trace["fits"] and trace["where"]["phase"] in ("forward", "backward", "optimizer")
+    assert "trace: the step executed at its real shape on fake tensors as rank 0 of 1" in out
+    for term in ("weights", "grads", "optimizer", "activations", "temporaries", "peak", "traced verdict: fits"):
+        assert term in out, term
+    # dry_run=true is what it was: the plan alone
+    facts, out = _cli(["dry_run=true"], tmp_path, capsys)
+    assert "trace" not in facts["plan"] and "trace:" not in out
+
+
+def test_a_backend_that_is_not_traced_says_so_and_shows_no_figure(tmp_path, capsys):
+    facts, out = _cli(["dry_run=trace", "backend=deepspeed", "plan.json=true"], tmp_path, capsys)
+    trace = facts["plan"]["trace"]
+    assert trace == {"traced": False, "reason": trace["reason"]} and "DeepSpeed" in trace["reason"]
+    shown = json.loads(out)
+    assert shown["plan"]["trace"]["traced"] is False and shown["exit_status"] == 0
+
+
+def test_dry_run_takes_true_false_or_trace(tmp_path):
+    from workbench.core.errors import UserError
+
+    with pytest.raises(UserError, match="dry_run.*true, false or trace"):
+        compose(["dry_run=maybe"], tmp_path)
+
+
+@pytest.mark.slow
+def test_70b_dpo_on_8xh100_traces_in_minutes(tmp_path):
+    """The headline command with FSDP2 and one pair per micro-batch (the plan's 41.8 GiB run)."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "workbench", "method=dpo", "model=70b", "hardware=8xh100",
+                           "backend=fsdp2", "train.micro_batch_size=1", "train.grad_accum=16", "dry_run=trace",
+                           f"output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    print(proc.stdout[-3000:])
+    assert proc.returncode in (0, 4), proc.stderr[-3000:]
+    assert "trace: the step executed at its real shape on fake tensors as rank 0 of 8" in proc.stdout
+    assert time.perf_counter() - t0 < 600
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    worker(Path(sys.argv[2]))

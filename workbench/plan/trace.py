@@ -1,0 +1,284 @@
+"""`dry_run=trace`: the resolved run's training step executed at its real shape on fake tensors,
+as rank 0 of a fake process group of the run's world size, and its per-device peak held beside
+the plan's.
+
+    python -m workbench method=dpo model=70b hardware=8xh100 backend=fsdp2 train.micro_batch_size=1 dry_run=trace
+    python -m workbench model=tiny backend=fsdp2 hardware.procs=2 dry_run=trace plan.json=true
+
+What runs is the code a real run runs: the model built by workbench/models/build.py from the
+catalog's architecture numbers (or model.path's config; no weights, nothing downloaded) with the
+run's load dtype, peft's adapters and the precision policy's casts; SelectiveLM around it (the
+run's loss_chunk); the backend's own `wrap` (FSDP2: fully_shard per block with its
+MixedPrecisionPolicy, over a device mesh of the fake group); the method's own `attach` (DPO's
+reference) and `loss`; the backend's `forward_backward` (accumulation, no gradient sync before
+the last micro-batch) and `optimizer_step` (clip, AdamW). Tensors are FakeTensors
+(workbench/plan/fake.py): shapes, dtypes and storages, no data, so 70B takes no memory.
+
+What is measured: torch's memory trackers (torch.distributed._tools: FSDPMemTracker under FSDP2,
+MemTracker otherwise) count every tensor storage alive on the traced rank, by category, and the
+tracer records when the highest total came (phase and module). The optimizer's state exists
+before the traced step (a warm-up step on zero gradients), as at every step but the first, and
+two micro-batches are traced when the run accumulates (the second finds the first's gradients,
+FSDP2's unreduced ones included). On a CUDA profile AdamW runs its foreach kernels, as torch
+chooses on a GPU; the trace itself runs on the CPU device, whose attention kernel for rows of
+more than 128 tokens (flash) saves what CUDA's does.
+
+What a tensor trace cannot see (the allocator's fragmentation and caching, the CUDA context,
+NCCL's buffers, kernel workspaces) is the margin the planner holds back already: usable memory is
+HEADROOM of the device's (workbench/plan/fit.py). The verdict is the traced peak against that.
+
+Not traced, said so with the reason (never a number that was not traced): DeepSpeed and
+Megatron, QLoRA's NF4 weights, methods that generate or load a teacher, fp8, liger kernels,
+torch.compile, unsloth, sequence parallelism, and DPO's precomputed reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from workbench.backends import registry as backends
+from workbench.data.chat import IGNORE
+from workbench.data.collate import pad_batch
+from workbench.data.preference import Pair
+from workbench.methods import registry as methods
+from workbench.methods.logps import collate
+from workbench.models import load
+from workbench.models.auto import meta_model
+from workbench.models.build import build_model
+from workbench.models.head import SelectiveLM
+from workbench.plan.fake import TERM_ORDER, TraceMode, fake_world, module_moves, peak_terms, peak_tracker
+from workbench.plan.fit import HEADROOM, GiB
+from workbench.train.batch import StepBatch
+from workbench.train.context import Context
+
+TRACED_BACKENDS = ("single", "fsdp2")
+MARGIN_WHAT = ("allocator fragmentation and caching, the CUDA context, NCCL's buffers and kernel workspaces, "
+               "which a tensor trace cannot see")
+MARGIN_SOURCE = "workbench/plan/fit.py HEADROOM (the planner's own reserve)"
+UNTRACED_BACKENDS = {
+    "deepspeed": "DeepSpeed's ZeRO engine allocates its flat buffers and partitions through its own C++/CUDA "
+                 "ops and its communication layer, which neither fake tensors nor torch's fake process group reach",
+    "megatron": "Megatron-Core's parallel state builds its model-parallel groups and fused kernels for real "
+                "NCCL/gloo ranks; over torch's fake process group it is not exercised here",
+}
+
+
+def why_not(run) -> str | None:
+    """The reason this run's step cannot be traced here, or None."""
+    cfg = run.cfg
+    backend = cfg.backend.name
+    spec = methods.spec(cfg.method.name)
+    if backend not in TRACED_BACKENDS:
+        return f"backend={backend}: " + UNTRACED_BACKENDS.get(backend, "only backend=single and fsdp2 are traced")
+    checks = [
+        (run.peft.quantised, "peft=qlora: bitsandbytes quantises real weights to NF4 as it builds them; fake "
+                             "tensors carry no data to quantise"),
+        (spec.facts.generates, f"method={spec.name} generates during the step (its KV cache and sampler "
+                               "are not traced)"),
+        (spec.facts.teacher, f"method={spec.name} loads a teacher model (not traced)"),
+        (spec.facts.data not in ("sft", "preference"), f"method={spec.name}: its batch ({spec.facts.data} rows) "
+                                                       "is not made by the tracer"),
+        (spec.facts.scalar_head, f"method={spec.name}'s value head is not traced"),
+        (run.reference == "precomputed", "method.reference=precomputed reads its cached log-probs from the data"),
+        (bool(run.precision.fp8), "precision=fp8 swaps in torchao/Transformer Engine layers (not traced)"),
+        (cfg.kernels != "none", f"kernels={cfg.kernels}: GPU kernels (not traced)"),
+        (bool(cfg.train.compile), "train.compile=true: the compiled step is not traced (the eager one would be)"),
+        (cfg.model.loader != "hf", f"model.loader={cfg.model.loader} (not traced)"),
+        (run.layout.sp > 1, "backend.sp > 1: sequence parallelism is not traced"),
+        (bool(cfg.data.packing), "data.packing=true: packed rows are not made by the tracer"),
+    ]
+    return next((why for bad, why in checks if bad), None)
+
+
+def _fake_base(model_cfg, dtype: torch.dtype) -> torch.nn.Module:
+    """The HF model the run would load, built from its config alone (inside the fake mode)."""
+    from transformers import AutoModelForCausalLM
+
+    config = meta_model(model_cfg).config if getattr(model_cfg, "arch_from", None) \
+        else load.hf_config(model_cfg.arch)
+    config._attn_implementation = load.attention_for(model_cfg.attn_implementation, "cpu")
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.config.use_cache = False
+    return model
+
+
+def _row(seq: int, prompt: int, vocab: int, gen: torch.Generator) -> tuple[list[int], list[int]]:
+    ids = torch.randint(vocab, (seq,), generator=gen).tolist()
+    return ids, [IGNORE] * prompt + ids[prompt:]
+
+
+def make_batch(run, micro_batches: int) -> StepBatch:
+    """Micro-batches of the planner's shape (workbench/plan/memory.py tokens_per_micro): every row
+    data.seq_len tokens, the last (1 - plan.select_fraction) of them... the first, as a prompt,
+    carrying no loss; preference pairs as two rows (chosen, rejected). Real tensors: the tracer
+    gives them to the fake mode with their values (TraceMode.known)."""
+    cfg = run.cfg
+    seq, mb = int(cfg.data.seq_len), int(cfg.train.micro_batch_size)
+    prompt = min(seq - 2, int(round(seq * (1.0 - float(cfg.plan.select_fraction)))))
+    gen = torch.Generator().manual_seed(0)
+    vocab = int(cfg.model.arch.vocab)
+    preference = methods.spec(cfg.method.name).facts.data == "preference"
+    micro = []
+    for _ in range(micro_batches):
+        if preference:
+            pairs = [Pair(chosen=_row(seq, prompt, vocab, gen), rejected=_row(seq, prompt, vocab, gen), prompt_len=prompt)
+                     for _ in range(mb)]
+            micro.append(collate(pairs, 0))
+        else:
+            micro.append(pad_batch([_row(seq, prompt, vocab, gen) for _ in range(mb)], 0))
+    denom = float(mb * micro_batches) if preference else float(sum(m["targets"].numel() for m in micro))
+    return StepBatch(micro=micro, denom=denom, tokens=sum(int(m["input_ids"].numel()) for m in micro))
+
+
+def _warm(optimizer, foreach: bool) -> None:
+    """One optimizer step on zero gradients: the state (AdamW's moments) exists as it does at
+    every step after the first. `foreach`: the multi-tensor kernels torch picks on a GPU."""
+    for group in optimizer.param_groups:
+        if foreach:
+            group["foreach"] = True
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _short(module: str) -> str:
+    """A module path without the wrappers' prefixes: layers.3.self_attn, lm_head, ..."""
+    if "." not in module:
+        return "the root module, outside the decoder blocks (embeddings, final norm, head and loss)"
+    name = module.split(".", 1)[1]
+    for wrapper in ("inner.", "base_model.", "model.model.", "model."):
+        name = name.removeprefix(wrapper)
+    return name
+
+
+def _step(run, mode: TraceMode | None, window=None) -> dict:
+    """Build, wrap and step the run; the tracker's figures. `mode`: the fake tensors of a trace;
+    None runs the same on real tensors (tests/unit/test_trace.py), where `window` (a
+    workbench/telemetry/tensor_memory.Window) measures the allocator around the step as well."""
+    cfg = run.cfg
+    here = run.on("cpu")  # the trace's device; bytes per tensor are the same on a GPU
+    accumulates = int(cfg.train.grad_accum) > 1
+    batch = make_batch(run, 2 if accumulates else 1)  # real tensors: made before the fake mode
+    fake = mode is not None
+    with mode if fake else contextlib.nullcontext(), module_moves() if fake else contextlib.nullcontext():
+        torch.manual_seed(int(cfg.train.seed))
+        model = build_model(here, base=_fake_base(cfg.model, here.load_dtype)) if fake else build_model(here)
+        lm = SelectiveLM(model, chunk=run.loss_chunk)
+        ctx = Context(here, None, None, Path(cfg.output_dir))
+        backend = backends.spec(cfg.backend.name).build(cfg.backend, ctx)
+        backend.wrap(lm, ctx)
+        method = methods.spec(cfg.method.name).build(cfg.method, ctx)
+        method.attach(backend)
+        if getattr(method, "tree", False):  # pairs as two rows, the planner's layout
+            method.tree = False
+        _warm(backend.optimizer, foreach=cfg.hardware.device == "cuda")
+        fsdp = cfg.backend.name == "fsdp2"
+        tracker = peak_tracker(backend.unwrapped(), backend.optimizer, fsdp)
+        ref = getattr(getattr(method, "ref", None), "model", None)
+        if ref is not None:  # a frozen copy (method.reference=copy): weights on this device too
+            from torch.distributed._tools.mem_tracker import _MemRefType
+
+            for p in ref.parameters():
+                tracker._update_and_maybe_create_winfos(p, _MemRefType.PARAM)  # noqa: SLF001 - no public way
+        micro = mode.known(batch.micro) if fake else batch.micro
+        step = StepBatch(micro=micro, denom=batch.denom, tokens=batch.tokens)
+        if window is not None:
+            window.start()
+        with tracker:
+            backend.forward_backward(step, method.loss)
+            backend.optimizer_step()
+        measured = window.stop() if window is not None else None
+        peak, terms, cats = peak_terms(tracker)
+        return {"peak": peak, "terms": terms, "categories": cats, "where": tracker.where,
+                "micro_batches": len(micro), "measured": measured}
+
+
+def trace_run(run, plan: dict | None = None) -> dict:
+    """The traced figures of `run`'s step (GiB per device), or {"traced": False, "reason": ...}.
+    `plan`: make_plan's output, whose usable memory and terms the trace is held against."""
+    reason = why_not(run)
+    if reason:
+        return {"traced": False, "reason": reason}
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return {"traced": False, "reason": "a process group is running in this process already"}
+    world = run.layout.world
+    t0 = time.perf_counter()
+    mode = TraceMode()
+    try:
+        with fake_world(world):
+            got = _step(run, mode)
+    except Exception as exc:  # noqa: BLE001 - a failed trace is reported as such, never as a number
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/workbench/" in f.filename]
+        at = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+        line = (str(exc).strip().splitlines() or [""])[0][:300]
+        return {"traced": False, "reason": f"the trace failed: {type(exc).__name__}: {line}{at}"}
+    out = {"traced": True, "world": world, "rank": 0, "device": "cpu (fake tensors)",
+           "micro_batches": got["micro_batches"], "grad_accum": int(run.cfg.train.grad_accum),
+           "seconds": round(time.perf_counter() - t0, 1), "stand_ins": mode.stand_ins,
+           "peak_gb": round(got["peak"] / GiB, 3),
+           "terms_gb": {k: round(v / GiB, 3) for k, v in got["terms"].items()},
+           "categories_gb": {k: round(v / GiB, 3) for k, v in got["categories"].items()},
+           "where": {"phase": got["where"][0], "module": _short(got["where"][1]) if got["where"][1] else ""}}
+    if plan is not None:
+        here = plan["here"]
+        usable = float(here["usable_gb"])
+        out.update(usable_gb=usable, memory_gb=float(here["memory_gb"]), fits=out["peak_gb"] <= usable,
+                   plan_peak_gb=float(plan["memory_gb"]["peak"]),
+                   margin={"gb": round(float(here["memory_gb"]) - usable, 2), "share": round(1 - HEADROOM, 3)
+                           if here["device"] != "cpu" else 0.0, "what": MARGIN_WHAT, "source": MARGIN_SOURCE})
+        out["plan_vs_trace"] = round(out["plan_peak_gb"] / out["peak_gb"] - 1, 4) if out["peak_gb"] else None
+    return out
+
+
+def plan_terms(plan: dict) -> dict[str, float]:
+    """The plan's memory terms (GiB) gathered into the trace's (workbench/plan/fake.py TERMS)."""
+    m = plan["memory_gb"]
+    return {"weights": m["weights"] + m["reference"], "grads": m["grads"], "optimizer": m["optimizer"] + m["master"],
+            "activations": m["activations"] + m["casts"] + m["logits"] + m["generation"],
+            "temporaries": m["transient"]}
+
+
+def lines(trace: dict, plan: dict) -> list[str]:
+    """The trace beside the plan, as printed after the plan's tables."""
+    if not trace["traced"]:
+        return [f"trace: not traced: {trace['reason']}"]
+    ours = plan_terms(plan)
+    out = [f"trace: the step executed at its real shape on fake tensors as rank {trace['rank']} of {trace['world']} "
+           f"(backend={plan['backend']}: every rank holds the same), {trace['micro_batches']} of "
+           f"train.grad_accum={trace['grad_accum']} micro-batches, {trace['seconds']:.0f} s",
+           f"  {'GiB per device':<30}{'plan':>8}{'traced':>9}"]
+    named = {"activations": "activations (+casts, logits)", "temporaries": "temporaries (plan: transient)",
+             "weights": "weights (+gathered, reference)", "optimizer": "optimizer (+master)"}
+    for k in TERM_ORDER:
+        out.append(f"  {named.get(k, k):<30}{ours[k]:>8.1f}{trace['terms_gb'][k]:>9.1f}")
+    diff = trace.get("plan_vs_trace")
+    out.append(f"  {'peak':<30}{trace['plan_peak_gb']:>8.1f}{trace['peak_gb']:>9.1f}"
+               + (f"   plan {diff:+.1%} of the trace" if diff is not None else ""))
+    w = trace["where"]
+    out.append(f"  the traced peak comes in the {w['phase'] or 'step'}"
+               + (f", in {w['module']}" if w["module"] else "") + " (the plan's terms peak at different moments)")
+    m = trace["margin"]
+    if m["gb"] > 0:
+        out.append(f"  margin: {m['gb']:.1f} GiB of {trace['memory_gb']:.0f} held back for {m['what']} "
+                   f"({m['source']})")
+    verdict = "fits" if trace["fits"] else "does not fit"
+    out.append(f"  traced verdict: {verdict} ({trace['peak_gb']:.1f} GiB per device of {trace['usable_gb']:.1f} usable)"
+               + ("" if trace["fits"] == plan["fits"] else
+                  f"; the plan said it {'fits' if plan['fits'] else 'does not fit'}"))
+    return out
+
+
+def refusal(trace: dict) -> str:
+    """The one line of a dry run whose plan fits and whose traced step does not."""
+    return (f"the traced step does not fit: {trace['peak_gb']:.1f} GiB per device at its peak "
+            f"({trace['where']['phase']}, {trace['where']['module'] or 'the step'}) but {trace['usable_gb']:.1f} GiB "
+            f"usable, while the plan counted {trace['plan_peak_gb']:.1f}; lower train.micro_batch_size or "
+            "data.seq_len, or turn on activation checkpointing, and trace again")
