@@ -47,7 +47,8 @@ LAYERS = [
     # the loop
     ["workbench.run.runner", "workbench.run.loop", "workbench.run.checkpoints", "workbench.run.evaluation"],
     # entry points
-    ["workbench.cli", "workbench.__main__", "workbench.report", "workbench.launch", "workbench.export.__main__"],
+    ["workbench.cli", "workbench.__main__", "workbench.report", "workbench.launch", "workbench.export.__main__",
+     "workbench.serve"],
 ]
 UNLAYERED = {"workbench", "workbench.config", "workbench.train", "workbench.telemetry", "workbench.export",
              "workbench.plan", "workbench.run"}  # package docstrings, nothing imported
@@ -349,11 +350,11 @@ def test_the_runner_finder_finds_both_forms():
 # The command line defers the run's modules until its import guards are set (bitsandbytes skipped
 # when unused, transformers' incidental imports held back: workbench/core/imports.py), so
 # `python -m workbench` stays light until a run needs them; launch/ imports each launcher when
-# chosen. Everywhere else a module's workbench
+# chosen; serve/__main__ (python -m workbench.serve) like cli. Everywhere else a module's workbench
 # imports sit at its top: packages form layers, so no import has to hide in a function to break a
 # cycle. Optional engines (deepspeed, megatron-core, ray, vllm, unsloth, trackers) are third-party
 # packages, imported where chosen (tests/integration/test_optional_imports.py).
-DEFERS_IMPORTS = {"workbench.cli", "workbench.launch"}
+DEFERS_IMPORTS = {"workbench.cli", "workbench.launch", "workbench.serve.__main__"}
 
 
 def function_level_imports() -> list[str]:

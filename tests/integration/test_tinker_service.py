@@ -1,0 +1,216 @@
+"""`python -m workbench.serve` driven by the unmodified Tinker SDK (`tinker` 0.38.0): a LoRA
+training client on model=tiny, forward_backward with the SDK's cross_entropy, optim_step with its
+AdamParams, the loss falling; sampler weights and samples with log-probs; save_state and
+load_state; a request the service cannot honour as one error; the service stopped or killed
+mid-future as an error in bounded time, never a hang.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/integration/test_tinker_service.py
+
+The service is a child process on a free loopback port (serve.port=0; it writes the port to
+<run>/serve.json). The SDK retries a lost connection with backoff and without end, so every
+wait here has a timeout: what a client of a service that can die should do too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.helpers import dist_env
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+WAIT = 60  # seconds any one SDK call may take here (a few on this machine)
+KEY = "tml-workbench-test-key-not-a-secret"
+
+
+def start(run_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """The service as a child process; (process, base URL) once it listens."""
+    env = {**dist_env(), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "workbench.serve", "model=tiny", "precision=fp32",
+                             "serve.port=0", f"output_dir={run_dir}", *extra], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the service exited {proc.returncode}:\n{proc.stdout.read()[-3000:]}")
+        if (run_dir / "serve.json").exists():
+            return proc, json.loads((run_dir / "serve.json").read_text())["url"]
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the service did not listen within 120 s")
+
+
+def stop(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return proc.stdout.read()
+
+
+@pytest.fixture(autouse=True)
+def no_telemetry(monkeypatch):
+    """The SDK's telemetry off, as the guide advises for this service (which drops it): on a
+    failed request the SDK flushes it to the server before raising, and with the server gone
+    that flush waits out its own 30 s timeout (tinker/lib/telemetry.py FLUSH_TIMEOUT)."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("serve")
+    proc, url = start(run_dir)
+    yield url, run_dir
+    stop(proc)
+
+
+def datums(n: int = 4) -> list:
+    """Sequences the tiny random model can learn in a few steps: the same tokens every time."""
+    out = []
+    for i in range(n):
+        toks = [11 + i, 500, 501, 502, 503, 504, 505, 506, 507]
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
+                               loss_fn_inputs={"target_tokens": toks[1:], "weights": [0.0] + [1.0] * 7}))
+    return out
+
+
+def test_train_sample_save_load(service):
+    url, run_dir = service
+    sc = tinker.ServiceClient(base_url=url, api_key=KEY)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=8, seed=0).result(timeout=WAIT)
+    info = tc.get_info()
+    assert info.lora_rank == 8 and info.model_data.model_name == "tiny"
+    assert len(tc.get_tokenizer().encode("2+2=4")) > 0  # the tokenizer the service saved in its run dir
+
+    data = datums()
+    losses = []
+    for _ in range(4):  # submitted back to back, collected after: the service runs them in order
+        fb = tc.forward_backward(data, "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=2e-2))
+        out = fb.result(timeout=WAIT)
+        assert opt.result(timeout=WAIT).metrics["grad_norm:mean"] > 0
+        losses.append(out.metrics["loss:sum"])
+        lp = out.loss_fn_outputs[0]["logprobs"].to_numpy()
+        assert lp.shape == (8,) and (lp <= 0).all()
+    assert losses[-1] < losses[0] - 1.0, losses  # the summed NLL of 28 tokens falls
+
+    saved = tc.save_state("after-4").result(timeout=WAIT)
+    assert saved.path.endswith("/weights/after-4")
+    at_save = tc.forward(data, "cross_entropy").result(timeout=WAIT).metrics["loss:sum"]
+
+    sampler = tc.save_weights_and_get_sampling_client().result(timeout=WAIT)
+    res = sampler.sample(types.ModelInput.from_ints([11, 500, 501]), 2,
+                         types.SamplingParams(max_tokens=4, temperature=1.0, seed=1),
+                         include_prompt_logprobs=True).result(timeout=WAIT)
+    assert len(res.sequences) == 2
+    for seq in res.sequences:
+        assert 1 <= len(seq.tokens) <= 4 and len(seq.logprobs) == len(seq.tokens)
+        assert all(lp <= 0 for lp in seq.logprobs) and seq.stop_reason in ("stop", "length")
+    assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == 3
+    # the sampler's log-probs are the trained weights': forward on what it sampled gives the same
+    prompt = [11, 500, 501]
+    greedy = sampler.sample(types.ModelInput.from_ints(prompt), 1,
+                            types.SamplingParams(max_tokens=3, temperature=0.0)).result(timeout=WAIT).sequences[0]
+    full = prompt + greedy.tokens
+    check = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                        loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)})
+    trained = tc.forward([check], "cross_entropy").result(timeout=WAIT).loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert trained[-len(greedy.tokens):].tolist() == pytest.approx(greedy.logprobs, abs=1e-4)
+
+    named = tc.save_weights_for_sampler("adapter-4").result(timeout=WAIT)
+    folder = run_dir / "checkpoints" / tc.model_id.replace(":", "_") / "sampler_weights" / "adapter-4"
+    assert (folder / "adapter_config.json").exists() and (folder / "adapter_model.safetensors").exists()
+    again = sc.create_sampling_client(model_path=named.path).result(timeout=WAIT)
+    same = again.sample(types.ModelInput.from_ints(prompt), 1,
+                        types.SamplingParams(max_tokens=3, temperature=0.0)).result(timeout=WAIT)
+    assert same.sequences[0].tokens == greedy.tokens
+    assert same.sequences[0].logprobs == pytest.approx(greedy.logprobs, abs=1e-4)
+
+    # two more steps move the weights; load_state brings back the saved ones (and AdamW's state)
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=WAIT)
+    moved = tc.forward(data, "cross_entropy").result(timeout=WAIT).metrics["loss:sum"]
+    assert moved != pytest.approx(at_save, abs=1e-4)
+    with pytest.warns(FutureWarning):  # the SDK deprecates load_state in favour of the two below
+        tc.load_state_with_optimizer(saved.path).result(timeout=WAIT)
+    assert tc.forward(data, "cross_entropy").result(timeout=WAIT).metrics["loss:sum"] == pytest.approx(at_save, abs=1e-4)
+    resumed = sc.create_training_client_from_state_with_optimizer(saved.path).result(timeout=WAIT)
+    assert resumed.forward(data, "cross_entropy").result(timeout=WAIT).metrics["loss:sum"] == pytest.approx(at_save, abs=1e-4)
+
+    # the run directory: a metrics line per forward_backward and optim_step, the manifest
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    mine = [r for r in rows if r["model_id"] == tc.model_id]
+    assert [r["event"] for r in mine].count("forward_backward") == 6
+    assert [r["event"] for r in mine].count("optim_step") == 6
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["served_model"] == "tiny" and manifest["versions"]["tinker"] == tinker.__version__
+    assert any(e["event"] == "save_state" and e["path"] == saved.path for e in manifest["events"])
+    text = "".join(p.read_text(errors="replace") for p in run_dir.rglob("*") if p.is_file() and p.suffix in
+                   (".json", ".jsonl", ".log", ".txt", ".yaml"))
+    assert KEY not in text  # the API key the SDK sent is nowhere on disk
+
+
+def test_unsupported_requests_are_one_error(service):
+    url, _ = service
+    sc = tinker.ServiceClient(base_url=url, api_key=KEY)
+    t0 = time.monotonic()
+    with pytest.raises(tinker.RequestFailedError, match="not served here; this service serves tiny"):
+        sc.create_lora_training_client(base_model="Qwen/Qwen3-8B").result(timeout=WAIT)
+    tc = sc.create_lora_training_client(base_model="tiny", rank=4).result(timeout=WAIT)
+    # "dro" is a loss the SDK knows; the service names the ones it has
+    with pytest.raises(tinker.BadRequestError, match="loss_fn 'dro' is not served here.*cross_entropy"):
+        tc.forward_backward(datums(1), "dro").result(timeout=WAIT)
+    with pytest.raises(tinker.RequestFailedError, match="not a checkpoint path of this service|no such checkpoint"):
+        sc.create_training_client_from_state("tinker://elsewhere/weights/x").result(timeout=WAIT)
+    assert time.monotonic() - t0 < 30  # errors, not retries
+
+
+def test_stopped_service_fails_the_waiting_future(tmp_path):
+    """SIGINT/SIGTERM mid-future: the client's wait ends with the service's error at once."""
+    proc, url = start(tmp_path, "debug.step_sleep_s=60")  # every forward_backward then takes a minute
+    try:
+        tc = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
+            base_model="tiny", rank=4).result(timeout=WAIT)
+        fut = tc.forward_backward(datums(1), "cross_entropy")
+        time.sleep(2)  # submitted, running, the client polling
+        proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        with pytest.raises(tinker.RequestFailedError, match="the service is stopping"):
+            fut.result(timeout=WAIT)
+        assert time.monotonic() - t0 < 10
+    finally:
+        out = stop(proc)
+    assert "unfinished request(s) failed" in out, out
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGKILL")
+def test_killed_service_is_an_error_not_a_hang(tmp_path):
+    """SIGKILL mid-future: nothing can answer; the SDK would retry forever, so the client's own
+    timeout bounds the wait (and the error says what timed out)."""
+    proc, url = start(tmp_path, "debug.step_sleep_s=60")
+    try:
+        tc = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
+            base_model="tiny", rank=4).result(timeout=WAIT)
+        fut = tc.forward_backward(datums(1), "cross_entropy")
+        time.sleep(1)
+        proc.kill()
+        proc.wait(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            fut.result(timeout=5)
+        assert time.monotonic() - t0 < 10
+    finally:
+        stop(proc)
