@@ -14,7 +14,6 @@ wait here has a timeout: what a client of a service that can die should do too.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -33,18 +32,22 @@ WAIT = 60  # seconds any one SDK call may take here (a few on this machine)
 KEY = "tml-workbench-test-key-not-a-secret"
 
 
-def start(run_dir: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """The service as a child process; (process, base URL) once it listens."""
+def launch(run_dir: Path, *extra: str) -> subprocess.Popen:
+    """The service as a child process (model=tiny, a free port)."""
     env = {**dist_env(), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "workbench.serve", "model=tiny", "precision=fp32",
+    return subprocess.Popen([sys.executable, "-m", "workbench.serve", "model=tiny", "precision=fp32",
                              "serve.port=0", f"output_dir={run_dir}", *extra], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def ready(proc: subprocess.Popen, run_dir: Path) -> str:
+    """The base URL once the service listens (it writes <run>/serve.json then)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise AssertionError(f"the service exited {proc.returncode}:\n{proc.stdout.read()[-3000:]}")
         if (run_dir / "serve.json").exists():
-            return proc, json.loads((run_dir / "serve.json").read_text())["url"]
+            return json.loads((run_dir / "serve.json").read_text())["url"]
         time.sleep(0.2)
     proc.kill()
     raise AssertionError("the service did not listen within 120 s")
@@ -71,8 +74,8 @@ def no_telemetry(monkeypatch):
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("serve")
-    proc, url = start(run_dir)
-    yield url, run_dir
+    proc = launch(run_dir)
+    yield ready(proc, run_dir), run_dir
     stop(proc)
 
 
@@ -163,6 +166,37 @@ def test_train_sample_save_load(service):
     assert KEY not in text  # the API key the SDK sent is nowhere on disk
 
 
+def test_rl_losses(service):
+    """importance_sampling and ppo on the model's own log-probs shifted by a known amount: the
+    ratio is exp(-shift), so the sums (and ppo's clip at its thresholds) are known exactly."""
+    import numpy as np
+
+    url, _ = service
+    tc = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
+        base_model="tiny", rank=4, seed=1).result(timeout=WAIT)
+    data = datums(2)
+    own = [o["logprobs"].to_numpy() for o in tc.forward(data, "cross_entropy").result(timeout=WAIT).loss_fn_outputs]
+    n = sum(len(lp) for lp in own)
+
+    def rl(shift: float, adv: float) -> list:
+        return [types.Datum(model_input=d.model_input, loss_fn_inputs={
+            "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": (lp + shift).astype(np.float32),
+            "advantages": np.full(len(lp), adv, dtype=np.float32)}) for d, lp in zip(data, own)]
+
+    def loss(name: str, shift: float, adv: float, **config) -> float:
+        return tc.forward(rl(shift, adv), name, config or None).result(timeout=WAIT).metrics["loss:sum"]
+
+    r = float(np.exp(-0.5))  # 0.61: below ppo's default low clip 0.8
+    assert loss("importance_sampling", 0.0, 1.0) == pytest.approx(-n, rel=1e-4)
+    assert loss("importance_sampling", 0.5, 2.0) == pytest.approx(-2 * r * n, rel=1e-4)
+    assert loss("ppo", 0.5, 1.0) == pytest.approx(-r * n, rel=1e-4)  # min(r A, 0.8 A) = r A
+    assert loss("ppo", 0.5, -1.0) == pytest.approx(0.8 * n, rel=1e-4)  # min(-r, -0.8) = -0.8
+    assert loss("ppo", 0.5, -1.0, clip_low_threshold=0.5) == pytest.approx(r * n, rel=1e-4)
+    out = tc.forward_backward(rl(0.0, 1.0), "ppo").result(timeout=WAIT)
+    assert out.metrics["loss:sum"] == pytest.approx(-n, rel=1e-4)
+    assert tc.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=WAIT).metrics["grad_norm:mean"] > 0
+
+
 def test_unsupported_requests_are_one_error(service):
     url, _ = service
     sc = tinker.ServiceClient(base_url=url, api_key=KEY)
@@ -178,39 +212,32 @@ def test_unsupported_requests_are_one_error(service):
     assert time.monotonic() - t0 < 30  # errors, not retries
 
 
-def test_stopped_service_fails_the_waiting_future(tmp_path):
-    """SIGINT/SIGTERM mid-future: the client's wait ends with the service's error at once."""
-    proc, url = start(tmp_path, "debug.step_sleep_s=60")  # every forward_backward then takes a minute
+def test_stopped_or_killed_service_is_an_error_not_a_hang(tmp_path):
+    """Mid-future (every forward_backward made to take a minute), two services started side by side:
+    - SIGTERM: the service fails the waiting future before it goes ("the service is stopping"),
+      so the client's wait ends with that error at once;
+    - SIGKILL: nothing can answer, and the SDK retries a lost connection forever, so the client's
+      own timeout bounds the wait (TimeoutError)."""
+    procs = {sig: launch(tmp_path / sig.name, "debug.step_sleep_s=60") for sig in (signal.SIGTERM, signal.SIGKILL)}
     try:
-        tc = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
-            base_model="tiny", rank=4).result(timeout=WAIT)
-        fut = tc.forward_backward(datums(1), "cross_entropy")
-        time.sleep(2)  # submitted, running, the client polling
-        proc.send_signal(signal.SIGTERM)
+        futures = {}
+        for sig, proc in procs.items():
+            url = ready(proc, tmp_path / sig.name)
+            tc = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
+                base_model="tiny", rank=4).result(timeout=WAIT)
+            futures[sig] = tc.forward_backward(datums(1), "cross_entropy")
+        time.sleep(2)  # submitted, running, the clients polling
+        procs[signal.SIGTERM].send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         with pytest.raises(tinker.RequestFailedError, match="the service is stopping"):
-            fut.result(timeout=WAIT)
+            futures[signal.SIGTERM].result(timeout=WAIT)
         assert time.monotonic() - t0 < 10
-    finally:
-        out = stop(proc)
-    assert "unfinished request(s) failed" in out, out
-
-
-@pytest.mark.skipif(os.name != "posix", reason="SIGKILL")
-def test_killed_service_is_an_error_not_a_hang(tmp_path):
-    """SIGKILL mid-future: nothing can answer; the SDK would retry forever, so the client's own
-    timeout bounds the wait (and the error says what timed out)."""
-    proc, url = start(tmp_path, "debug.step_sleep_s=60")
-    try:
-        tc = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
-            base_model="tiny", rank=4).result(timeout=WAIT)
-        fut = tc.forward_backward(datums(1), "cross_entropy")
-        time.sleep(1)
-        proc.kill()
-        proc.wait(timeout=10)
+        procs[signal.SIGKILL].kill()
+        procs[signal.SIGKILL].wait(timeout=10)
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
-            fut.result(timeout=5)
+            futures[signal.SIGKILL].result(timeout=5)
         assert time.monotonic() - t0 < 10
     finally:
-        stop(proc)
+        out = {sig: stop(proc) for sig, proc in procs.items()}
+    assert "unfinished request(s) failed" in out[signal.SIGTERM], out[signal.SIGTERM]
