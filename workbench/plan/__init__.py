@@ -4,6 +4,7 @@
     python -m workbench dry_run=true model=70b plan.json=true             # JSON for tools
     python -m workbench dry_run=true model=70b plan.mfu=0.35 plan.tokens=1e9
     python -m workbench dry_run=true model=70b plan.compare=true          # every profile in the table
+    python -m workbench dry_run=trace method=dpo model=70b backend=fsdp2 hardware=8xh100   # + the step on fake tensors
 
 `workbench/run/plan.py` (`make_plan(cfg)`) counts parameters exactly on a meta-device probe (counts.py), estimates
 per-device memory term by term (memory.py), gives a verdict for the configured hardware and
