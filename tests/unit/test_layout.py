@@ -39,7 +39,7 @@ LAYERS = [
      "workbench.train.keep_best", "workbench.train.watchdog", "workbench.telemetry", "workbench.plan",
      "workbench.export.parity", "workbench.export.hub"],
     # the resolved run: validation, the rule table and the decisions derived from a config
-    ["workbench.run.validate", "workbench.run.derive", "workbench.run.rules", "workbench.run.resolved",
+    ["workbench.run.validate", "workbench.run.no_effect", "workbench.run.derive", "workbench.run.rules", "workbench.run.resolved",
      "workbench.run.plan"],
     # products: preflight, the previews, the export, the report
     ["workbench.run.preflight", "workbench.run.preview", "workbench.run.preview_rows", "workbench.run.finish", "workbench.export",

@@ -115,7 +115,7 @@ def test_not_a_causal_lm_and_missing_config_are_one_line(tmp_path):
     tf.T5Config(vocab_size=100, d_model=16, d_ff=32, num_layers=1, num_heads=2).save_pretrained(d)
     with pytest.raises(UserError, match="not a causal language model"):
         compose([f"model.path={d}"], base=BASE)
-    with pytest.raises(UserError, match="no config.json"):
+    with pytest.raises(UserError, match="does not exist"):
         compose([f"model.path={tmp_path / 'nowhere'}"], base=BASE)
 
 
@@ -136,7 +136,7 @@ def test_a_model_dir_without_a_tokenizer_is_one_line(tmp_path, model_dirs):
     from workbench.models.load import load_tokenizer
 
     d = tmp_path / "weights-only"
-    tf.AutoConfig.for_model("qwen2", **COMMON).save_pretrained(d)
+    tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model("qwen2", **COMMON)).save_pretrained(d)
     cfg = compose([f"model.path={d}"], base=BASE)
     with pytest.raises(UserError, match="no usable tokenizer"):
         load_tokenizer(cfg.model)

@@ -236,9 +236,29 @@ def precheck(argv: list[str]) -> str | None:
             return None  # --config-path, --config-name, ...: another config than conf/, left to Hydra
     typed = dict(a.split("=", 1) for a in overrides if "=" in a)  # a sweep's hint keeps its values
     for point in (_sweep_points(overrides) or []) if flags else [overrides]:
-        mistake = _mistake(point, typed)
+        mistake = _mistake(point, typed) or _output_dir_mistake(point)
         if mistake:
             return mistake
+    return None
+
+
+def _output_dir_mistake(argv: list[str]) -> str | None:
+    """An output_dir that is (or lies under) a file: Hydra makes the run directory before the job
+    starts, and would stop with a traceback."""
+    from pathlib import Path
+
+    for a in argv:
+        key, eq, value = a.partition("=")
+        if not eq or key.lstrip("+~") not in ("output_dir", "hydra.run.dir"):
+            continue
+        value = value.strip("'\"")
+        where = Path(value.split("${")[0].rstrip("/") or ".").expanduser()  # a sweep's job subdir: its base
+        for p in (where, *where.parents):
+            if p.exists():
+                if not p.is_dir():
+                    return (f"{key.lstrip('+~')}={value}: {p} is a file, not a directory; choose another output_dir "
+                            "(a new directory, or an earlier run's to resume it)")
+                break
     return None
 
 

@@ -73,7 +73,10 @@ def main(argv: list[str]) -> int:
     # leave ./outputs/<date>/<time>/ (its .hydra/ and log) wherever the command was typed
     cmd = [sys.executable, "-m", "workbench", "--config-path", str(run_dir), "--config-name", "config",
            f"train.resume={path}", f"train.max_steps={n}", "train.export=true", "eval.at_start=false",
-           "eval.at_end=false", "eval.every_n_steps=0", f"output_dir={out}", f"hydra.run.dir={out}", *extra]
+           "eval.at_end=false", "eval.every_n_steps=0", "eval.tasks=[]",
+           # this checkpoint is what is exported: no evaluation, so no best to keep or export instead
+           "train.keep_best=null", "train.export_best=false",
+           f"output_dir={out}", f"hydra.run.dir={out}", *extra]
     code = subprocess.call(cmd)
     if code == 0:
         print(f"exported step {n}: {out / 'export'}")

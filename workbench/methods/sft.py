@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workbench.core.errors import UserError
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture, rank_share
 from workbench.data.overfit import Overfit
@@ -129,5 +130,16 @@ def build(cfg, ctx) -> SFT:
     return SFT(cfg, ctx)
 
 
-SPEC = MethodSpec(name="sft", config=Config, build=build,
+LOSS_ON = ("assistant", "all")
+
+
+def check(cfg) -> None:
+    """The options (SPEC.check, run when the run resolves, before any weights load): any other
+    loss_on would train the assistant turns only (workbench/data/chat.py reads "all" alone)."""
+    if cfg.loss_on not in LOSS_ON:
+        raise UserError(f"method.loss_on={cfg.loss_on!r} is not one of {list(LOSS_ON)}: assistant (the assistant "
+                        "turns) or all (prompt tokens too)")
+
+
+SPEC = MethodSpec(name="sft", config=Config, build=build, check=check,
                   facts=MethodFacts(data="sft", splits_rows=True))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from workbench.config.files import CONF_DIR, load_group_file
 from workbench.core.errors import UserError
+from workbench.models.local_path import weights_problem, where_problem
 
 
 def hub_reachable(timeout: float = 2.0) -> bool:
@@ -63,11 +64,10 @@ def own_source(model_cfg) -> bool:
 def config_file(model_cfg) -> Path:
     """The config.json of the model's own weights; UserError when it is not on this machine."""
     if model_cfg.path:
-        f = Path(model_cfg.path).expanduser() / "config.json"
-        if not f.exists():
-            raise UserError(f"model.path={model_cfg.path!r}: no config.json there (not a Hugging Face model "
-                            "directory; save one with model.save_pretrained(dir))")
-        return f.resolve()
+        problem = where_problem(model_cfg.path)  # a GGUF, a run dir, an adapter, nothing: what to pass instead
+        if problem:
+            raise UserError(problem)
+        return (Path(model_cfg.path).expanduser() / "config.json").resolve()
     hub_id = model_cfg.hub_id
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -183,6 +183,10 @@ def adopt(model_node) -> None:
         return
     f = config_file(model_node)
     hf_cfg = read_config(model_node, f)
+    if model_node.path:  # the weights beside the config, whole: a dry run checks what the run would load
+        problem = weights_problem(model_node.path)
+        if problem:
+            raise UserError(problem)
     entry = _catalog(model_node.name)
     if entry is not None:
         # The catalog entry the defaults picked describes another model: its name, packaged

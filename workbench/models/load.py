@@ -31,6 +31,7 @@ from workbench.core.errors import UserError
 from workbench.models import import_check
 from workbench.models.auto import hub_reachable, meta_model
 from workbench.models.convert import CHECK_FAILED, METADATA
+from workbench.models.local_path import weights_problem, where_problem
 
 # What a converted model directory must hold besides its seal (workbench/core/cache.py).
 CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer_config.json", METADATA, import_check.REPORT)
@@ -98,9 +99,10 @@ def locate(model_cfg) -> Resolved:
         return Resolved("tiny", "")
     tried = []
     if model_cfg.path:
-        if Path(model_cfg.path, "config.json").exists():
-            return Resolved("local", str(model_cfg.path))
-        raise UserError(f"model.path={model_cfg.path!r}: no config.json there (not an HF model directory)")
+        problem = where_problem(model_cfg.path) or weights_problem(model_cfg.path)
+        if problem:
+            raise UserError(problem)
+        return Resolved("local", str(model_cfg.path))
     if model_cfg.hub_id:
         hit = _hf_cache_dir(model_cfg.hub_id)
         if hit:

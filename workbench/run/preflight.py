@@ -40,7 +40,7 @@ from workbench.models.load import import_report, load_tokenizer, locate
 from workbench.models.unsloth_loader import check_versions
 from workbench.plan.counts import count, probe
 from workbench.rollout import rewards
-from workbench.run import rules
+from workbench.run import no_effect, rules
 from workbench.run.plan import make_plan, refusal
 from workbench.run.resolved import resolve_run
 from workbench.train import keep_best, resume, resume_changes
@@ -119,6 +119,11 @@ def check(cfg, env: rules.Env | None = None) -> dict:
         load_env(cfg.env)
     # train.keep_best names a metric the tasks report; evaluations fall on checkpoints
     keep_best.check(cfg, hooks.metrics(cfg.eval.tasks, cfg))
+    for line in no_effect.warnings(cfg):  # accepted, not read: a dry run lists it, a run says it now
+        if cfg.dry_run:
+            warnings.append(line)
+        elif is_main_process():
+            print(f"warning: {line}", file=sys.stderr, flush=True)
 
     counts = count(probe(cfg.model), cfg.model.arch, cfg.peft)  # meta device; checks adapter targets
     # A run that fits here needs no other profile; the rest of the catalog is read for dry runs

@@ -21,6 +21,7 @@ from workbench.data.recipes import inline_recipe
 from workbench.methods import registry as methods
 from workbench.models.auto import adopt
 from workbench.peft.kind import KINDS as PEFT_KINDS
+from workbench.run import no_effect
 from workbench.train.optim import OPTIMIZERS, SCHEDULERS
 from workbench.train.precision import POLICIES
 
@@ -80,6 +81,7 @@ def validate(cfg: DictConfig) -> DictConfig:
         if not node or "name" not in node:
             raise UserError(f"config group '{group}' has no 'name'; choose one, e.g. {group}=...")
     merged = _merge(Schema, OmegaConf.create(raw), "")
+    no_effect.before_defaults(merged)  # data.recipe beside data.path, before the method's recipe fills it
     _own_model_and_data(merged, plugin_nodes["method"], raw.get("env"))
     for group, node in plugin_nodes.items():
         sub = _merge(PLUGGABLE[group].spec(node["name"]).config, OmegaConf.create(node), group)
@@ -87,6 +89,7 @@ def validate(cfg: DictConfig) -> DictConfig:
         merged[group] = sub
     OmegaConf.set_struct(merged, True)
     _check_values(merged)
+    no_effect.check(merged)  # settings this run would not read (workbench/run/no_effect.py)
     _smoke_bounds(merged)
     # Every decision derived from here on lives in the resolved run (workbench/run/resolved.py);
     # nothing writes to the config after this point.
@@ -108,10 +111,28 @@ def _smoke_bounds(cfg: DictConfig) -> None:
         env.max_turns = min(int(env.max_turns), 2)
 
 
+# A learning rate above this is a typo (1e3 for 1e-3), not a setting: AdamW fine-tuning uses 1e-6
+# to 1e-3, and the SGD runs of the tests 0.1 to 0.5.
+MAX_LR = 1.0
+
+
+def _betas_ok(betas) -> bool:
+    return len(betas) == 2 and all(0 <= float(b) < 1 for b in betas)
+
+
 def _check_values(cfg: DictConfig) -> None:
-    """Range checks a type cannot express."""
+    """Range checks a type cannot express; each names the range, which is the fix."""
     checks = [
         ("optim.lr", cfg.optim.lr > 0, "must be > 0"),
+        ("optim.lr", cfg.optim.lr <= MAX_LR,
+         f"must be <= {MAX_LR:g}: a learning rate lies in (0, {MAX_LR:g}] (AdamW fine-tuning: 1e-6 to 1e-3; "
+         "the default is 2e-4)"),
+        ("optim.betas", _betas_ok(cfg.optim.betas), "must be two numbers in [0, 1), [beta1, beta2], e.g. [0.9, 0.999]"),
+        ("optim.warmup_steps", cfg.optim.warmup_steps >= 0, "must be >= 0 (0: no warmup)"),
+        ("eval.every_n_steps", cfg.eval.every_n_steps >= 0, "must be >= 0 (0: only before and after training)"),
+        ("train.log_every", cfg.train.log_every >= 1, "must be >= 1 (a progress line every N steps)"),
+        ("hardware.threads", cfg.hardware.threads >= 0, "must be >= 0 (0: leave torch's thread count as it is)"),
+        ("peft.dropout", 0 <= cfg.peft.dropout < 1, "must be in [0, 1) (0: no dropout)"),
         ("optim.max_grad_norm", cfg.optim.max_grad_norm >= 0, "must be >= 0"),
         ("train.max_steps", cfg.train.max_steps >= 0, "must be >= 0"),
         ("train.micro_batch_size", cfg.train.micro_batch_size >= 1, "must be >= 1"),

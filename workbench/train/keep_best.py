@@ -65,6 +65,10 @@ def check(cfg, reported: dict[str, tuple[str, ...] | None]) -> None:
     if t.keep_best_mode not in ("auto", "min", "max"):
         raise UserError(f"train.keep_best_mode={t.keep_best_mode!r} must be auto, min or max")
     check_metric(t.keep_best, list(cfg.eval.tasks), reported)
+    if not cfg.eval.every_n_steps and not cfg.eval.at_end:  # only before training, or never: nothing to keep
+        raise UserError(f"train.keep_best={t.keep_best} keeps nothing: no evaluation runs after a training step "
+                        "(eval.every_n_steps=0 and eval.at_end=false; debug=fast and eval=none turn evaluation off); "
+                        "add eval.at_end=true, or eval.every_n_steps=N with train.checkpoint_every dividing N")
     if cfg.eval.every_n_steps and (not t.checkpoint_every or cfg.eval.every_n_steps % t.checkpoint_every):
         raise UserError(f"train.keep_best copies the checkpoint of the evaluated step: make eval.every_n_steps "
                         f"({cfg.eval.every_n_steps}) a multiple of train.checkpoint_every ({t.checkpoint_every})")
