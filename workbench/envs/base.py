@@ -13,7 +13,8 @@ An environment starts an episode from a data row and answers each model turn:
         def call(self, state, name, arguments) -> str: ...      # a tool's result, as text
         def finish(self, state, turn) -> float | None: ...       # the turn without a call ended it
 
-- `reset(row)` returns the episode's state; the episode starts from the row's `prompt` messages;
+- `reset(row)` returns the episode's state; the episode starts from the row's `prompt` messages
+  (`prompt(state, messages)` may replace them), and `end(state)` is called once it is over;
 - `step(state, turn)` gets the model's turn (`Turn`: its text, the tool calls parsed from it by
   the chat template's format, parse errors, the whole conversation so far) and returns a
   `Reply`: tool results and/or user messages to continue with, or `done=True` with the
@@ -81,8 +82,16 @@ class Environment:
     def reset(self, row: dict):
         return {"row": row}
 
+    def prompt(self, state, prompt: list[dict]) -> list[dict]:
+        """The episode's opening messages: the row's prompt (a server that poses the task itself
+        can put its own text there, workbench/envs/openenv.py)."""
+        return prompt
+
     def step(self, state, turn: Turn) -> Reply:
         raise NotImplementedError
+
+    def end(self, state) -> None:
+        """The episode is over (ended, cut or abandoned): release what reset took (a session)."""
 
     def correct(self, state, conversation: list[dict]) -> bool | None:
         return None

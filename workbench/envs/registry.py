@@ -10,8 +10,10 @@ from workbench.core.errors import UserError
 from workbench.core.imports import user_function
 from workbench.envs.base import Environment, check_node
 from workbench.envs.calculator import Calculator
+from workbench.envs.openenv import OpenEnv
 
-ENVS: dict[str, type] = {"calc": Calculator}
+# openenv: a client of an OpenEnv server; websockets (and openenv-core, to serve) are imported only when chosen
+ENVS: dict[str, type] = {"calc": Calculator, "openenv": OpenEnv}
 
 
 def load(node) -> Environment:

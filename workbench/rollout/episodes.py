@@ -72,9 +72,14 @@ class Episode:
 
 
 def start(env, turns, row: dict) -> Episode:
-    messages = turns.start(row["prompt"])
-    ids = turns.prompt_ids(messages)
-    return Episode(row, env.reset(row), messages, list(ids), [IGNORE] * len(ids), len(ids), opening=len(messages))
+    state = env.reset(row)
+    try:
+        messages = turns.start(env.prompt(state, row["prompt"]))
+        ids = turns.prompt_ids(messages)
+    except BaseException:
+        env.end(state)
+        raise
+    return Episode(row, state, messages, list(ids), [IGNORE] * len(ids), len(ids), opening=len(messages))
 
 
 def advance(env, turns, ep: Episode, ids: list[int], max_new_tokens: int, max_turns: int) -> None:
@@ -125,16 +130,23 @@ def run(env, turns, rows: list[dict], sample: Sampler, repeat: int = 1, max_new_
         max_turns: int | None = None, synced: bool = False) -> list[Episode]:
     """`repeat` episodes per row (row i's at [i*repeat, (i+1)*repeat)), run to their end."""
     max_turns = max_turns or env.max_turns
-    episodes = [start(env, turns, row) for row in rows for _ in range(repeat)]
-    for turn in range(max_turns):
-        active = [e for e in episodes if not e.done]
-        if (all_max(len(active)) if synced else len(active)) == 0:
-            break
-        # a rank with nothing left still joins the collective forwards of this turn
-        prompts = [e.ids for e in active] or [episodes[0].ids[:episodes[0].prompt_len]]
-        outs = sample(prompts, turn == 0)
-        for ep, ids in zip(active, outs):
-            advance(env, turns, ep, ids, max_new_tokens, max_turns)
+    episodes = []
+    try:
+        for row in rows:
+            for _ in range(repeat):
+                episodes.append(start(env, turns, row))
+        for turn in range(max_turns):
+            active = [e for e in episodes if not e.done]
+            if (all_max(len(active)) if synced else len(active)) == 0:
+                break
+            # a rank with nothing left still joins the collective forwards of this turn
+            prompts = [e.ids for e in active] or [episodes[0].ids[:episodes[0].prompt_len]]
+            outs = sample(prompts, turn == 0)
+            for ep, ids in zip(active, outs):
+                advance(env, turns, ep, ids, max_new_tokens, max_turns)
+    finally:  # every episode's end, however the rollout ended (an environment server's sessions close)
+        for ep in episodes:
+            env.end(ep.state)
     return episodes
 
 
