@@ -155,7 +155,10 @@ def _serve(svc) -> int:
                             timeout_graceful_shutdown=5)
     print(f"workbench.serve: {svc.base_name} on {url} (run directory {svc.run_dir}); "
           f"point the SDK at it with TINKER_BASE_URL={url}", file=sys.stderr, flush=True)
-    Server(config).run(sockets=[sock])
+    try:
+        Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it held back once it has shut down
+        pass
     svc.event(event="stopped")
     return 0
 
