@@ -55,6 +55,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
 from workbench.core.errors import UserError
 from workbench.envs import tools as tool_fmt
 from workbench.envs.base import Environment, Reply, ToolResult, Turn
@@ -196,7 +198,8 @@ class Client:
         wait = max(0.01, min(self.s.connect_timeout_s, deadline - time.monotonic()))
         try:
             # proxy=None: a loopback server must not be reached through HTTP(S)_PROXY
-            return self._connect(self.s.url + "/ws", open_timeout=wait, close_timeout=1, proxy=None,
+            # close_timeout: a session given up on is dropped, not waited for
+            return self._connect(self.s.url + "/ws", open_timeout=wait, close_timeout=0.2, proxy=None,
                                  max_size=MAX_MESSAGE, ping_interval=None, compression=None)
         except ConnectionRefusedError:
             raise _Failure("refused the connection (nothing listens there)", retry=True) from None
@@ -214,7 +217,10 @@ class Client:
     def _ask(self, ws, message: dict, what: str, deadline: float) -> dict:
         wait = max(0.01, min(self.s.timeout_s, deadline - time.monotonic()))
         try:
-            ws.send(json.dumps(message))
+            try:
+                ws.send(json.dumps(message))
+            except self._closed:
+                pass  # a server that refused the session said why before closing: that answer is still to read
             raw = ws.recv(timeout=wait)
         except TimeoutError:
             raise _Failure(f"did not answer {what} within {wait:.3g} s (env.timeout_s): the environment is slow or "
@@ -258,7 +264,7 @@ class Client:
                         return answer
                 return self._ask(session.ws, message, what, deadline)
             except _Failure as failure:
-                self.close(session)
+                self.close(session, polite=False)
                 tries = f"{attempt + 1} of {s.retries + 1} tries"
                 head = f"env=openenv: the environment server at {s.endpoint} {failure.line}"
                 if not failure.retry:
@@ -281,17 +287,19 @@ class Client:
         session.actions.append(action)
         return answer
 
-    def close(self, session: Session) -> None:
+    def close(self, session: Session, polite: bool = True) -> None:
+        """End the session: `polite`, with the protocol's "close" (after a failure, just the socket)."""
         ws, session.ws = session.ws, None
         if ws is None:
             return
-        try:
-            ws.send(json.dumps({"type": "close"}))
-            # the server closes the socket itself after "close": waiting for that (briefly) spares it
-            # a close handshake racing ours, which openenv-core's server logs as a traceback
-            ws.recv(timeout=min(0.5, self.s.timeout_s))
-        except Exception:  # noqa: BLE001 - best effort: the server ends the session when the socket closes
-            pass
+        if polite:
+            try:
+                ws.send(json.dumps({"type": "close"}))
+                # the server closes the socket itself after "close": waiting for that (briefly) spares it
+                # a close handshake racing ours, which openenv-core's server logs as a traceback
+                ws.recv(timeout=min(0.5, self.s.timeout_s))
+            except Exception:  # noqa: BLE001 - best effort: the server ends the session when the socket closes
+                pass
         try:
             ws.close()
         except Exception:  # noqa: BLE001
@@ -423,8 +431,8 @@ class OpenEnv(Environment):
         schemas = cfg.get("tools")
         if schemas is None:
             schemas = self._listed_tools()
-        else:
-            schemas = [dict(s) for s in schemas]
+        elif isinstance(schemas, (DictConfig, ListConfig)):
+            schemas = OmegaConf.to_container(schemas, resolve=True)
         self.TOOLS = tool_fmt.check_schemas(schemas, "env.tools" if cfg.get("tools") is not None
                                             else f"the tools {self.settings.endpoint} listed")
         super().__init__(cfg)
@@ -432,7 +440,7 @@ class OpenEnv(Environment):
     def _listed_tools(self) -> list[dict]:
         session, _ = self.client.open({})
         try:
-            answer = self.client.step(session, {"type": "list_tools"}, "list_tools")
+            answer = self.client.step(session, {"type": "list_tools"}, "step (list_tools)")
         finally:
             self.client.close(session)
         return tools_from_server(answer.get("observation", {}).get("tools"), f"env=openenv: {self.settings.endpoint}")
