@@ -28,7 +28,8 @@ NCCL's buffers, kernel workspaces) is the margin the planner holds back already:
 HEADROOM of the device's (workbench/plan/fit.py). The verdict is the traced peak against that.
 
 Not traced, said so with the reason (never a number that was not traced): DeepSpeed and
-Megatron, QLoRA's NF4 weights, methods that generate or load a teacher, fp8, liger kernels,
+Megatron, DDP (backend=single over several processes),
+QLoRA's NF4 weights, methods that generate or load a teacher, fp8, liger kernels,
 torch.compile, unsloth, sequence parallelism, and DPO's precomputed reference.
 """
 
@@ -90,6 +91,9 @@ def why_not(run) -> str | None:
         (bool(cfg.train.compile), "train.compile=true: the compiled step is not traced (the eager one would be)"),
         (cfg.model.loader != "hf", f"model.loader={cfg.model.loader} (not traced)"),
         (run.layout.sp > 1, "backend.sp > 1: sequence parallelism is not traced"),
+        (backend == "single" and run.layout.world > 1,
+         f"backend=single over {run.layout.world} processes is DistributedDataParallel, whose C++ reducer "
+         "reads the parameters' data to build its buckets (fake tensors have none); backend=fsdp2 is traced"),
         (bool(cfg.data.packing), "data.packing=true: packed rows are not made by the tracer"),
     ]
     return next((why for bad, why in checks if bad), None)
@@ -261,7 +265,8 @@ def lines(trace: dict, plan: dict) -> list[str]:
         out.append(f"  {named.get(k, k):<30}{ours[k]:>8.1f}{trace['terms_gb'][k]:>9.1f}")
     diff = trace.get("plan_vs_trace")
     out.append(f"  {'peak':<30}{trace['plan_peak_gb']:>8.1f}{trace['peak_gb']:>9.1f}"
-               + (f"   plan {diff:+.1%} of the trace" if diff is not None else ""))
+               + (f"   the plan {abs(diff):.1%} {'above' if diff >= 0 else 'below'} the trace"
+                  if diff is not None else ""))
     w = trace["where"]
     out.append(f"  the traced peak comes in the {w['phase'] or 'step'}"
                + (f", in {w['module']}" if w["module"] else "") + " (the plan's terms peak at different moments)")
