@@ -60,16 +60,24 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from workbench.core.errors import UserError
 from workbench.envs import tools as tool_fmt
 from workbench.envs.base import Environment, Reply, ToolResult, Turn
-from workbench.rollout.remote import RewardServiceError, public_url
 
 EXCERPT = 200  # characters of an unexpected answer quoted in an error
 MAX_MESSAGE = 16 * 2**20  # an observation larger than this is not one the model could read
 
 
-class EnvServerError(RewardServiceError):
-    """The environment server failed or broke the protocol; one line, naming the URL. A
-    RewardServiceError, so a run that loses the server mid-run keeps its checkpoints
-    (workbench/run/loop.py) as it does for a reward service."""
+class EnvServerError(UserError):
+    """The environment server failed or broke the protocol; one line, naming the URL. A run that
+    loses the server mid-run keeps its checkpoints (workbench/run/loop.py), as for a reward service."""
+
+
+def public_url(url: str) -> str:
+    """`url` as errors show it: no user part, no query (as workbench/rollout/remote.py shows a reward
+    server's; not imported from there: rollout already imports envs)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:  # an IPv6 literal
+        host = f"[{host}]"
+    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"
 
 
 @dataclass(frozen=True)

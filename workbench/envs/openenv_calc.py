@@ -37,7 +37,12 @@ import time
 from typing import Any, Literal
 
 import uvicorn
-from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
+
+try:
+    from openenv.core.env_server import Action, Environment, Observation, State, create_fastapi_app
+except ImportError as exc:  # one line in env.serve's error, which quotes the server's last line
+    raise ImportError("the OpenEnv calculator needs openenv-core 0.3.0: pip install --no-deps openenv-core==0.3.0 "
+                      f"&& pip install fastmcp ({exc})") from exc
 
 from workbench.envs.calculator import TOOL, CalcError, evaluate
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from workbench.core import heartbeat
+from workbench.envs.openenv import EnvServerError
 from workbench.rollout.remote import RewardServiceError
 from workbench.run.checkpoints import Checkpoints
 from workbench.run.derive import Run
@@ -105,8 +106,8 @@ def next_batch_or_keep(p: Parts, boundary: tuple | None):
     the last periodic checkpoint stands), and the error says where to resume from."""
     try:
         return next_batch(p)
-    except RewardServiceError as exc:
-        raise RewardServiceError(f"{exc}; {p.checkpoints.keep_after_failed_service(p.state, boundary)}") from exc
+    except (RewardServiceError, EnvServerError) as exc:  # a reward service, or an environment server (env=openenv)
+        raise type(exc)(f"{exc}; {p.checkpoints.keep_after_failed_service(p.state, boundary)}") from exc
 
 
 def next_batch(p: Parts):
