@@ -137,11 +137,15 @@ def test_prompt_length_is_before_the_last_trained_span():
 
 
 # -- the teacher -------------------------------------------------------------------------------
-def _teacher_without_weights(tiny, tmp_path, extra_token=None, vocab=None):
-    """A teacher directory with config.json and tokenizer files but no weights: a check that
-    passes it on to loading fails there, so these tests prove the check runs before weights load."""
+def _teacher_without_weights(tiny, tmp_path, extra_token=None, vocab=None, stand_in=True):
+    """A teacher directory with config.json and tokenizer files but no real weights: a check that
+    passes it on to loading fails there, so these tests prove the check runs before weights load.
+    `stand_in`: a one-tensor model.safetensors, so the directory passes the check that weights
+    exist (workbench/models/local_path.py) and the check under test is the one that answers."""
     import copy
 
+    import torch
+    from safetensors.torch import save_file
     from transformers import AutoConfig
 
     d = tmp_path / "teacher"
@@ -153,6 +157,8 @@ def _teacher_without_weights(tiny, tmp_path, extra_token=None, vocab=None):
     if extra_token:
         tok.add_tokens([extra_token])
     tok.save_pretrained(d)
+    if stand_in:
+        save_file({"stand_in": torch.zeros(1)}, str(d / "model.safetensors"))
     return d
 
 
@@ -170,8 +176,8 @@ def test_teacher_with_another_logit_width_is_refused(tiny, tmp_path):
 
 
 def test_teacher_without_weights_is_a_user_error(tiny, tmp_path):
-    d = _teacher_without_weights(tiny, tmp_path)  # same tokenizer: passes the check, fails to load
-    with pytest.raises(UserError, match=r"method.teacher=.*cannot load its weights"):
+    d = _teacher_without_weights(tiny, tmp_path, stand_in=False)  # same tokenizer: passes that check
+    with pytest.raises(UserError, match=r"method.teacher=.*has config.json but no weights"):
         train(["method=distill", f"method.teacher={d}", "train.max_steps=1"], tmp_path / "run")
 
 
