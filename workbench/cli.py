@@ -123,6 +123,10 @@ def run_job(cfg: DictConfig) -> dict | None:
                   file=sys.stderr, flush=True)
             plan["trace"] = trace_run(facts["run"], plan)  # plan.json=true carries it too
             fits = plan["trace"]["fits"] if plan["trace"]["traced"] else fits
+        else:  # a plan that only just fits says how to check it (plan.json=true: plan.close_call)
+            from workbench.plan.trace import close_call  # deferred
+
+            plan["close_call"] = close_call(facts["run"], plan)
         if cfg.plan.json:  # machine-readable: the plan plus what preflight found, and the verdict
             shown = {k: v for k, v in facts.items() if k not in ("run", "tokenizer")}
             print(to_json({**shown, "fits": fits, "exit_status": 0 if fits else DOES_NOT_FIT_EXIT}))
@@ -138,6 +142,8 @@ def run_job(cfg: DictConfig) -> dict | None:
             if reason:
                 print(f"launch: torchrun ({reason})")
             render(plan)
+            if plan.get("close_call"):
+                print(plan["close_call"])
             if "trace" in plan:
                 from workbench.plan.trace import lines  # deferred
 

@@ -137,6 +137,8 @@ CASES = [
     ("fsdp2-checkpointing-choice", {"backend": {"name": "fsdp2", "activation_checkpointing": "some"}}, CPU,
      "none, full or selective"),
     ("fsdp2-reduce-dtype", {"backend": {"name": "fsdp2", "reduce_dtype": "int8"}}, CPU, "float32, bfloat16"),
+    ("fsdp2-sync-choice", {"backend": {"name": "fsdp2", "sync_each_micro_batch": "sometimes"}}, CPU,
+     "auto, true or false"),
     ("sharded-vllm", {**CUDA, **GRPO, "method": {"name": "grpo", "num_generations": 4, "engine": "vllm"},
                       "backend": {"name": "fsdp2"}}, GPU8, "method.engine=hf"),
     ("sharded-copied-reference", {"method": {"name": "dpo", "reference": "auto"}, "peft.kind": "none",

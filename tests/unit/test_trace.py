@@ -23,7 +23,7 @@ if __name__ == "__main__":  # a torchrun worker (below) imports the tests packag
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.conftest import ROOT, compose  # noqa: E402
-from tests.tolerances import TRACE_RTOL  # noqa: E402
+from tests.tolerances import PLAN_MEMORY_RTOL, TRACE_RTOL  # noqa: E402
 
 # The batch is the tracer's own (make_batch: rows of data.seq_len), small enough for a real step.
 SHAPE = ["data.seq_len=64", "train.micro_batch_size=2"]
@@ -130,6 +130,66 @@ def test_dry_run_takes_true_false_or_trace(tmp_path):
 
     with pytest.raises(UserError, match="dry_run.*true, false or trace"):
         compose(["dry_run=maybe"], tmp_path)
+
+
+# Full fine-tuning that accumulates on 8 ranks of an 8xH100 profile (the shape that showed whole
+# unsharded gradients on every rank at 8B and 70B), on SmolLM2-135M so it traces in seconds.
+ACCUMULATING = ["model=smollm2-135m", "hardware=8xh100", "backend=fsdp2", "method=sft", "peft=none",
+                "train.micro_batch_size=1", "train.grad_accum=2", "data.seq_len=512"]
+
+
+def _accumulating(sync: str, tmp_path) -> tuple[dict, float, float]:
+    """The trace (2 micro-batches, world 8), and the gradient's bytes per rank sharded and whole:
+    the traced AdamW state is two fp32 moments per parameter, sharded like the fp32 gradient."""
+    from workbench.plan.trace import trace_run
+    from workbench.run.plan import make_plan
+    from workbench.run.resolved import resolve_run
+
+    cfg = compose([*ACCUMULATING, f"backend.sync_each_micro_batch={sync}"], tmp_path, base=())
+    got = trace_run(resolve_run(cfg, planning=True), make_plan(cfg, others=False))
+    assert got["traced"] and got["world"] == 8 and got["micro_batches"] == 2, got
+    sharded = got["categories_gb"]["OptState"] / 2
+    return got, sharded, sharded * got["world"]
+
+
+def test_fsdp2_full_fine_tuning_keeps_gradients_sharded_while_it_accumulates(tmp_path):
+    """backend.sync_each_micro_batch=auto reduce-scatters after every micro-batch of a full
+    fine-tune: at the peak (the second micro-batch's backward) each rank holds its shard of the
+    first one's gradient, not the whole of it (which skipping the sync holds, false below)."""
+    got, sharded, whole = _accumulating("auto", tmp_path / "auto")
+    cats = got["categories_gb"]
+    held = got["terms_gb"]["grads"] + got["terms_gb"]["temporaries"]
+    print(f"auto: {cats}; sharded gradient {sharded:.3f} GiB, whole {whole:.3f}")
+    assert "Unsharded Grad" not in cats and cats.get("Sharded Grad", 0) == pytest.approx(sharded, rel=0.02)
+    # Beside the shards, the peak (the head's backward) holds the root's own gradients before its
+    # reduce-scatter: the tied embedding's dense gradient and its sum, two fp32 vocab x hidden
+    # tensors at most (workbench/plan/memory.py fsdp_regather); SmolLM2's is a fifth of the model.
+    arch = compose(ACCUMULATING, tmp_path, base=()).model.arch
+    root = 2 * arch.vocab * arch.hidden * 4 / 2**30
+    assert held <= sharded + root < whole, f"{held:.3f} GiB of gradients and temporaries at the peak"
+    off, _, _ = _accumulating("false", tmp_path / "off")
+    print(f"false: {off['categories_gb']}")
+    assert off["terms_gb"]["grads"] + off["terms_gb"]["temporaries"] >= whole
+    # the plan counts what each run holds (workbench/plan/memory.py): within the plan check's bar
+    for trace in (got, off):
+        assert abs(trace["plan_vs_trace"]) <= PLAN_MEMORY_RTOL, trace
+
+
+def test_a_plan_that_only_just_fits_says_how_to_trace_it(tmp_path, capsys):
+    from workbench.plan.trace import CLOSE_CALL, close_call
+    from workbench.run.resolved import resolve_run
+
+    run = resolve_run(compose(["backend=fsdp2", "hardware.procs=2"], tmp_path), planning=True)
+    usable = 72.0
+    at = {share: {"fits": share <= 1, "here": {"usable_gb": usable, "peak_gb": share * usable}}
+          for share in (0.5, 1 - CLOSE_CALL + 0.01, 1.01)}
+    assert close_call(run, at[0.5]) is None and close_call(run, at[1.01]) is None  # clear verdicts
+    assert "add dry_run=trace" in close_call(run, at[1 - CLOSE_CALL + 0.01])
+    zero = resolve_run(compose(["backend=deepspeed"], tmp_path), planning=True)
+    assert "cannot be traced here (backend=deepspeed" in close_call(zero, at[1 - CLOSE_CALL + 0.01])
+    # the command line prints it under the plan, and plan.json carries it (null for a clear verdict)
+    facts, out = _cli(["dry_run=true", "plan.json=true"], tmp_path, capsys)
+    assert json.loads(out)["plan"]["close_call"] is None
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.backends.base import Backend
-from workbench.backends.spec import BackendFacts, BackendSpec
+from workbench.backends.spec import BackendFacts, BackendSpec, syncs_each_micro_batch
 from workbench.backends.step import accumulate, clip_and_step, forward_only
 from workbench.config import rule
 from workbench.config.rule import Rule
@@ -47,6 +47,10 @@ class Config:
     reduce_dtype: str = "float32"  # gradient reduce-scatter dtype under mixed precision
     async_checkpoint: bool = False  # DCP async_save: training continues while shards are written
     sp: int = 1  # sequence parallelism: ranks sharing every row's tokens (workbench/train/sequence_parallel.py)
+    # train.grad_accum > 1: reduce-scatter gradients after every micro-batch (true), only after the
+    # last (false: each rank holds its unsharded gradients until then), or auto: every micro-batch
+    # unless only adapters train (workbench/backends/spec.py syncs_each_micro_batch)
+    sync_each_micro_batch: str = "auto"
 
 
 def decoder_blocks(module: torch.nn.Module) -> torch.nn.ModuleList:
@@ -114,6 +118,10 @@ class FSDP2Backend(Backend):
         self._forwarded = True
         self.verify_sharded()
         self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        # DTensor.numel() is the whole parameter's, so every rank decides alike
+        self.sync_each = syncs_each_micro_batch(
+            self.cfg.sync_each_micro_batch, sum(p.numel() for p in model.parameters() if p.requires_grad),
+            sum(p.numel() for p in model.parameters()))
         self.optimizer = build_optimizer(model.parameters(), ctx.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, ctx.cfg.optim, ctx.cfg.train.max_steps)
         self.scaler = torch.amp.GradScaler(self.device) if self.pol.loss_scaling else None
@@ -178,8 +186,8 @@ class FSDP2Backend(Backend):
         self.model.train()
         self._forwarded = True
 
-        def sync(last: bool):  # reduce-scatter once per step, after the last micro-batch
-            self.model.set_requires_gradient_sync(last)
+        def sync(last: bool):  # every micro-batch, or only the last (Config.sync_each_micro_batch)
+            self.model.set_requires_gradient_sync(last or self.sync_each)
             return contextlib.nullcontext()
 
         return accumulate(self.model, batch, loss_fn, self.pol, self.device, self.world, self.scaler, sync)
@@ -260,6 +268,10 @@ RULES = (
          lambda c, e: pick(c, "backend.reduce_dtype", "float32") not in ("float32", "bfloat16", "float16"),
          lambda c, e: f"config field 'backend.reduce_dtype' must be float32, bfloat16 or float16 "
                       f"(got {pick(c, 'backend.reduce_dtype', 'float32')!r})"),
+    Rule("fsdp2-sync-choice", {"backend": "fsdp2", "other": "gradient accumulation"},
+         lambda c, e: str(pick(c, "backend.sync_each_micro_batch", "auto")).lower() not in ("auto", "true", "false"),
+         lambda c, e: "config field 'backend.sync_each_micro_batch' must be auto, true or false "
+                      f"(got {pick(c, 'backend.sync_each_micro_batch', 'auto')!r})"),
     Rule("fsdp2-offload-on-cpu", {"backend": "fsdp2", "offload": "cpu_offload", "hardware": "cpu"},
          lambda c, e: bool(pick(c, "backend.cpu_offload", False)) and rule.device(c) == "cpu",
          "backend.cpu_offload moves GPU memory to the host; on hardware=cpu set backend.cpu_offload=false"),
@@ -267,4 +279,5 @@ RULES = (
 
 SPEC = BackendSpec(name="fsdp2", config=Config, build=build, rules=RULES,
                    facts=BackendFacts(default_stage=3, shards_from_stage=3, half_compute=True, regathers_root=True,
-                                      checkpointing_field="activation_checkpointing", loads_4bit=True))
+                                      checkpointing_field="activation_checkpointing", loads_4bit=True,
+                                      accumulation_sync_field="sync_each_micro_batch"))

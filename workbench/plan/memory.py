@@ -25,9 +25,12 @@ A GRPO micro-batch is its completions, side by side after their prompt in one ro
 (method.share_prompt) or a row each; only the completions' tokens carry a loss.
 
 Peak = weights + master + optimizer + the larger of
-  backward:  max(activations + casts + logits + head gradient, gradients + dense embedding gradient)
+  backward:  max(activations + casts + logits + head gradient + earlier micro-batches' gradients,
+                 gradients + dense embedding gradient)
   step:      gradients + optimizer temporaries
 plus reference + generation ("transient" reports what the peak holds beyond the listed terms).
+The earlier micro-batches' gradients (train.grad_accum > 1) are the gradients as the backend keeps
+them, or whole on every rank where a sharding backend skips their sync until the last one.
 Sharding divides each term by the backend: ZeRO-1 optimizer (+master), ZeRO-2 also grads, ZeRO-3 /
 FSDP2 also weights; offload moves optimizer (and params) to host memory; tensor/pipeline/context/expert parallel sizes split
 blocks, sequence and experts. `tests/integration/test_plan_memory.py` holds the predicted
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workbench.backends.spec import syncs_each_micro_batch
 from workbench.methods import registry
 from workbench.plan.activations import (
     COMPUTE,
@@ -245,6 +249,19 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
             if not s.adapter else FROZEN[s.precision]
         root = counts.embed / s.tp * unit_bytes
         gather = root + 2 * counts.per_block / mp * unit_bytes
+    # A sharding backend that skips the gradient sync before the last micro-batch (its option,
+    # workbench/backends/spec.py syncs_each_micro_batch) leaves each rank the unsharded gradients
+    # of the micro-batches so far, in the reduce dtype (fp32: backend.reduce_dtype's default; FSDP2
+    # casts them to it as it accumulates), through every later micro-batch's forward and backward.
+    held = 0.0
+    if stage >= 2 and dp > 1 and s.grad_accum > 1 and f.accumulation_sync_field:
+        share = counts.lora if s.adapter else counts.total
+        if not syncs_each_micro_batch(s.accum_sync, share, counts.total):
+            held = trainable * 4
+    # Every micro-batch after a step's first runs its forward and backward beside the gradients
+    # accumulated so far: the held unsharded ones above, else the gradients as the backend keeps
+    # them (sharded from ZeRO-2 / FSDP2 on, reduce-scattered after each micro-batch).
+    prior = held or (grads if s.grad_accum > 1 else 0.0)
     acts = activation_bytes(arch, s, tokens, seq)
     casts = cast_bytes(counts, arch, s)  # freed, like the activations, by the backward that uses them
     logit = logits_bytes(arch, s, selected)
@@ -286,15 +303,23 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         unsharded = arch.vocab * arch.hidden / s.tp
         dense = unsharded * COMPUTE[s.precision] if embed_grad and weight_mode(s) == "half" else embed_grad
         reduce = grads + 2 * unsharded * 4 - root if embed_grad else 0.0
-        logit_grad = logit * COMPUTE[s.precision] / 12  # the logits' gradient, cast to the compute dtype
-        moment = max(acts + logit_grad + root, (3 if arch.tie_embeddings else 2) * dense, reduce)
+        # Before that, the loss's log-softmax backward holds its fp32 output and both gradients
+        # (`logit`, 12 bytes per element) beside the activations: the larger moment where the
+        # logits outweigh the root (DPO's two rows of a 128k vocabulary; the traced step, 4.1 GiB
+        # of temporaries at 8B, docs/measurements/trace-matrix.md). Only the logits' gradient,
+        # cast to the compute dtype, is left when the root is gathered (the CPU allocator's peak
+        # on two real ranks, tests/integration/test_plan_memory.py).
+        logit_grad = logit * COMPUTE[s.precision] / 12
+        moment = max(acts + logit + prior, acts + logit_grad + root + prior,
+                     (3 if arch.tie_embeddings else 2) * dense + prior, reduce)
     else:
-        moment = max(acts + casts + logit + head_grad, grads + embed_grad)
+        moment = max(acts + casts + logit + head_grad + prior, grads + embed_grad)
     if distopt:  # Megatron-Core's DDP keeps its gradient buffer allocated for the whole run
         moment = max(acts + casts + logit + head_grad, embed_grad) + grads
     backward = weights + gather + master + optim + moment
     step = weights + master + optim + grads + opt_tmp
     peak = max(backward, step) + reference + generation
+    grads = max(grads, held)  # reported as held at the peak: unsharded until the last micro-batch
     transient = max(0.0, peak - (weights + master + optim + grads + acts + casts + logit + reference + generation))
     weights += gather  # reported with the weights: gathered copies are weights on this device
     transient = max(0.0, transient - gather)

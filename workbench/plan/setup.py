@@ -36,6 +36,9 @@ class Setup:
     seq_len: int = 2048
     checkpointing: str = "none"  # none | full | selective (every checkpoint_every-th block)
     checkpoint_every: int = 2
+    # the backend's accumulation sync option, where its facts name one (accumulation_sync_field):
+    # auto | true | false, decided with the parameter counts (workbench/backends/spec.py)
+    accum_sync: str = "auto"
     select_fraction: float = 1.0  # share of positions whose logits a loss needs
     loss_chunk: int = 0  # model.loss_chunk: positions per checkpointed piece of the head; 0: all at once
     packed: bool = False  # data.packing: rows of several documents, attended through a (seq x seq) mask

@@ -52,7 +52,15 @@ from workbench.models import load
 from workbench.models.auto import meta_model
 from workbench.models.build import build_model
 from workbench.models.head import SelectiveLM
-from workbench.plan.fake import TERM_ORDER, TraceMode, fake_world, module_moves, peak_terms, peak_tracker
+from workbench.plan.fake import (
+    TERM_ORDER,
+    TraceMode,
+    fake_world,
+    global_shapes_apart,
+    module_moves,
+    peak_terms,
+    peak_tracker,
+)
 from workbench.plan.fit import HEADROOM, GiB
 from workbench.train.batch import StepBatch
 from workbench.train.context import Context
@@ -170,7 +178,8 @@ def _step(run, mode: TraceMode | None, window=None) -> dict:
     accumulates = int(cfg.train.grad_accum) > 1
     batch = make_batch(run, 2 if accumulates else 1)  # real tensors: made before the fake mode
     fake = mode is not None
-    with mode if fake else contextlib.nullcontext(), module_moves() if fake else contextlib.nullcontext():
+    apart = global_shapes_apart() if fake else contextlib.nullcontext()
+    with mode if fake else contextlib.nullcontext(), module_moves() if fake else contextlib.nullcontext(), apart:
         torch.manual_seed(int(cfg.train.seed))
         model = build_model(here, base=_fake_base(cfg.model, here.load_dtype)) if fake else build_model(here)
         lm = SelectiveLM(model, chunk=run.loss_chunk)
@@ -279,6 +288,28 @@ def lines(trace: dict, plan: dict) -> list[str]:
                + ("" if trace["fits"] == plan["fits"] else
                   f"; the plan said it {'fits' if plan['fits'] else 'does not fit'}"))
     return out
+
+
+# A plan whose peak comes this close to the usable memory is a verdict the trace should confirm:
+# the matrix (docs/measurements/trace-matrix.md) holds the planner within 10% of the trace where
+# traced, and the terms it has not met there (other backends, methods, shapes) may be off more.
+CLOSE_CALL = 0.15
+
+
+def close_call(run, plan: dict) -> str | None:
+    """The line a dry run prints under a plan that fits within CLOSE_CALL of the usable memory
+    (not traced): how to trace it, or why it cannot be. None for a clear verdict either way."""
+    here = plan["here"]
+    usable, peak = float(here["usable_gb"]), float(here["peak_gb"])
+    if not plan["fits"] or usable <= 0 or peak < (1 - CLOSE_CALL) * usable:
+        return None
+    head = (f"close call: the plan's {peak:.1f} GiB per device is within {CLOSE_CALL:.0%} of the {usable:.1f} usable; "
+            "the plan is arithmetic")
+    reason = why_not(run)
+    if reason:
+        return f"{head}, and this run cannot be traced here ({reason})"
+    return (f"{head}: add dry_run=trace to run the step itself on fake tensors and check it (about a minute "
+            "for 70B on a CPU, nothing downloaded)")
 
 
 def refusal(trace: dict) -> str:

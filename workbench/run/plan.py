@@ -103,6 +103,8 @@ def from_cfg(cfg, devices: int | None = None, completion_len: int | None = None)
         tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=int(pick(cfg, "backend.ep", 1)), sp=lay.sp,
         micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum, seq_len=cfg.data.seq_len,
         checkpointing=ckpt, checkpoint_every=int(pick(cfg, "backend.selective_every", 2)),
+        accum_sync=str(pick(cfg, f"backend.{facts.accumulation_sync_field}", "auto"))
+        if facts.accumulation_sync_field else "auto",
         select_fraction=float(pick(cfg, "plan.select_fraction", 1.0)),
         loss_chunk=run.loss_chunk,
         packed=_flag(pick(cfg, "data.packing", False)),  # the methods that read data.packing pack their rows
