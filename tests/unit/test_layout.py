@@ -45,7 +45,8 @@ LAYERS = [
     ["workbench.run.preflight", "workbench.run.preview", "workbench.run.preview_rows", "workbench.run.finish", "workbench.export",
      "workbench.telemetry.report"],
     # the loop
-    ["workbench.run.runner", "workbench.run.loop", "workbench.run.checkpoints", "workbench.run.evaluation"],
+    ["workbench.run.runner", "workbench.run.fresh", "workbench.run.loop", "workbench.run.checkpoints",
+     "workbench.run.evaluation"],
     # entry points
     ["workbench.cli", "workbench.__main__", "workbench.report", "workbench.launch", "workbench.export.__main__",
      "workbench.serve"],

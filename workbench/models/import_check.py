@@ -36,6 +36,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from workbench.core import atomic, cache
+from workbench.core.errors import UserError
+
 REPORT = "import_check.json"
 TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin is the "
         "capital of Germany.")
@@ -194,9 +197,6 @@ def refresh(report: dict | None, converted: Path, gguf: Path | None, assemble=No
     it is not on disk (removed again afterwards). One process redoes it, under the entry's lock."""
     if not stale(report) or gguf is None:
         return report
-    from workbench.core import atomic, cache
-    from workbench.core.errors import UserError
-
     converted, gguf = Path(converted), Path(gguf)
     with cache.lock(converted):
         current = json.loads((converted / REPORT).read_text())

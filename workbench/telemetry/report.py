@@ -93,7 +93,7 @@ def _pairs(rows: list[dict]) -> str:
     return ", ".join(f"`{c['key']}` {c['before']} -> {c['now']}" for c in rows)
 
 
-def _resume(resumed: dict | None, max_steps: int) -> list[str]:
+def _resume(resumed: dict | None, cfg) -> list[str]:
     """The replay certificate of a resumed run (workbench/train/replay.py) and the settings the
     resume changed (workbench/train/resume_changes.py), with the steps each value ran."""
     cert = (resumed or {}).get("certificate")
@@ -109,7 +109,7 @@ def _resume(resumed: dict | None, max_steps: int) -> list[str]:
                                        from_step=changes.get("from_step"))
         out.append(f"- **changed on resume from {changes['since']}, changing what the steps after it compute** "
                    f"(train.resume_changes=allow): {_pairs(changes['result'])}; "
-                   f"{resume_changes.steps_note(found, max_steps)}")
+                   f"{resume_changes.steps_note(found, int(cfg.train.max_steps))}")
     if changes.get("other"):
         out.append(f"- changed on resume from {changes['since']} (what a step computes unchanged): "
                    f"{_pairs(changes['other'])}")
@@ -223,7 +223,7 @@ def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
         lines.append(f"- first optimizer step {results['first_step_seconds']:.1f} s after start; "
                      f"wall {results.get('wall_seconds', 0):.0f} s (this launch: conversion, training, "
                      "evaluation, export)")
-    lines += _resume(results.get("resume"), int(cfg.train.max_steps))
+    lines += _resume(results.get("resume"), cfg)  # reads train.max_steps only for a resumed run
     lines += _stall(results.get("stalled"))
     lines += _plan_check(results.get("plan_check"))
     acc = _acc_rows(results)
