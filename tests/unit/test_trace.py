@@ -194,7 +194,7 @@ def test_a_plan_that_only_just_fits_says_how_to_trace_it(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_70b_dpo_on_8xh100_traces_in_minutes(tmp_path):
-    """The headline command with FSDP2 and one pair per micro-batch (the plan's 41.8 GiB run)."""
+    """The headline command with FSDP2 and one pair per micro-batch (the plan's 42.6 GiB run)."""
     import subprocess
 
     t0 = time.perf_counter()
