@@ -407,4 +407,7 @@ RULES = (
 SPEC = BackendSpec(name="deepspeed", config=Config, build=build, rules=RULES,
                    facts=BackendFacts(shards_from_stage=3, own_accumulation=True, needs_launcher=True, half_compute=True,
                                       master_weights=True, fused_optimizer=True,
-                                      optimizer_offload="offload_optimizer", loads_4bit=True))
+                                      optimizer_offload="offload_optimizer", loads_4bit=True,
+                                      untraced="DeepSpeed's ZeRO engine allocates its flat buffers and partitions "
+                                               "through its own C++/CUDA ops and its communication layer, which "
+                                               "neither fake tensors nor torch's fake process group reach"))

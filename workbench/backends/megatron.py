@@ -493,4 +493,7 @@ RULES = (
 SPEC = BackendSpec(name="megatron", config=Config, build=build, rules=RULES,
                    facts=BackendFacts(model_parallel=True, half_compute=True, checkpointing_field="recompute",
                                       head_every_position=True, gathers_logits=True, bridges_hf_model=True,
-                                      fixed_positions=True))
+                                      fixed_positions=True,
+                                      untraced="Megatron-Core's parallel state builds its model-parallel groups "
+                                               "and fused kernels for real NCCL/gloo ranks; over torch's fake "
+                                               "process group it is not exercised here"))

@@ -113,4 +113,7 @@ def build(cfg, ctx) -> SingleBackend:
 
 
 SPEC = BackendSpec(name="single", config=Config, build=build,
-                   facts=BackendFacts(loads_unsloth=True, loads_4bit=True))
+                   facts=BackendFacts(loads_unsloth=True, loads_4bit=True,
+                                      untraced_over_processes="over several processes it is "
+                                      "DistributedDataParallel, whose C++ reducer reads the parameters' data to "
+                                      "build its buckets (fake tensors have none); backend=fsdp2 is traced"))

@@ -72,6 +72,11 @@ class BackendFacts:
     # the planner names when suggesting offload; None: the backend has no such option
     optimizer_offload: str | None = None
     loads_4bit: bool = False  # trains over bitsandbytes 4-bit base weights (peft=qlora) in its layers
+    # why dry_run=trace cannot run its step on fake tensors over torch's fake process group
+    # (workbench/plan/trace.py); None: it can. `untraced_over_processes`: the same, for a run of
+    # more than one process only
+    untraced: str | None = None
+    untraced_over_processes: str | None = None
     # its output layer projects every position (Megatron's GPTModel), not only those a loss reads:
     # the logits' memory and the head's FLOPs follow the whole batch
     head_every_position: bool = False

@@ -41,6 +41,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from workbench.backends import registry as backends
 from workbench.data.chat import IGNORE
@@ -65,25 +66,18 @@ from workbench.plan.fit import HEADROOM, GiB
 from workbench.train.batch import StepBatch
 from workbench.train.context import Context
 
-TRACED_BACKENDS = ("single", "fsdp2")
 MARGIN_WHAT = ("allocator fragmentation and caching, the CUDA context, NCCL's buffers and kernel workspaces, "
                "which a tensor trace cannot see")
 MARGIN_SOURCE = "workbench/plan/fit.py HEADROOM (the planner's own reserve)"
-UNTRACED_BACKENDS = {
-    "deepspeed": "DeepSpeed's ZeRO engine allocates its flat buffers and partitions through its own C++/CUDA "
-                 "ops and its communication layer, which neither fake tensors nor torch's fake process group reach",
-    "megatron": "Megatron-Core's parallel state builds its model-parallel groups and fused kernels for real "
-                "NCCL/gloo ranks; over torch's fake process group it is not exercised here",
-}
 
 
 def why_not(run) -> str | None:
     """The reason this run's step cannot be traced here, or None."""
     cfg = run.cfg
-    backend = cfg.backend.name
+    backend = backends.spec(cfg.backend.name)
     spec = methods.spec(cfg.method.name)
-    if backend not in TRACED_BACKENDS:
-        return f"backend={backend}: " + UNTRACED_BACKENDS.get(backend, "only backend=single and fsdp2 are traced")
+    if backend.facts.untraced:
+        return f"backend={backend.name}: {backend.facts.untraced}"
     checks = [
         (run.peft.quantised, "peft=qlora: bitsandbytes quantises real weights to NF4 as it builds them; fake "
                              "tensors carry no data to quantise"),
@@ -99,9 +93,8 @@ def why_not(run) -> str | None:
         (bool(cfg.train.compile), "train.compile=true: the compiled step is not traced (the eager one would be)"),
         (cfg.model.loader != "hf", f"model.loader={cfg.model.loader} (not traced)"),
         (run.layout.sp > 1, "backend.sp > 1: sequence parallelism is not traced"),
-        (backend == "single" and run.layout.world > 1,
-         f"backend=single over {run.layout.world} processes is DistributedDataParallel, whose C++ reducer "
-         "reads the parameters' data to build its buckets (fake tensors have none); backend=fsdp2 is traced"),
+        (bool(backend.facts.untraced_over_processes) and run.layout.world > 1,
+         f"backend={backend.name} over {run.layout.world} processes: {backend.facts.untraced_over_processes}"),
         (bool(cfg.data.packing), "data.packing=true: packed rows are not made by the tracer"),
     ]
     return next((why for bad, why in checks if bad), None)
@@ -191,7 +184,8 @@ def _step(run, mode: TraceMode | None, window=None) -> dict:
         if getattr(method, "tree", False):  # pairs as two rows, the planner's layout
             method.tree = False
         _warm(backend.optimizer, foreach=cfg.hardware.device == "cuda")
-        fsdp = cfg.backend.name == "fsdp2"
+        # torch's FSDPMemTracker where the wrap made FSDP2 modules, its MemTracker elsewhere
+        fsdp = any(isinstance(m, FSDPModule) for m in backend.unwrapped().modules())
         tracker = peak_tracker(backend.unwrapped(), backend.optimizer, fsdp)
         ref = getattr(getattr(method, "ref", None), "model", None)
         if ref is not None:  # a frozen copy (method.reference=copy): weights on this device too

@@ -108,7 +108,7 @@ def _service(cfg, serve_cfg):
             raise missing_package(package, "serve")
     run = resolve_run(cfg)
     if not run.peft.adapter:
-        raise UserError(f"peft={cfg.peft.kind}: the service trains LoRA adapters only; start it with peft=lora "
+        raise UserError(f"peft={run.peft.kind}: the service trains LoRA adapters only; start it with peft=lora "
                         "(the default) or peft=dora / peft=qlora")
     import_without_incidentals("transformers.modeling_utils")
     threads = int(cfg.hardware.threads)
