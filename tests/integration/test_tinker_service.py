@@ -71,6 +71,32 @@ def no_telemetry(monkeypatch):
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
 
 
+CLIENTS: list = []
+
+
+def client(url: str):
+    """A ServiceClient that is closed after the test (the `closed` fixture)."""
+    CLIENTS.append(tinker.ServiceClient(base_url=url, api_key=KEY))
+    return CLIENTS[-1]
+
+
+@pytest.fixture(autouse=True)
+def closed():
+    """Each test's SDK sessions finished when it ends: an open one keeps its heartbeat thread, which
+    warns every few minutes for the rest of the suite once the service has gone. Against a service
+    that is gone already the finish cannot be sent, and the SDK's own close is not waited for."""
+    yield
+    while CLIENTS:
+        sc = CLIENTS.pop()
+        try:
+            sc.close("success").result(timeout=10)
+        except Exception:  # the service was stopped or killed by the test: the SDK would retry the
+            # finish for minutes before closing its holders, so they are closed here (no request)
+            for holder in (sc._session_holder, sc._rest_holder):
+                if holder is not None:
+                    holder.close()
+
+
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("serve")
@@ -91,7 +117,7 @@ def datums(n: int = 4) -> list:
 
 def test_train_sample_save_load(service):
     url, run_dir = service
-    sc = tinker.ServiceClient(base_url=url, api_key=KEY)
+    sc = client(url)
     tc = sc.create_lora_training_client(base_model="tiny", rank=8, seed=0).result(timeout=WAIT)
     info = tc.get_info()
     assert info.lora_rank == 8 and info.model_data.model_name == "tiny"
@@ -172,7 +198,7 @@ def test_rl_losses(service):
     import numpy as np
 
     url, _ = service
-    tc = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
+    tc = client(url).create_lora_training_client(
         base_model="tiny", rank=4, seed=1).result(timeout=WAIT)
     data = datums(2)
     own = [o["logprobs"].to_numpy() for o in tc.forward(data, "cross_entropy").result(timeout=WAIT).loss_fn_outputs]
@@ -199,7 +225,7 @@ def test_rl_losses(service):
 
 def test_unsupported_requests_are_one_error(service):
     url, _ = service
-    sc = tinker.ServiceClient(base_url=url, api_key=KEY)
+    sc = client(url)
     t0 = time.monotonic()
     with pytest.raises(tinker.RequestFailedError, match="not served here; this service serves tiny"):
         sc.create_lora_training_client(base_model="Qwen/Qwen3-8B").result(timeout=WAIT)
@@ -223,7 +249,7 @@ def test_stopped_or_killed_service_is_an_error_not_a_hang(tmp_path):
         futures = {}
         for sig, proc in procs.items():
             url = ready(proc, tmp_path / sig.name)
-            tc = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
+            tc = client(url).create_lora_training_client(
                 base_model="tiny", rank=4).result(timeout=WAIT)
             futures[sig] = tc.forward_backward(datums(1), "cross_entropy")
         time.sleep(2)  # submitted, running, the clients polling

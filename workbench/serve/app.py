@@ -201,7 +201,20 @@ def build_app(svc: Service) -> Starlette:
         return JSONResponse({"type": "create_session", "session_id": sid})
 
     async def heartbeat(request):
+        # a finished session answers 410, which the SDK reads as "finished" and stops its heartbeats
+        if (svc.sessions.get((await _body(request)).get("session_id")) or {}).get("finished"):
+            return JSONResponse({"error": "this session has finished"}, status_code=410,
+                                headers={"x-should-retry": "false"})
         return JSONResponse({"type": "session_heartbeat"})
+
+    async def finish_session(request):
+        # ServiceClient.close(status): the session ends with the client's reason, in the manifest
+        sid = request.path_params["sid"]
+        if sid in svc.sessions:
+            svc.sessions[sid]["finished"] = {"reason": ((await _body(request)).get("reason") or {}).get("type"),
+                                             "at": time.time()}
+            svc.write_manifest()
+        return JSONResponse(None)
 
     async def telemetry(request):
         return JSONResponse({"status": "accepted"})  # the SDK's own reports, dropped unread
@@ -419,7 +432,7 @@ def build_app(svc: Service) -> Starlette:
             "optim_step": optim_step, "save_weights": save_weights, "load_weights": load_weights,
             "save_weights_for_sampler": save_for_sampler, "create_sampling_session": create_sampling_session,
             "asample": asample, "retrieve_future": retrieve_future, "cancel_future": cancel_future,
-            "auth/token": auth_token}
+            "auth/token": auth_token, "sessions/{sid}/finish": finish_session}
     get = {"healthz": healthz, "get_server_capabilities": capabilities, "samplers/{sid}": get_sampler}
     routes = [Route(f"/api/v1/{p}", route(f), methods=["POST"]) for p, f in post.items()]
     routes += [Route(f"/api/v1/{p}", route(f), methods=["GET"]) for p, f in get.items()]
