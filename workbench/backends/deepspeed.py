@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.backends.base import Backend
-from workbench.backends.spec import BackendFacts, BackendSpec
+from workbench.backends.spec import BackendFacts, BackendSpec, BackendTerms, on
 from workbench.backends.step import all_sum
 from workbench.config import rule
 from workbench.config.rule import Rule
@@ -404,7 +404,16 @@ RULES = (
          "backend=deepspeed needs deepspeed: pip install -e '.[deepspeed]' (or use backend=fsdp2)", machine=True),
 )
 
-SPEC = BackendSpec(name="deepspeed", config=Config, build=build, rules=RULES,
+def terms(node) -> BackendTerms:
+    """The planner's terms: the ZeRO stage, and offload_optimizer / offload_param (cpu or nvme:
+    off the device either way)."""
+    stage = getattr(node, "stage", None)
+    return BackendTerms(stage=None if stage is None else int(stage),
+                        offload_optimizer=on(getattr(node, "offload_optimizer", False)),
+                        offload_params=on(getattr(node, "offload_param", False)))
+
+
+SPEC = BackendSpec(name="deepspeed", config=Config, build=build, rules=RULES, terms=terms,
                    facts=BackendFacts(shards_from_stage=3, own_accumulation=True, needs_launcher=True, half_compute=True,
                                       master_weights=True, fused_optimizer=True,
                                       optimizer_offload="offload_optimizer", loads_4bit=True,

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.backends.base import Backend
-from workbench.backends.spec import BackendFacts, BackendSpec, syncs_each_micro_batch
+from workbench.backends.spec import BackendFacts, BackendSpec, BackendTerms, checkpointing, on, syncs_each_micro_batch
 from workbench.backends.step import accumulate, clip_and_step, forward_only
 from workbench.config import rule
 from workbench.config.rule import Rule
@@ -277,7 +277,18 @@ RULES = (
          "backend.cpu_offload moves GPU memory to the host; on hardware=cpu set backend.cpu_offload=false"),
 )
 
-SPEC = BackendSpec(name="fsdp2", config=Config, build=build, rules=RULES,
+def terms(node) -> BackendTerms:
+    """The planner's terms: cpu_offload keeps shards, gradients and optimizer state on the host;
+    activation_checkpointing and selective_every; sync_each_micro_batch. FSDP2 has no stage
+    option (its facts' default stage, 3)."""
+    host = on(getattr(node, "cpu_offload", False))
+    return BackendTerms(offload_optimizer=host, offload_params=host,
+                        checkpointing=checkpointing(getattr(node, "activation_checkpointing", None)),
+                        checkpoint_every=int(getattr(node, "selective_every", 2)),
+                        accum_sync=str(getattr(node, "sync_each_micro_batch", "auto")))
+
+
+SPEC = BackendSpec(name="fsdp2", config=Config, build=build, rules=RULES, terms=terms,
                    facts=BackendFacts(default_stage=3, shards_from_stage=3, half_compute=True, regathers_root=True,
                                       checkpointing_field="activation_checkpointing", loads_4bit=True,
                                       accumulation_sync_field="sync_each_micro_batch"))

@@ -42,7 +42,7 @@ from torch import nn
 
 from workbench.backends import megatron_state as state
 from workbench.backends.base import Backend
-from workbench.backends.spec import BackendFacts, BackendSpec
+from workbench.backends.spec import BackendFacts, BackendSpec, BackendTerms, checkpointing, on
 from workbench.backends.step import forward_only
 from workbench.config import rule
 from workbench.config.rule import Rule
@@ -490,7 +490,15 @@ RULES = (
                       f"(model={c.model.name}); use backend=fsdp2 for it"),
 )
 
-SPEC = BackendSpec(name="megatron", config=Config, build=build, rules=RULES,
+def terms(node) -> BackendTerms:
+    """The planner's terms: expert parallelism, recompute (none | selective | full) and the
+    distributed optimizer. tp, pp and cp reach the planner through the run's layout
+    (workbench/train/layout.py)."""
+    return BackendTerms(ep=int(getattr(node, "ep", 1)), checkpointing=checkpointing(getattr(node, "recompute", None)),
+                        distributed_optimizer=on(getattr(node, "distributed_optimizer", False)))
+
+
+SPEC = BackendSpec(name="megatron", config=Config, build=build, rules=RULES, terms=terms,
                    facts=BackendFacts(model_parallel=True, half_compute=True, checkpointing_field="recompute",
                                       head_every_position=True, gathers_logits=True, bridges_hf_model=True,
                                       fixed_positions=True,

@@ -2,10 +2,12 @@
 
 Every backend module (workbench/backends/<name>.py) ends with one `SPEC = BackendSpec(...)`: its
 name, its options dataclass (`Config`), its builder, the facts other layers read without running
-it (whether it shards parameters, what the planner counts for it) and the rules that concern it
-alone. `workbench/backends/registry.py` gathers the specs: it is the only list of backends, read
-by the rule table (workbench/run/rules.py), the resolved run and the planner (workbench/plan/),
-none of which compares a backend's name.
+it (whether it shards parameters, what the planner counts for it), the function that turns its
+options into the planner's terms (`terms`: BackendTerms) and the rules that concern it alone.
+`workbench/backends/registry.py` gathers the specs: it is the only list of backends, read by the
+rule table (workbench/run/rules.py), the resolved run and the planner (workbench/plan/), none of
+which compares a backend's name (tests/unit/test_layout.py) or reads a backend option by name
+(tests/unit/test_option_reads.py): they read the facts and the terms.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class BackendFacts:
     # re-gathers the root unit (embeddings, head) for the head's backward after resharding it
     # after forward (FSDP2): the all-gather buffer and its copy-out are alive at once
     regathers_root: bool = False
+    # The next three name options for the overrides the planner suggests (workbench/plan/fit.py);
+    # their values reach the planner through the spec's `terms`, never by these names.
     # the backend option that turns on activation checkpointing (none | full | selective);
     # None: model.gradient_checkpointing alone decides
     checkpointing_field: str | None = None
@@ -99,6 +103,49 @@ class BackendFacts:
         return self.shards_from_stage is not None and stage >= self.shards_from_stage
 
 
+def on(value) -> bool:
+    """An option's value as a switch: `none`, `false`, `no`, `0` and the empty string are off,
+    so `offload_optimizer: cpu` and `cpu_offload: true` both turn it on."""
+    if isinstance(value, str):
+        return value.lower() not in ("", "none", "false", "no", "0")
+    return bool(value)
+
+
+def checkpointing(value) -> str | None:
+    """A backend's activation checkpointing option (none | full | selective, or a switch) as the
+    planner counts it: `selective`, `full` (any other value that is on), None where it is off."""
+    if value is None or not on(value):
+        return None
+    return "selective" if value == "selective" else "full"
+
+
+@dataclass(frozen=True)
+class BackendTerms:
+    """A backend's options in the planner's terms: what they do, not what they are called. Each
+    backend module maps its own options (`BackendSpec.terms`); the planner (workbench/run/plan.py,
+    workbench/plan/), the resolved run and resume read these, so a backend with its own offload,
+    parallel or checkpointing options adds no planner code. The defaults are a backend without
+    such options."""
+
+    stage: int | None = None  # the ZeRO stage its options set; None: it has no stage option (facts.default_stage)
+    offload_optimizer: bool = False  # optimizer state (and master weights) kept in host memory
+    offload_params: bool = False  # parameters kept in host memory
+    ep: int = 1  # expert parallelism: ranks splitting a mixture-of-experts model's experts
+    # activation checkpointing its own option turns on (full | selective, every `checkpoint_every`-th
+    # block); None: model.gradient_checkpointing alone decides
+    checkpointing: str | None = None
+    checkpoint_every: int = 2
+    # auto | true | false (syncs_each_micro_batch above), as the option is written (str() of it):
+    # whether gradients are reduce-scattered after every micro-batch
+    accum_sync: str = "auto"
+    distributed_optimizer: bool = False  # Megatron-Core's optimizer: state sharded over data-parallel ranks
+
+
+def no_terms(node) -> BackendTerms:
+    """The terms of a backend without options the planner counts (backend=single)."""
+    return BackendTerms()
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     name: str
@@ -106,9 +153,12 @@ class BackendSpec:
     build: Callable  # (backend config, Context) -> a Backend (workbench/backends/base.py)
     facts: BackendFacts = field(default_factory=BackendFacts)
     rules: tuple = ()  # workbench/config/rule.py Rules that concern this backend alone
+    # (its options node: cfg.backend, a Config, or None where the config has none) -> BackendTerms
+    terms: Callable = no_terms
 
     def __post_init__(self):
         """A half-made spec is an error where it is written, at import, not a fallback later."""
-        if not (is_dataclass(self.config) and self.config().name == self.name and callable(self.build)):
+        if not (is_dataclass(self.config) and self.config().name == self.name and callable(self.build)
+                and callable(self.terms)):
             raise TypeError(f"backend spec {self.name!r}: config must be a dataclass whose name defaults to "
-                            f"{self.name!r}, and build a callable")
+                            f"{self.name!r}, and build and terms callables")

@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from workbench.backends import registry as backends
-from workbench.backends.spec import BackendFacts
+from workbench.backends.spec import BackendFacts, BackendTerms
 from workbench.core.errors import UserError
 from workbench.methods import registry
 from workbench.methods.spec import MethodFacts
@@ -84,6 +84,13 @@ class Run:
         """What the backend is (workbench/backends/spec.py), as `facts` is what the method needs;
         modules below the registries (FLOP counting, resume) read it here."""
         return backends.spec(self.cfg.backend.name).facts
+
+    @property
+    def backend_terms(self) -> BackendTerms:
+        """The backend's options in the planner's terms (BackendSpec.terms): its ZeRO stage,
+        offload, parallel and checkpointing choices, for modules that must not read an option
+        by name (resume's layout record)."""
+        return backends.spec(self.cfg.backend.name).terms(self.cfg.backend)
 
     @property
     def pad_free(self) -> bool:
@@ -149,8 +156,8 @@ def sharded(cfg) -> bool:
     """Whether the backend shards parameters (FSDP2, ZeRO-3): its facts say from which stage
     (backend.stage, or the backend's default stage where its options have none)."""
     b = _backend(cfg)
-    facts = backends.spec(b.name if b is not None else "single").facts
-    return facts.shards(b.get("stage") if b is not None else None)  # the planner reads the same rule
+    spec = backends.spec(b.name if b is not None else "single")
+    return spec.facts.shards(spec.terms(b).stage)  # the planner reads the same rule
 
 
 def reference(cfg) -> str:

@@ -73,46 +73,38 @@ def _flag(value) -> bool:
 
 
 def from_cfg(cfg, devices: int | None = None, completion_len: int | None = None) -> Setup:
-    """What the planner sizes: the backend's options by their schema names (a backend without
-    one gets its facts' default), the method's by its spec (MethodSpec.generation: what it
-    generates per step, from its own options and defaults), precision, peft, the reference and
-    the layout from the derived run. `completion_len`: the mean completion a run measured (the
-    plan check), in place of the method's max_new_tokens."""
+    """What the planner sizes: the backend's options in the planner's terms (BackendSpec.terms:
+    its stage, offload, expert parallelism, checkpointing, accumulation sync, optimizer), the
+    method's by its spec (MethodSpec.generation: what it generates per step, from its own options
+    and defaults), precision, peft, the reference and the layout from the derived run.
+    `completion_len`: the mean completion a run measured (the plan check), in place of the
+    method's max_new_tokens."""
     backend = pick(cfg, "backend.name", "single")
-    facts = backends.spec(backend).facts
-    stage = int(pick(cfg, "backend.stage", facts.default_stage))
-    field = facts.checkpointing_field  # the backend's own checkpointing option, if it has one
-    ckpt = pick(cfg, f"backend.{field}", None) if field else None
-    if ckpt is None or not _flag(ckpt):
-        ckpt = "full" if cfg.model.gradient_checkpointing else "none"
-    elif ckpt not in ("selective",):
-        ckpt = "full"
+    spec = backends.spec(backend)
+    terms = spec.terms(cfg.get("backend"))
+    # the backend's own checkpointing option where it turns it on, else the model's switch
+    ckpt = terms.checkpointing or ("full" if cfg.model.gradient_checkpointing else "none")
     run = derive(cfg)  # precision, peft, the reference strategy and the layout, as the run will have them
     method = registry.spec(cfg.method.name)
     gen = method.generation(cfg.method)  # None: the method trains on its data's rows
     ref = {"precomputed": "precompute"}.get(run.reference, run.reference)
-    host = _flag(pick(cfg, "backend.cpu_offload", False))  # fsdp2: parameters, gradients and optimizer state
     lay = run.layout if devices is None else replace(run.layout, world=devices)
     return Setup(
         method=method.name, peft=run.peft.kind, lora_r=int(cfg.peft.r), double_quant=bool(cfg.peft.double_quant),
-        precision=run.precision.name, optimizer=cfg.optim.name, backend=backend, stage=stage,
-        offload_optimizer=host or bool(facts.optimizer_offload)
-        and _flag(pick(cfg, f"backend.{facts.optimizer_offload}", False)),
-        offload_params=host or _flag(pick(cfg, "backend.offload_param", False)),
+        precision=run.precision.name, optimizer=cfg.optim.name, backend=backend,
+        stage=spec.facts.default_stage if terms.stage is None else terms.stage,
+        offload_optimizer=terms.offload_optimizer, offload_params=terms.offload_params,
         devices=lay.world, device=cfg.hardware.device,
-        tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=int(pick(cfg, "backend.ep", 1)), sp=lay.sp,
+        tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=terms.ep, sp=lay.sp,
         micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum, seq_len=cfg.data.seq_len,
-        checkpointing=ckpt, checkpoint_every=int(pick(cfg, "backend.selective_every", 2)),
-        accum_sync=str(pick(cfg, f"backend.{facts.accumulation_sync_field}", "auto"))
-        if facts.accumulation_sync_field else "auto",
+        checkpointing=ckpt, checkpoint_every=terms.checkpoint_every, accum_sync=terms.accum_sync,
         select_fraction=float(pick(cfg, "plan.select_fraction", 1.0)),
         loss_chunk=run.loss_chunk,
         packed=_flag(pick(cfg, "data.packing", False)),  # the methods that read data.packing pack their rows
         dpo_ref=ref, teacher_scale=float(pick(cfg, "plan.teacher_scale", 1.0)),
         **(_rollout_fields(gen, cfg, lay.dp, completion_len) if gen else {}),
-        # Megatron-Core's optimizer (the option only backend=megatron has)
-        distributed_optimizer=_flag(pick(cfg, "backend.distributed_optimizer", False)),
-        hf_copy=facts.bridges_hf_model and run.keeps_hf_base,
+        distributed_optimizer=terms.distributed_optimizer,
+        hf_copy=spec.facts.bridges_hf_model and run.keeps_hf_base,
     )
 
 

@@ -24,7 +24,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from workbench.config.schema import pick
 from workbench.core.errors import UserError
 from workbench.train import canonical, checkpoint
 
@@ -54,7 +53,7 @@ def layout_of(cfg, run) -> dict:
     """The layout a checkpoint records: backend, how it spreads the model over ranks (from its
     facts, run.backend_facts), ranks, parallel degrees, precision, batch."""
     lay, facts = run.layout, run.backend_facts
-    stage = pick(cfg, "backend.stage", None)  # a backend with a stage option (DeepSpeed's ZeRO stage)
+    stage = run.backend_terms.stage  # set by a backend with a stage option (DeepSpeed's ZeRO stage)
     spread = "model" if facts.model_parallel else "replicated" if facts.shards_from_stage is None else "sharded"
     return {"backend": cfg.backend.name, "spread": spread, "world": lay.world, "dp": lay.dp, "tp": lay.tp,
             "pp": lay.pp, "stage": int(stage) if stage is not None else None, "precision": run.precision.name,
