@@ -253,57 +253,8 @@ def test_the_name_finder_finds_a_comparison(tmp_path):
         found == ["workbench/plan/_planted_for_the_test.py:2 compares with dpo, fsdp2"]
 
 
-# A method's options are read by its own module and its spec (workbench/methods/), and set by
-# the config layer (workbench/config/); everywhere else reads the facts the spec derives from
-# them (MethodSpec.generation, reference_choice, beta, loss_on, bound_generation), so a new
-# option or a changed default is one place. `method.name` is the key to the spec.
-OWNS_METHOD_OPTIONS = ("workbench/methods/", "workbench/config/")
-_OPTION_PATH = re.compile(r"method\.([a-z_]+)")
-
-
-def _config_like(node: ast.AST) -> bool:
-    """`cfg`, `c`, `ctx.cfg`, `self.cfg`, `out`...: a name or attribute that holds a run config."""
-    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
-    return name in ("cfg", "c", "out", "changed", "run_cfg") or name.endswith("_cfg")
-
-
-def method_option_reads(modules: dict | None = None) -> list[str]:
-    """Where a module outside OWNS_METHOD_OPTIONS reads a method option other than its name: an
-    attribute chain `cfg.method.<option>`, or a call given the path "method.<option>"
-    (pick, OmegaConf.select)."""
-    found = []
-    for path in (modules or MODULES).values():
-        rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith(OWNS_METHOD_OPTIONS):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            option = None
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
-                    and node.value.attr == "method" and _config_like(node.value.value):
-                option = node.attr
-            elif isinstance(node, ast.Call):
-                for arg in node.args:
-                    m = isinstance(arg, ast.Constant) and isinstance(arg.value, str) and _OPTION_PATH.fullmatch(arg.value)
-                    option = option or (m.group(1) if m else None)
-            if option and option != "name":
-                found.append(f"{rel}:{node.lineno} reads method.{option}")
-    return sorted(set(found))
-
-
-def test_method_options_are_read_by_the_method_and_the_config_layer_only():
-    assert method_option_reads() == []
-
-
-def test_the_option_finder_finds_both_forms():
-    planted = ROOT / "workbench" / "plan" / "_planted_for_the_test.py"
-    try:
-        planted.write_text('def f(cfg, ctx):\n    return pick(cfg, "method.beta", 0) + ctx.cfg.method.max_new_tokens'
-                           ' + len(cfg.method.name)\n')
-        found = method_option_reads({"planted": planted})
-    finally:
-        planted.unlink()
-    assert found == ["workbench/plan/_planted_for_the_test.py:2 reads method.beta",
-                     "workbench/plan/_planted_for_the_test.py:2 reads method.max_new_tokens"]
+# Option reads (a method's outside workbench/methods/, a backend's outside workbench/backends/,
+# aliases and getattr included) are found by tests/unit/test_option_reads.py.
 
 
 # The runner builds the parts and hands each collaborator the few it needs (the loop's Parts,

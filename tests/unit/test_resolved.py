@@ -140,10 +140,10 @@ def test_unknown_optimizer_is_refused_before_weights(tmp_path):
 
 
 def test_vllm_options_are_in_grpos_schema(tmp_path):
-    from workbench.rollout.vllm_engine import options
+    from workbench.methods.grpo import vllm_options
 
     cfg = compose(["method=grpo", "method.vllm_gpu_memory_utilization=0.5", "method.vllm_sleep_level=2"], tmp_path)
-    opts = options(cfg)
+    opts = vllm_options(cfg.method, cfg.data.seq_len)
     assert (opts.gpu_memory_utilization, opts.sleep_level, opts.max_model_len) == (0.5, 2, 2 * cfg.data.seq_len)
 
 

@@ -166,7 +166,7 @@ def loss(ctx) -> dict:
 
 
     def examples():
-        loss_on = getattr(ctx.cfg.method, "loss_on", "assistant")
+        loss_on = registry.spec(ctx.cfg.method.name).loss_on(ctx.cfg.method)
         out = []
         for s in eval_recipe(ctx.cfg).eval_sources:
             t = tokenise_source(s, ctx.tokenizer, ctx.contract, ctx.cfg.data, loss_on)

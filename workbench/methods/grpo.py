@@ -66,6 +66,7 @@ from workbench.methods.spec import MethodFacts, MethodSpec, Rollouts
 from workbench.rollout import advantages, objectives, pending, rewards
 from workbench.rollout.async_rollouts import AsyncRollouts
 from workbench.rollout.generate import generate
+from workbench.rollout.vllm_engine import Options as VLLMOptions
 from workbench.rollout.vllm_engine import VLLMEngine
 from workbench.train import precision, sequence_parallel
 from workbench.train.batch import Forward, StepBatch
@@ -133,6 +134,13 @@ class Config:
     # the run stops when vLLM's and the training model's log-probs on the probe prompt differ by more
     # than this (mean absolute difference per token)
     vllm_probe_tolerance: float = 0.25
+
+
+def vllm_options(cfg, seq_len: int) -> VLLMOptions:
+    """The colocated vLLM engine's options from the vllm_* ones of this Config (`cfg`: the method
+    node; `seq_len`: data.seq_len, whose double bounds a prompt and its completion by default)."""
+    return VLLMOptions(cfg.vllm_gpu_memory_utilization, cfg.vllm_sleep_level, cfg.vllm_verify_every,
+                       cfg.vllm_max_model_len or 2 * seq_len, cfg.vllm_enforce_eager, cfg.vllm_probe_tolerance)
 
 
 def stopped(ids: list[int], max_new_tokens: int) -> bool:
@@ -230,7 +238,8 @@ class GRPO(Method):
         if reference != "none":
             self.ref = Reference(reference, module)
         if self.cfg.engine == "vllm":
-            self.engine = VLLMEngine(self.ctx.cfg, self.ctx.tokenizer, self.ctx.contract)
+            self.engine = VLLMEngine(self.ctx.cfg, self.ctx.tokenizer, self.ctx.contract,
+                                     vllm_options(self.cfg, self.ctx.cfg.data.seq_len))
         if self.cfg.async_rollouts:
             self._async = AsyncRollouts(module, self._rollout, self.mixture.state_dict)
 

@@ -40,18 +40,15 @@ PROBE = [{"role": "user", "content": "What is 12 + 30? Answer with the number on
 
 @dataclass
 class Options:
+    """What the engine is given: the method maps its own options onto these (GRPO's vllm_*:
+    workbench/methods/grpo.py vllm_options), so this module reads no method option."""
+
     gpu_memory_utilization: float = 0.3
     sleep_level: int = 1
     verify_every: int = 1
     max_model_len: int = 512
     enforce_eager: bool = False
     probe_tolerance: float = 0.25
-
-
-def options(cfg) -> Options:
-    m = cfg.method  # the vllm_* fields of workbench/methods/grpo.py Config
-    return Options(m.vllm_gpu_memory_utilization, m.vllm_sleep_level, m.vllm_verify_every,
-                   m.vllm_max_model_len or 2 * cfg.data.seq_len, m.vllm_enforce_eager, m.vllm_probe_tolerance)
 
 
 # -- merged weights ---------------------------------------------------------------------------
@@ -130,11 +127,13 @@ def hf_prompt_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
 class VLLMEngine:
     """Rollouts through an in-process vLLM model that mirrors the training weights."""
 
-    def __init__(self, cfg, tokenizer, contract, adapter=None):
+    def __init__(self, cfg, tokenizer, contract, opts: Options | None = None, adapter=None):
+        """`opts`: the engine's options, which the method maps from its own (workbench/methods/grpo.py
+        vllm_options); None: the defaults, with room for a prompt and a completion of data.seq_len each."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.contract = contract
-        self.opts = options(cfg)
+        self.opts = opts or Options(max_model_len=2 * cfg.data.seq_len)
         if adapter is None:
             adapter = _VLLMAdapter(_weights_dir(cfg, tokenizer), self.opts, cfg.train.seed)
         self.llm = adapter

@@ -39,6 +39,7 @@ from workbench.data.readers import iter_rows, skip_bad
 from workbench.data.recipes import load_recipe
 from workbench.envs.base import check_node
 from workbench.envs.registry import load
+from workbench.methods import registry
 from workbench.models.load import load_tokenizer
 from workbench.rollout import episodes
 from workbench.rollout.turns import Turns
@@ -83,7 +84,7 @@ def preview(cfg, out=None) -> dict:
     tokenizer, contract, out, color = setup(cfg, out)
     if cfg.get("env") is not None:
         return preview_episodes(cfg, tokenizer, contract, out, color)
-    loss_on = getattr(cfg.method, "loss_on", "assistant") if cfg.method is not None else "assistant"
+    loss_on = registry.spec(cfg.method.name).loss_on(cfg.method) if cfg.method is not None else "assistant"
     recipe = load_recipe(cfg.data.recipe)
     sources = tokenise_recipe(recipe, tokenizer, contract, cfg.data, loss_on)
     mixture = Mixture([len(s.examples) for s in sources], [s.source.weight for s in sources],

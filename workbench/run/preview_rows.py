@@ -142,10 +142,11 @@ def _prompts(cfg, source, where, row, tokenizer, contract, color):
     extra = {k: v for k, v in row.items() if k != "prompt"}
     columns = ", ".join(f"{k}={v!r:.40}" for k, v in extra.items()) or "none"
     rewards = [f if isinstance(f, str) else f.get("name") for f in (cfg.get("reward") or {}).get("functions") or []]
-    m = cfg.method
+    gen = registry.spec(cfg.method.name).generation(cfg.method)  # what the method generates per prompt
     shown = (tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-             + f"\n[generated in training: {m.get('num_generations')} completions of up to {m.get('max_new_tokens')} "
-               f"tokens, trained where sampled; scored by {', '.join(map(str, rewards)) or 'no reward'}]")
+             + f"\n[generated in training: {gen.generations if gen else None} completions of up to "
+               f"{gen.completion_len if gen else None} tokens, trained where sampled; "
+               f"scored by {', '.join(map(str, rewards)) or 'no reward'}]")
     yield {"title": f"prompt: {where}, format {_fmt(source, row, where, 'prompts')}, {len(ids)} tokens, "
                     f"columns for the rewards: {columns}",
            "shown": shown, "format": _fmt(source, row, where, "prompts"), "tokens": len(ids), "columns": extra,
