@@ -49,3 +49,19 @@ def test_dry_run_names_the_launch(tmp_path, capsys, monkeypatch):
     cli.run_job(compose(["backend=deepspeed", "dry_run=true"], tmp_path, validate=False))
     out = capsys.readouterr().out
     assert "preflight ok" in out and "launch: torchrun (backend=deepspeed runs only in a launched process" in out
+
+
+def test_a_peers_verdict_in_a_traceback_is_the_restart_line(tmp_path):
+    """A rank that found a peer gone raises RankFailure; when its traceback lands before rank 0's
+    stall.json, the launcher's line is the verdict itself, not "rank 1 failed: ...RankFailure"."""
+    from workbench.train.watchdog import RankFailure
+
+    stalls = tmp_path / "stalls"
+    stalls.mkdir()
+    verdict = "rank(s) 2 stopped answering (its node closed the connection): rank 2 on n3"
+    (stalls / "traceback-rank1.txt").write_text(
+        f"Traceback (most recent call last):\n  ...\n{RankFailure.__module__}.RankFailure: {verdict}\n")
+    assert str(torchrun._failure(stalls)) == verdict
+    (stalls / "traceback-rank1.txt").write_text("Traceback (most recent call last):\nValueError: bad shape\n")
+    line = str(torchrun._failure(stalls))
+    assert line.startswith("rank 1 failed: ValueError: bad shape (traceback: ")

@@ -256,8 +256,12 @@ def _failure(stalls: Path, exc=None, seen=frozenset()):
         if (path.name, text) in seen:
             continue
         lines = [x for x in text.splitlines() if x.strip()]
+        last = lines[-1] if lines else "?"
+        verdict = f"{RankFailure.__module__}.{RankFailure.__name__}: "
+        if last.startswith(verdict):  # this rank found a peer gone (watchdog.blame) before rank 0 wrote
+            return RankFailure(last.removeprefix(verdict))  # stall.json: the verdict is the line
         rank = path.stem.removeprefix("traceback-rank")
-        return RankFailure(f"rank {rank} failed: {lines[-1] if lines else '?'} (traceback: {path})")
+        return RankFailure(f"rank {rank} failed: {last} (traceback: {path})")
     if gone:
         return RankFailure(ended(gone[0][0], gone[0][1].pid, gone[0][1].exitcode, stalls))
     return None
