@@ -104,3 +104,29 @@ def test_stops_when_every_row_has_ended(tiny, dedup):
         hook.remove()
     assert [len(c) for c in out] == [2] * (len(TEXTS) * G)  # two tokens, then end-of-turn (stripped)
     assert len(calls) == 3 + (1 if dedup else 0) < NEW
+
+
+def test_the_head_never_runs_per_row_in_bf16(tiny):
+    """HF hands the output head a [rows, 1, hidden] slice at prefill; when the head is frozen (LoRA)
+    and the slice is not copied (bf16 weights, no autocast cast), torch's matmul cannot fold it and
+    runs a bmm over one copy of the head's weight per row (Gemma 3: 16.7 GB at 50 rows). The head
+    must see one matmul: no bmm whose output spans the vocabulary."""
+    import copy
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tok, eot, model = tiny
+    model = copy.deepcopy(model).to(torch.bfloat16).requires_grad_(False)  # frozen, as under LoRA
+    vocab = model.get_output_embeddings().weight.shape[0]
+    seen = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.bmm.default and out.shape[-1] == vocab:
+                seen.append(tuple(args[1].shape))
+            return out
+
+    with Ops():
+        generate(model, tok, _convs(), 3, eot)
+    assert seen == [], f"the head ran as a bmm over per-row copies of its weight: {seen}"
