@@ -251,13 +251,13 @@ def _failure(stalls: Path, exc=None, seen=frozenset()):
             return RankFailure(ended(rank, f.pid, f.exitcode, stalls))
     if "stall.json" in found:
         return RankFailure(found["stall.json"])
+    verdict = f"{RankFailure.__module__}.{RankFailure.__name__}: "  # how a traceback ends on one
     for path in sorted(stalls.glob("traceback-rank*.txt")):
         text = path.read_text()
         if (path.name, text) in seen:
             continue
         lines = [x for x in text.splitlines() if x.strip()]
         last = lines[-1] if lines else "?"
-        verdict = f"{RankFailure.__module__}.{RankFailure.__name__}: "
         if last.startswith(verdict):  # this rank found a peer gone (watchdog.blame) before rank 0 wrote
             return RankFailure(last.removeprefix(verdict))  # stall.json: the verdict is the line
         rank = path.stem.removeprefix("traceback-rank")

@@ -83,10 +83,10 @@ def _left_pad(prompts: list[list[int]], width: int, pad: int) -> tuple[torch.Ten
 
 def _contiguous_input(module, args):
     """The output head's input, made contiguous when it is a slice. HF's causal LMs hand the head
-    `hidden[:, -1:, :]` under `logits_to_keep=1`: a [rows, 1, hidden] view with the prompt's stride,
-    which torch's linear cannot fold into one matmul in bf16, so it expands the head's weight to
-    one copy per row and runs a bmm (Gemma 3 270M, 50 rows: 16.7 GB and 20 s for one prefill,
-    instead of 0.03 s; fp32 inputs are copied by autocast first and never meet it)."""
+    `hidden[:, -1:, :]` under `logits_to_keep=1`: a [rows, 1, hidden] view with the prompt's stride.
+    torch's matmul folds that into one mm only when the weight requires grad; a frozen head (LoRA)
+    fed the view itself (bf16 weights: autocast makes no copy) gets its weight expanded to one copy
+    per row and a bmm (Gemma 3 270M, 50 rows: 16.7 GB and 20 s for one prefill, instead of 0.03 s)."""
     if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
         return (args[0].contiguous(), *args[1:])
     return None
@@ -168,7 +168,7 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: i
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    head = base_model(model).get_output_embeddings() if hasattr(base_model(model), "get_output_embeddings") else None
+    head = getattr(base_model(model), "get_output_embeddings", lambda: None)()
     hook = head.register_forward_pre_hook(_contiguous_input) if isinstance(head, torch.nn.Module) else None
     cfg = getattr(model, "config", None)
     old_cache = getattr(cfg, "use_cache", None)
