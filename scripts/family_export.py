@@ -41,7 +41,7 @@ def overrides(family: str, gguf: bool) -> list[str]:
 def gguf_refusal(family: str) -> str:
     """The rule that refuses GGUF export of `family` before weights load, or ""."""
     from tests.conftest import compose
-    from workbench.run import rules
+    from workbench.resolve import rules
 
     broken = [r.id for r, _ in rules.violations(compose(overrides(family, True)))]
     return broken[0] if broken else ""

@@ -1,7 +1,7 @@
 """The family matrix: a random-initialised small model of each family transformers ships and people
 fine-tune, on each backend, under each training method. Every cell either trains with the losses
 of backend=single (within tests/tolerances.py), or is refused by a named rule of
-workbench/run/rules.py before any weights load; the run writes docs/family-matrix.md.
+workbench/resolve/rules.py before any weights load; the run writes docs/family-matrix.md.
 
     python scripts/family_matrix.py                              # the whole matrix -> docs/family-matrix.md
     python scripts/family_matrix.py --families gemma2,phi3       # a share: these families only
@@ -134,7 +134,7 @@ def classify(cell: Cell, env=None) -> tuple[str, str]:
     """("trains", "") or ("refused", rule id): the rule table's verdict, before any weights load
     (what `resolve()` runs for every entry point). `env`: the machine as the rules see it."""
     from tests.conftest import compose
-    from workbench.run import rules
+    from workbench.resolve import rules
 
     broken = rules.violations(compose(overrides(cell)), env)
     return ("refused", broken[0][0].id) if broken else ("trains", "")

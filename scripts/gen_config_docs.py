@@ -331,8 +331,8 @@ def _choice_node(path: Path, key: str | None = None) -> tuple[dict, dict[str, st
 
 
 def launchers_section() -> list[str]:
-    from workbench import launch
     from workbench.config.commandline import choices as _choices
+    from workbench.launch import dispatch as launch
 
     lines = ["## Options of each launcher", "",
              "`launcher=<name>` (`conf/launcher/<name>.yaml`) says where the run executes; each key is set",

@@ -99,7 +99,7 @@ class Check:
     def compose(self, overrides: list[str]):
         from hydra import compose, initialize_config_dir
 
-        from workbench.run.validate import validate
+        from workbench.resolve.validate import validate
 
         self.n += 1
         ov = ["eval=none", "train.export=false", "train.log_every=1000", "optim.warmup_steps=0",
@@ -129,7 +129,7 @@ class Check:
         # fine-tune would otherwise write ~15 GB of optimizer state per run.
         runner = Runner(cfg)
         runner.build()
-        from workbench.telemetry.flops import FlopCount
+        from workbench.compute.flops import FlopCount
 
         count = FlopCount.from_model(runner.model, runner.run)
         rows = []
@@ -150,7 +150,7 @@ class Check:
                "step_s": statistics.median(r["step_s"] for r in timed),
                "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
                "n_params": runner.n_params, "n_trainable": runner.n_trainable}
-        from workbench.telemetry.peak import measured_peak_flops
+        from workbench.plan.peak import measured_peak_flops
 
         achieved = statistics.median(r["flops_per_s"] for r in timed)
         out["mfu_vs_measured_peak"] = achieved / measured_peak_flops(cfg.hardware.device, runner.pol)
@@ -226,10 +226,10 @@ def fp8(c: Check) -> dict:
 def rollout(c: Check) -> dict:
     import torch
 
+    from workbench.compute.precision import autocast, policy
     from workbench.data.chat import setup_tokenizer
     from workbench.models.load import load_model, load_tokenizer
     from workbench.rollout.generate import generate
-    from workbench.train.precision import autocast, policy
 
     prompts, gens, new = (2, 2, 4) if c.dry else (64, 8, 128)
     cfg = c.compose(c.model_135m() + ["peft=none", "precision=bf16-mixed"])
@@ -256,8 +256,8 @@ def rollout(c: Check) -> dict:
         num_return_sequences=gens, autocast=autocast(policy("bf16-mixed"), dev)))
     try:
         from workbench.core.errors import UserError
+        from workbench.resolve import rules
         from workbench.rollout.vllm_engine import VLLMEngine
-        from workbench.run import rules
 
         vcfg = c.compose(c.model_135m() + ["peft=none", "precision=bf16-mixed", "method=grpo", "method.engine=vllm"])
         try:
@@ -283,7 +283,7 @@ def planner(c: Check) -> dict:
     """Predicted (workbench.plan.make_plan) vs measured peak memory; packed rows so every
     micro-batch holds seq_len tokens, as the planner assumes."""
     try:
-        from workbench.run.plan import make_plan
+        from workbench.plan.make import make_plan
     except ImportError as exc:
         raise Skip(f"the planner is not importable: {exc}") from None
     mbs = 2 if c.dry else 16
@@ -373,6 +373,7 @@ def episodes(c: Check) -> dict:
     vLLM engine serving the same turns (VLLMEngine.generate_ids), episodes/s and turns."""
     import torch
 
+    from workbench.compute.precision import autocast, policy
     from workbench.data.chat import setup_tokenizer
     from workbench.envs.registry import load
     from workbench.evals.hooks import eval_rows
@@ -380,7 +381,6 @@ def episodes(c: Check) -> dict:
     from workbench.rollout import episodes as loop
     from workbench.rollout.generate import generate_ids
     from workbench.rollout.turns import Turns
-    from workbench.train.precision import autocast, policy
 
     rows_n, gens, new = (2, 2, 4) if c.dry else (32, 8, 48)
     cfg = c.compose(c.model_135m() + ["peft=none", "precision=bf16-mixed", "method=grpo", "env=calc"])
@@ -405,8 +405,8 @@ def episodes(c: Check) -> dict:
                                                              do_sample=True, autocast=ac))
     try:
         from workbench.core.errors import UserError
+        from workbench.resolve import rules
         from workbench.rollout.vllm_engine import VLLMEngine
-        from workbench.run import rules
 
         vcfg = c.compose(c.model_135m() + ["peft=none", "precision=bf16-mixed", "method=grpo", "method.engine=vllm",
                                            "env=calc"])

@@ -47,8 +47,8 @@ UNVALIDATED = {"grpo-unvalidated": CONFIGS["grpo-method-defaults"]}
 
 def plans() -> dict[str, dict]:
     from workbench.config.schema import register_resolvers
-    from workbench.run.plan import make_plan
-    from workbench.run.validate import validate
+    from workbench.plan.make import make_plan
+    from workbench.resolve.validate import validate
 
     register_resolvers()
     out = {}

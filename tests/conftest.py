@@ -39,7 +39,7 @@ _COMPOSED: dict[tuple[str, ...], object] = {}
 
 
 def compose(overrides: list[str] = (), out: Path | None = None, validate: bool = True, base=TINY):
-    from workbench.run.validate import validate as _validate
+    from workbench.resolve.validate import validate as _validate
 
     ov = (*base, *overrides)
     if ov not in _COMPOSED:

@@ -1,6 +1,6 @@
 """The precision matrix: every method x backend x precision x peft as a cell that either trains two
 steps with the losses of backend=single at the same precision, or is refused by a named rule of
-workbench/run/rules.py before any weights load.
+workbench/resolve/rules.py before any weights load.
 
     from tests.precision_matrix import cells, classify, DEFAULT
     for cell in cells():                 # the slow tier's whole matrix
@@ -115,10 +115,10 @@ DEFAULT = ([Cell("sft", b, "bf16-mixed", f) for b in BACKENDS for f in ("none", 
 
 def classify(cell: Cell, env=None) -> tuple[str, str]:
     """("trains", "") or ("refused", rule id): the rule table's verdict, before any weights load.
-    `env` is the machine as the rules see it (workbench.run.rules.Env); default: this one."""
+    `env` is the machine as the rules see it (workbench.resolve.rules.Env); default: this one."""
     from tests.conftest import compose
     from workbench.core.errors import UserError
-    from workbench.run import rules
+    from workbench.resolve import rules
 
     try:
         cfg = compose(overrides(cell, teacher="/nonexistent/teacher"))

@@ -30,7 +30,7 @@ relative.
 - Values that must differ (a changed token's log-prob, the NLL with the prompt counted) are
   asserted at least 10 x LOSS_RTOL apart, relative to their size: beyond any rounding these
   derivations allow equal values.
-- The resume certificate (workbench/train/replay.py, whose constants must equal these): the loss of
+- The resume certificate (workbench/checkpoints/replay.py, whose constants must equal these): the loss of
   one fixed micro-batch, forward only, under the same weights in another layout. In fp32 only the
   summation order differs, the LOSS_RTOL case. With bf16 or fp16 compute every matmul output is
   rounded to bf16 at worst (EPS_BF16 = 2**-8 relative a rounding) and another summation order can

@@ -10,13 +10,13 @@ Exit status: 0 done; 2 a mistake in config, data or environment (one `error:` li
 weights load; in a multirun the failed job is listed in the sweep summary, the other jobs go on
 and the command exits 2 once the summary is written), a checkpoint that could not be written
 (disk full) or more NaN/Inf steps than `train.max_bad_steps`; 3 a rank stalled or another rank
-failed (the watchdog, workbench/train/watchdog.py: stacks in `<run>/stalls/`); 4 with dry_run=true,
+failed (the watchdog, workbench/guard/watchdog.py: stacks in `<run>/stalls/`); 4 with dry_run=true,
 the plan does not fit the configured hardware, with dry_run=trace the traced step where it was traced
 (the whole plan is printed, then one `error:` line
 ending with the smallest change that fits; plan.json=true says `"fits": false` too; in a multirun
 it is a failed job of the sweep); 75 preempted by
 SIGTERM/SIGINT after writing a checkpoint (relaunch with the same output_dir to continue);
-143/130 a second SIGTERM/SIGINT, at once (workbench/train/faults.py).
+143/130 a second SIGTERM/SIGINT, at once (workbench/guard/faults.py).
 Secrets given on the command line are redacted from Hydra's own copies in `<run>/.hydra/` too,
 by the rule of workbench/core/secrets.py.
 """
@@ -34,22 +34,23 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from workbench.compute.precision import describe
 from workbench.config import commandline
 from workbench.config.files import CONF_DIR
 from workbench.core import startup
 from workbench.core.errors import UserError
 from workbench.core.imports import import_without_incidentals, skip_bitsandbytes
 from workbench.core.secrets import redact_overrides, scrub_exception, scrub_files, scrub_text, secret_values
-from workbench.launch import dispatch, sweep, torchrun_reason
+from workbench.guard.faults import check_config
+from workbench.guard.watchdog import save_mistake, save_traceback, traceback_path
+from workbench.launch import sweep
+from workbench.launch.dispatch import dispatch, torchrun_reason
 from workbench.launch.sweep import record_error
 from workbench.methods import registry as methods
 from workbench.methods.spec import SFT_ROWS
-from workbench.run.derive import needs_bitsandbytes
-from workbench.run.validate import validate
+from workbench.resolve.derive import needs_bitsandbytes
+from workbench.resolve.validate import validate
 from workbench.train.distributed import is_main_process, launched_here, launched_rank
-from workbench.train.faults import check_config
-from workbench.train.precision import describe
-from workbench.train.watchdog import save_mistake, save_traceback, traceback_path
 
 
 def _redact_hydra_files(cfg: DictConfig) -> None:
@@ -112,7 +113,7 @@ def run_job(cfg: DictConfig) -> dict | None:
     facts = preflight.check(cfg)
     _say_precision(facts["run"])
     if cfg.dry_run:
-        from workbench.run.plan import DOES_NOT_FIT_EXIT, WEIGHTS_FROM, does_not_fit, render, to_json  # deferred
+        from workbench.plan.make import DOES_NOT_FIT_EXIT, WEIGHTS_FROM, does_not_fit, render, to_json  # deferred
 
         plan = facts["plan"]
         fits = plan["fits"]
@@ -150,8 +151,8 @@ def run_job(cfg: DictConfig) -> dict | None:
                 print("\n".join(lines(plan["trace"], plan)))
         if not fits:  # the whole plan is printed; the status says it does not fit (4)
             if plan["fits"]:  # the plan fits, its trace does not
+                from workbench.plan.make import DoesNotFit  # deferred
                 from workbench.plan.trace import refusal  # deferred
-                from workbench.run.plan import DoesNotFit  # deferred
 
                 raise DoesNotFit(refusal(plan["trace"]))
             raise does_not_fit(plan)

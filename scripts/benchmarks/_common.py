@@ -45,7 +45,7 @@ def compose(overrides: list[str], out: Path):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from workbench.run.validate import validate
+    from workbench.resolve.validate import validate
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = hydra_compose("train", overrides=[*overrides, "eval=none", "train.export=false", "train.resume=never",
@@ -105,7 +105,7 @@ def trl_tokenizer(path: str):
 def add_common_args(ap) -> None:
     """The options every side-by-side benchmark takes. `--precision` applies to both sides; `auto`
     (the default) resolves as the workbench's `precision=auto` does on this CPU
-    (workbench/train/precision.py `choose`): bf16-mixed with AMX or AVX512-BF16, else fp32, so each side
+    (workbench/compute/precision.py `choose`): bf16-mixed with AMX or AVX512-BF16, else fp32, so each side
     runs as a default run on this machine would; the result's `precision` names what was resolved."""
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first is dropped)")
     ap.add_argument("--rounds", type=int, default=2)
@@ -116,7 +116,7 @@ def add_common_args(ap) -> None:
 def resolve_precision(name: str) -> str:
     if name != "auto":
         return name
-    from workbench.train.precision import choose
+    from workbench.compute.precision import choose
 
     return choose("cpu")[0]
 

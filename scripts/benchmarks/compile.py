@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    from workbench.run.validate import validate
+    from workbench.resolve.validate import validate
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return validate(compose(config_name="train", overrides=overrides))

@@ -54,8 +54,8 @@ def run(argv: list[str]) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from hydra import compose, initialize_config_dir
 
+    from workbench.resolve.validate import validate
     from workbench.run.runner import Runner
-    from workbench.run.validate import validate
 
     total = a.steps * a.rounds + 1
     with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -18,10 +18,10 @@ import time
 def run(argv: list[str]) -> dict:
 
     from benchmarks._common import reward_model
+    from workbench.compute import precision
     from workbench.data.preference import pairs_from_rows
     from workbench.evals.hooks import eval_rows
     from workbench.methods.rm import pair_rewards
-    from workbench.train import precision
 
     ap = argparse.ArgumentParser(prog="bench.py pair_eval")
     ap.add_argument("--pairs", type=int, default=100)

@@ -35,8 +35,8 @@ def run(args: list[str]) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from hydra import compose, initialize_config_dir
 
+    from workbench.resolve.validate import validate
     from workbench.run.runner import Runner
-    from workbench.run.validate import validate
     from workbench.telemetry.metrics import Tracker
 
     total = a.steps * a.rounds * 3 + 1

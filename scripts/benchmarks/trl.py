@@ -15,7 +15,7 @@ in this one process, and the steady-state seconds per step (first step of each r
 are compared as ratios. Also measured: seconds from
 process launch to the first optimizer step of `python -m workbench` with a warm cache (median of
 `--launches`, scripts/benchmarks/startup.py), and the
-workbench's achieved FLOP/s (each step's training FLOPs counted as computed, workbench/telemetry/flops.py,
+workbench's achieved FLOP/s (each step's training FLOPs counted as computed, workbench/compute/flops.py,
 over its time: the `flops` of metrics.jsonl) against the peak the run's MFU uses (the bf16 matmul
 peak of this machine: best of several trials, workbench/telemetry/metrics.py) and against a bf16 matmul
 measured again at the end of this run.
@@ -47,8 +47,8 @@ def workbench_steps(steps: int, model: str, out: Path, precision: str = "bf16-mi
     """Metrics rows of a workbench run (each with its step's `flops` and `mfu`)."""
     from hydra import compose, initialize_config_dir
 
+    from workbench.resolve.validate import validate
     from workbench.run.runner import Runner
-    from workbench.run.validate import validate
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=[f"model={model}", f"precision={precision}", "eval=none", "train.export=false",
@@ -130,8 +130,8 @@ def run(argv: list[str]) -> dict:
     launch = median_launch(args.launches, [f"model={args.model}"]) if args.launches else None  # benchmarks/startup.py
     import torch
 
-    from workbench.telemetry.peak import matmul_flops, measured_peak_flops
-    from workbench.train.precision import spec
+    from workbench.compute.precision import spec
+    from workbench.plan.peak import matmul_flops, measured_peak_flops
 
     peak = measured_peak_flops("cpu", spec("bf16-mixed"))  # the peak bf16-mixed runs' MFU is taken against
     now = matmul_flops("cpu", torch.bfloat16)  # and one measured now, after the runs

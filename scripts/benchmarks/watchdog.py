@@ -7,7 +7,7 @@ One runner is built; its steps run in blocks, alternating between the two varian
 from other processes hits both alike:
   off   the phase marks replaced by a no-op, no watchdog thread
   on    the marks as a run makes them (workbench/core/heartbeat.py) and the watchdog thread
-        (workbench/train/watchdog.py) publishing and judging every `--interval` seconds
+        (workbench/guard/watchdog.py) publishing and judging every `--interval` seconds
 A step is the runner's: the batch (marked `data`), forward and backward through the backend
 (marked inside), the optimizer (marked), and the step mark. The result is each variant's median
 step time, the cost of `on` as a share of `off`'s step, and the noise floor `off_vs_off`: the
@@ -43,9 +43,9 @@ def run(args: list[str]) -> dict:
     from hydra import compose, initialize_config_dir
 
     from workbench.core import heartbeat
+    from workbench.guard.watchdog import Watchdog
+    from workbench.resolve.validate import validate
     from workbench.run.runner import Runner
-    from workbench.run.validate import validate
-    from workbench.train.watchdog import Watchdog
 
     total = a.steps * a.rounds * 2 + 1
     with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

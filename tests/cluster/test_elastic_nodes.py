@@ -5,7 +5,7 @@ the node comes back and is admitted, and the run ends on three with one process'
 
 3 nodes x 1 process, FSDP2, `hardware.min_nodes=2`, micro-batch 4: a global batch of 12. Node 3
 is killed (every process, as losing the machine does) at step 3; the survivors cannot split 12
-rows with micro-batch 4 on 2 ranks, so they take 3 x 2 (workbench/train/resume.py `split`) and
+rows with micro-batch 4 on 2 ranks, so they take 3 x 2 (workbench/checkpoints/resume.py `split`) and
 say so. Once they train again, node 3's command is started again: torchrun's agents see it
 waiting, the workers checkpoint at the end of their step and the rendezvous admits it. Each
 phase's times go to tests/cluster/recovery.py's records (docs/guides/multi-node.md's table).

@@ -51,7 +51,7 @@ SAVES: list[dict] = []
 def observe() -> None:
     """Count decoder-block forwards under backend=fsdp2 and record when checkpoints reach the disk."""
     from workbench.backends import fsdp2
-    from workbench.train import checkpoint
+    from workbench.checkpoints import checkpoint
 
     wrap, save = fsdp2.FSDP2Backend.wrap, checkpoint.save
 

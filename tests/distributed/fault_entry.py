@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 if os.environ.get("WB_TEST_FAULT") == "disk_full_rank0" and os.environ.get("RANK") == "0":
-    from workbench.train import checkpoint
+    from workbench.checkpoints import checkpoint
 
     def _full(*_a, **_k):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import compose
 from workbench.core.errors import UserError
-from workbench.run import rules
-from workbench.run.resolved import resolve_run
+from workbench.resolve import rules
+from workbench.resolve.resolved import resolve_run
 
 # what the rules see on a machine with every engine installed (tests pass their own Env)
 ENGINES = rules.Env(packages=frozenset({"deepspeed", "megatron", "bitsandbytes"}))

@@ -150,14 +150,14 @@ def test_a_rank_killed_by_sigkill_is_one_line_with_its_memory(tmp_path):
 
 
 def test_the_line_for_an_ended_rank_reads_its_beat_only_if_it_is_that_process(tmp_path):
-    """The launcher's line (workbench/train/watchdog.py `ended`) takes the phase and memory of the
+    """The launcher's line (workbench/guard/watchdog.py `ended`) takes the phase and memory of the
     rank's last heartbeat from stall.json only when the beat is that process's (pid and host):
     after an elastic restart the same rank is another process."""
     import json
     import socket
     import time
 
-    from workbench.train.watchdog import ended
+    from workbench.guard.watchdog import ended
 
     beat = {"phase": "forward", "detail": "", "step": 2, "since": time.time(), "beat": time.time(), "pid": 4242,
             "host": socket.gethostname(), "rss": 3 * 2**30}

@@ -30,7 +30,7 @@ import pytest
 from tests.conftest import train
 from tests.helpers import worker_job
 from tests.tolerances import LOSS_RTOL, NEAR_ZERO_ATOL
-from workbench.train import checkpoint
+from workbench.checkpoints import checkpoint
 
 pytestmark = pytest.mark.distributed
 GRPO = ["method=grpo", "peft=none", 'reward.functions=["tests.rewards:char_length"]', "method.num_generations=4",

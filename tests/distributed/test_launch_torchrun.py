@@ -51,7 +51,7 @@ def test_two_agents_on_loopback_form_one_job(tmp_path, reference):
 
 
 def test_a_mistake_met_by_a_rank_stops_the_job_without_using_the_restarts(tmp_path):
-    # NaN at step 1 with no skips allowed stops the run with a UserError (workbench/train/faults.py);
+    # NaN at step 1 with no skips allowed stops the run with a UserError (workbench/guard/faults.py);
     # a restart would resume from nothing and meet the same NaN, so the launcher stops at once
     proc = workbench([*RUN, "precision=fp32", "hardware.procs=2", "++hardware.max_restarts=2",
                       "debug.nan_at_step=1", f"output_dir={tmp_path}"])

@@ -5,7 +5,7 @@ continues with the uninterrupted run's losses (4 CPU processes, gloo).
 
 One 4-rank torchrun job (tests/helpers.py worker_job) runs the tp=2 x pp=2 run for 4 steps with a
 checkpoint at step 2, then the two resumed runs from that checkpoint. The checkpoint is the
-canonical one (Hugging Face names through DCP, workbench/train/canonical.py): every rank reads
+canonical one (Hugging Face names through DCP, workbench/checkpoints/canonical.py): every rank reads
 the whole HF tensors of its stage and cuts its own shards of the weights and of the Adam moments
 through the bridge (workbench/backends/megatron.py load_canonical).
 

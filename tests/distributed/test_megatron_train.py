@@ -95,7 +95,7 @@ def test_dpo_runs_and_checkpoint_resumes(tmp_path):
     assert len(full["losses"]) == 4 and all(x == x for x in full["losses"])  # finite, no NaN
     ckpt = tmp_path / "resumed" / "checkpoints"
     launch(tmp_path / "resumed", base + ["train.max_steps=2"])
-    # each TP rank writes its own blocks (workbench/train/canonical.py), no gather
+    # each TP rank writes its own blocks (workbench/checkpoints/canonical.py), no gather
     assert len(list((ckpt / "step-00000002" / "canonical").glob("shard-*.safetensors"))) == 2
     resumed = launch(tmp_path / "resumed", base + ["train.max_steps=4"])
     assert resumed["resumed_from"]
@@ -130,7 +130,7 @@ if __name__ == "__main__":
         return gpt
 
     megatron_model.build_gpt = counting_build
-    from workbench.train import replay
+    from workbench.checkpoints import replay
 
     probe, probes = replay.probe_loss_of, []
 

@@ -31,8 +31,8 @@ import torch
 from tests.conftest import train
 from tests.helpers import worker_job
 from tests.tolerances import LOSS_RTOL, NEAR_ZERO_ATOL
-from workbench.train import checkpoint
-from workbench.train.canonical import read_all
+from workbench.checkpoints import checkpoint
+from workbench.checkpoints.canonical import read_all
 
 pytestmark = pytest.mark.distributed
 ADAM = ["peft=none", "train.micro_batch_size=2", "optim.lr=1e-3", "++hardware.timeout_minutes=4"]
@@ -214,7 +214,7 @@ def test_zero2x2_to_fsdp2x2_gives_back_the_same_tensors(job, slow_job):
 @pytest.mark.slow
 def test_bf16_certificate_across_layouts(slow_job):
     """bf16 autocast on one process against FSDP2's bf16 parameters on 2: the probe agrees within
-    the bf16 bound (workbench/train/replay.py RTOL_HALF)."""
+    the bf16 bound (workbench/checkpoints/replay.py RTOL_HALF)."""
     cert = certified(slow_job[0] / "f2_bf16_from_single_bf16", "single", "fsdp2x2")
     assert cert["tolerance"] == 2.0**-6
     if os.environ.get("WB_MOVES_OUT"):

@@ -1,4 +1,4 @@
-"""No silent hangs (workbench/train/watchdog.py): 2 gloo ranks under torchrun, rank 1 stuck or
+"""No silent hangs (workbench/guard/watchdog.py): 2 gloo ranks under torchrun, rank 1 stuck or
 gone, and rank 0 failing alone. Each run must end soon after the fault, naming rank 1 and its
 phase, with one stack file per rank; none waits for the collective timeout
 (`hardware.timeout_minutes`, set to 4 minutes here so a failure cannot pass by waiting it out).

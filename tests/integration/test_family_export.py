@@ -31,7 +31,7 @@ def _load():
 
 
 FE = _load()
-NO_GGUF = {"gemma2", "phi3", "mixtral"}  # no GGUF mapping in workbench/export/gguf.py ARCHES
+NO_GGUF = {"gemma2", "phi3", "mixtral"}  # no GGUF rules in their family spec (workbench/families/)
 
 
 def check(row: dict) -> None:

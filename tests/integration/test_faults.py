@@ -14,7 +14,7 @@ import errno
 import pytest
 
 from tests.conftest import train
-from workbench.train import checkpoint
+from workbench.checkpoints import checkpoint
 
 CKPT = ["train.checkpoint_every=2", "train.keep_checkpoints=3"]
 
@@ -36,7 +36,7 @@ def _damaged_run(tmp_path, damage):
 
 
 def _tensor_file(step):
-    """The checkpoint's (one-process) file of weights and optimizer state (workbench/train/canonical.py)."""
+    """The checkpoint's (one-process) file of weights and optimizer state (workbench/checkpoints/canonical.py)."""
     return next((step / checkpoint.CANONICAL).glob("*.safetensors"))
 
 
@@ -125,7 +125,7 @@ def test_nan_step_is_skipped_and_counted(tmp_path, baseline):
 
 
 def test_nan_beyond_max_bad_steps_stops_naming_the_last_good_checkpoint(tmp_path):
-    from workbench.train.faults import NumericalFault
+    from workbench.guard.faults import NumericalFault
 
     with pytest.raises(NumericalFault, match=r"step 4: loss=nan; .*last good checkpoint is .*step-00000002"):
         train(["debug.nan_at_step=3", "train.checkpoint_every=2"], tmp_path)
@@ -185,16 +185,16 @@ def test_sigterm_in_process_checkpoints_and_resumes_exactly(tmp_path, baseline, 
     import os
     import signal
 
-    from workbench.train import faults
+    from workbench.guard import faults
 
-    real_step = faults.Guard.step
+    real_judge = faults.Guard.judge
 
-    def step(self, batch, loss_fn, step, last_good):
+    def judge(self, m, step, last_good):
         if step == 1:
             os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode boundary, mid-step
-        return real_step(self, batch, loss_fn, step, last_good)
+        return real_judge(self, m, step, last_good)
 
-    monkeypatch.setattr(faults.Guard, "step", step)
+    monkeypatch.setattr(faults.Guard, "judge", judge)
     out = tmp_path / "run"
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as exc:
@@ -203,7 +203,7 @@ def test_sigterm_in_process_checkpoints_and_resumes_exactly(tmp_path, baseline, 
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
     assert "preempted at step 2" in capsys.readouterr().err
     assert checkpoint.latest_valid(out).name == "step-00000002"
-    monkeypatch.setattr(faults.Guard, "step", real_step)
+    monkeypatch.setattr(faults.Guard, "judge", real_judge)
     res = train([], out)
     assert res["resumed_from"].endswith("step-00000002") and res["losses"] == baseline[2:]
 
@@ -213,7 +213,7 @@ def test_sigterm_checkpoints_exits_75_and_resumes_exactly(tmp_path):
     """End to end, as a scheduler does it: three subprocess runs (about 45 s on 2 busy cores)."""
     import signal
 
-    from workbench.train.faults import PREEMPTED_EXIT
+    from workbench.guard.faults import PREEMPTED_EXIT
 
     full = _launch(tmp_path / "full")
     assert full.communicate(timeout=300) is not None and full.returncode == 0

@@ -28,7 +28,7 @@ import pytest
 
 from tests.conftest import ROOT, TINY, train
 from tests.helpers import dist_env, logged_losses
-from workbench.train import checkpoint
+from workbench.checkpoints import checkpoint
 
 BASE = ["method=grpo", "peft=none", 'reward.functions=["tests.rewards:char_length_stalling"]',
         "method.num_generations=4", "method.dynamic_sampling=false", "method.log_completions=0"]

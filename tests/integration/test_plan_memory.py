@@ -4,7 +4,7 @@ Measured: the bytes of the model's parameters and buffers after the build (count
 storages) plus the growth of the torch CPU allocator's running total ("Total Allocated" of the
 profiler's memory events, profile_memory=True) during two training steps, at its maximum (the
 second step is the steady state: forward and backward with AdamW's state alive), with the total
-kept for every thread (workbench/telemetry/tensor_memory.py, which the plan check measures with
+kept for every thread (workbench/plan/tensor_memory.py, which the plan check measures with
 too). This is what tensors occupy - the quantity the
 planner models - without the Python heap, libraries or allocator slack that RSS would add. Predicted:
 workbench.plan.memory.estimate for the same config, given the batch's real shape (tokens, loss
@@ -37,7 +37,7 @@ if __name__ == "__main__":  # a torchrun worker (see below) imports the tests pa
 from tests.conftest import compose  # noqa: E402
 from tests.helpers import torchrun  # noqa: E402
 from tests.tolerances import PLAN_MEMORY_RTOL as TOLERANCE  # noqa: E402
-from workbench.telemetry.tensor_memory import count_every_thread, growth, storage_bytes  # noqa: E402
+from workbench.plan.tensor_memory import count_every_thread, growth, storage_bytes  # noqa: E402
 
 
 def _model_bytes(*models, extra=()) -> int:
@@ -49,8 +49,8 @@ def measure(overrides, tmp_path, steps: int = 2) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from workbench.plan.counts import count, probe
+    from workbench.plan.make import from_cfg
     from workbench.plan.memory import estimate
-    from workbench.run.plan import from_cfg
     from workbench.run.runner import Runner
     from workbench.telemetry.metrics import Tracker
 

@@ -18,8 +18,8 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, TINY, compose, train
+from workbench.checkpoints import checkpoint
 from workbench.core.errors import UserError
-from workbench.train import checkpoint
 
 FULL = ["peft=none", "train.micro_batch_size=2", "train.grad_accum=2", "train.checkpoint_every=2"]
 

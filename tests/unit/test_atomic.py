@@ -12,8 +12,8 @@ import shutil
 
 import pytest
 
+from workbench.checkpoints import keep_best
 from workbench.core import atomic, cache
-from workbench.train import keep_best
 
 METRIC = "loss/loss"
 

@@ -29,7 +29,7 @@ from workbench.core.errors import UserError
 from workbench.data.chat import prompt_ids
 from workbench.data.preference import Pair, preference_row, tokenise_completion
 from workbench.methods import cpo, orpo
-from workbench.run.derive import derive
+from workbench.resolve.derive import derive
 
 
 def _features(pairs) -> list[dict]:

@@ -104,10 +104,12 @@ def test_train_infer_parity_for_every_assistant_turn(tok):
     assert tokenizer.eos_token_id == contract.end_of_turn_id == ids[-1]
 
 
-def test_named_template_override_and_tool_calls_pass_through(tmp_path, tok):
+def test_named_template_override_and_tool_calls_pass_through(tmp_path, tok, monkeypatch):
     tokenizer, _ = tok
     saved = tokenizer.chat_template
-    chat.TEMPLATES["_test_tools"] = (
+    named = chat.templates()
+    monkeypatch.setattr(chat, "templates", lambda: named)
+    named["_test_tools"] = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
         "{% if m.get('tool_calls') %}<tool_call>{{ m['tool_calls'][0]['function'] | tojson }}</tool_call>{% endif %}"
         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -115,7 +117,6 @@ def test_named_template_override_and_tool_calls_pass_through(tmp_path, tok):
         contract = chat.setup_tokenizer(tokenizer, "_test_tools")
         out = pipeline.tokenise_source(source("messages.jsonl", "messages"), tokenizer, contract, data_cfg(tmp_path))
     finally:
-        del chat.TEMPLATES["_test_tools"]
         tokenizer.chat_template = saved
         chat.setup_tokenizer(tokenizer)
     ids, labels = out.examples[1]

@@ -18,7 +18,7 @@ from tests.tolerances import LOSS_RTOL, SELF_DIVERGENCE_ATOL, binomial_band, gra
 from workbench.core.errors import UserError
 from workbench.data.chat import tokenize_chat
 from workbench.methods import distill
-from workbench.run.derive import derive
+from workbench.resolve.derive import derive
 
 ROWS = ROOT / "data_recipes" / "data" / "arith_add2_train.jsonl"
 TEMPERATURE = 0.7  # not 1, so the test sees where the temperature enters

@@ -20,7 +20,7 @@ from workbench.core.errors import UserError
 from workbench.data.preference import tokenise_preferences
 from workbench.data.recipes import Source
 from workbench.methods import dpo, logps
-from workbench.run.derive import derive
+from workbench.resolve.derive import derive
 
 # loss_type -> (our method options, TRL's loss_type and loss_weights for the same loss).
 # rpo: sigmoid plus rpo_alpha x the chosen NLL, which TRL spells loss_type=[sigmoid, sft].

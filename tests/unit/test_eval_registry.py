@@ -167,7 +167,7 @@ def peak(ctx):
 def test_keep_best_keeps_the_best_evaluated_checkpoint_apart_and_exports_it(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    from workbench.train.canonical import read_all
+    from workbench.checkpoints.canonical import read_all
 
     (tmp_path / "peak_hook.py").write_text(PEAK)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -197,7 +197,7 @@ def test_keep_best_is_checked_before_training(chat_file):
     with pytest.raises(UserError, match="multiple of train.checkpoint_every"):
         preflight.check(compose([*base, "train.keep_best=loss/loss", "eval.every_n_steps=3",
                                  "train.checkpoint_every=2"]))
-    from workbench.train.keep_best import mode_of
+    from workbench.checkpoints.keep_best import mode_of
 
     assert mode_of("eval/loss/loss", "auto") == "min" and mode_of("eval/preference/accuracy", "auto") == "max"
 

@@ -8,8 +8,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tests.conftest import compose, train
-from workbench.run.derive import reference
-from workbench.telemetry.flops import FlopCount, _reference_weights
+from workbench.compute.flops import FlopCount, _reference_weights
+from workbench.resolve.derive import reference
 
 # model=tiny (conf/model/tiny.yaml): 2 layers, hidden 64, 4 heads x 16, 2 kv heads, MLP 128,
 # vocab 49152, tied embeddings. conf/peft/lora.yaml: r=16 on every block Linear.

@@ -20,9 +20,10 @@ from tests.tolerances import LOSS_RTOL, VLLM_PROBE_DELTA, scale_atol
 from workbench.core.errors import UserError
 from workbench.models import unsloth_loader
 from workbench.models.load import attention_for, load_model, load_tokenizer
+from workbench.resolve import rules
+from workbench.resolve.derive import derive
 from workbench.rollout import vllm_engine
-from workbench.run import preflight, rules
-from workbench.run.derive import derive
+from workbench.run import preflight
 
 
 # -- refusals on CPU ------------------------------------------------------------------------------
@@ -76,7 +77,7 @@ def test_missing_gpu_packages(blocked, overrides, rule, monkeypatch, tmp_path):
 
 
 def test_fp8_missing_package(monkeypatch):
-    from workbench.train import precision
+    from workbench.compute import precision
 
     monkeypatch.setitem(sys.modules, "torchao", None)
     monkeypatch.setitem(sys.modules, "transformer_engine", None)

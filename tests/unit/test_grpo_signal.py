@@ -96,7 +96,7 @@ def test_prompts_per_step_sets_the_batch_independently_of_the_micro_batch(tmp_pa
     with pytest.raises(UserError, match="prompts_per_step"):
         train(BASE + ["method.prompts_per_step=3"], tmp_path / "bad")
     with pytest.raises(UserError, match=r"\[grpo-deepspeed-accum\].*train.grad_accum=2"):  # DeepSpeed counts them itself
-        from workbench.run import rules
+        from workbench.resolve import rules
 
         cfg = compose(BASE + ["method.prompts_per_step=4", "train.micro_batch_size=4", "backend=deepspeed"])
         rules.check(cfg, rules.Env(packages=frozenset({"deepspeed"})))

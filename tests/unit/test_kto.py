@@ -20,7 +20,7 @@ from workbench.core.errors import UserError
 from workbench.data.recipes import Source
 from workbench.data.unpaired import tokenise_unpaired, unpaired_rows
 from workbench.methods import kto
-from workbench.run.derive import derive
+from workbench.resolve.derive import derive
 
 PAIRS = ROOT / "data_recipes" / "data" / "arith_dpo_train.jsonl"
 DATA = SimpleNamespace(on_bad_row="error", seq_len=256)

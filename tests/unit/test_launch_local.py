@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import compose
-from workbench import launch
+from workbench.launch import dispatch as launch
 from workbench.launch import torchrun
 
 
@@ -54,7 +54,7 @@ def test_dry_run_names_the_launch(tmp_path, capsys, monkeypatch):
 def test_a_peers_verdict_in_a_traceback_is_the_restart_line(tmp_path):
     """A rank that found a peer gone raises RankFailure; when its traceback lands before rank 0's
     stall.json, the launcher's line is the verdict itself, not "rank 1 failed: ...RankFailure"."""
-    from workbench.train.watchdog import RankFailure
+    from workbench.guard.watchdog import RankFailure
 
     stalls = tmp_path / "stalls"
     stalls.mkdir()

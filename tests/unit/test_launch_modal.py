@@ -126,7 +126,7 @@ def test_missing_ray_and_submitit_give_install_hints(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name,package", [("ray", "ray"), ("modal", "modal"), ("runpod", "runpod")])
 def test_dispatch_reaches_each_launcher(tmp_path, monkeypatch, name, package):
     """launcher=<name> goes through launch.dispatch to its module (import blocked: the hint)."""
-    from workbench.launch import LAUNCHERS, dispatch
+    from workbench.launch.dispatch import LAUNCHERS, dispatch
 
     assert name in LAUNCHERS
     monkeypatch.setitem(sys.modules, package, None)

@@ -22,47 +22,34 @@ MODULES = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__
            for p in sorted(PKG.rglob("*.py"))}
 
 # Import layers, lowest first (README, "Layout"): a module imports only from its own layer or
-# lower ones. Entries are module prefixes; the longest matching prefix places a module.
+# lower ones. A package is one layer: where a module sits is said by its package alone.
 LAYERS = [
-    # foundation: nothing from the workbench but itself
-    ["workbench.core", "workbench.config", "workbench.train.batch", "workbench.train.state",
-     "workbench.train.distributed", "workbench.train.layout", "workbench.train.signal", "workbench.train.noise",
-     "workbench.train.sequence_parallel", "workbench.train.context"],
-    # parts: tensors, data, models, the arithmetic of precision and FLOPs
-    ["workbench.train.precision", "workbench.train.optim", "workbench.train.kernels", "workbench.data",
-     "workbench.models", "workbench.peft", "workbench.megatron", "workbench.rollout", "workbench.envs",
-     "workbench.telemetry.flops", "workbench.export.gguf"],
-    # engines: methods, backends, evaluations, checkpoints, what observes a run, the planner
-    ["workbench.methods", "workbench.backends", "workbench.evals", "workbench.train.checkpoint",
-     "workbench.train.canonical", "workbench.train.resume", "workbench.train.resume_changes",
-     "workbench.train.replay", "workbench.train.step", "workbench.train.faults",
-     "workbench.train.keep_best", "workbench.train.watchdog", "workbench.telemetry", "workbench.plan",
-     "workbench.export.parity", "workbench.export.hub"],
-    # the resolved run: validation, the rule table and the decisions derived from a config
-    ["workbench.run.validate", "workbench.run.no_effect", "workbench.run.derive", "workbench.run.rules", "workbench.run.resolved",
-     "workbench.run.plan"],
-    # products: preflight, the previews, the export, the report
-    ["workbench.run.preflight", "workbench.run.preview", "workbench.run.preview_rows", "workbench.run.finish", "workbench.export",
-     "workbench.telemetry.report"],
-    # the loop
-    ["workbench.run.runner", "workbench.run.fresh", "workbench.run.loop", "workbench.run.checkpoints",
-     "workbench.run.evaluation"],
+    # foundation: the batch, the state, the rank layout and process groups; nothing else imported
+    ["workbench.core", "workbench.config", "workbench.train"],
+    # parts: the arithmetic of a step, data, models and their families, adapters, rollouts
+    ["workbench.compute", "workbench.families", "workbench.data", "workbench.models", "workbench.peft",
+     "workbench.megatron", "workbench.rollout", "workbench.envs"],
+    # engines: methods, backends, evaluation, checkpoints, the guard over a step
+    ["workbench.methods", "workbench.backends", "workbench.evals", "workbench.checkpoints", "workbench.guard"],
+    # the resolved run, its plan and what observes it
+    ["workbench.resolve", "workbench.plan", "workbench.telemetry"],
+    # products: the export
+    ["workbench.export"],
+    # the run: preflight, previews, the runner, the loop, the finish
+    ["workbench.run"],
     # entry points
-    ["workbench.cli", "workbench.__main__", "workbench.report", "workbench.launch", "workbench.export.__main__",
-     "workbench.serve"],
+    ["workbench.cli", "workbench.__main__", "workbench.report", "workbench.launch", "workbench.serve"],
 ]
-UNLAYERED = {"workbench", "workbench.config", "workbench.train", "workbench.telemetry", "workbench.export",
-             "workbench.plan", "workbench.run"}  # package docstrings, nothing imported
+UNLAYERED = {"workbench"}  # the package's docstring, nothing imported
 
 
 def layer(module: str) -> int:
-    best, where = -1, None
-    for i, prefixes in enumerate(LAYERS):
-        for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > best:
-                best, where = len(p), i
-    assert where is not None, f"{module}: in no layer of LAYERS (add it there and to the README's Layout)"
-    return where
+    """The layer of a module's package (workbench.run.loop -> workbench.run); a top-level module
+    (workbench.cli) is its own."""
+    place = ".".join(module.split(".")[:2])
+    where = [i for i, names in enumerate(LAYERS) if place in names]
+    assert where, f"{module}: its package {place} is in no layer of LAYERS (add it there and to the README's Layout)"
+    return where[0]
 
 
 def _target(name: str) -> str | None:
@@ -184,11 +171,18 @@ def test_no_import_runs_upward():
 
 def test_package_inits_import_nothing():
     # importing a.b.c runs a/b/__init__: packages stay docstrings so that costs nothing
-    heavy = [m for m in UNLAYERED | {"workbench.methods", "workbench.backends", "workbench.core", "workbench.data"}
-             if m in MODULES and any(isinstance(n, (ast.Import, ast.ImportFrom)) and not
-                                     (isinstance(n, ast.ImportFrom) and n.module == "__future__")
-                                     for n in ast.walk(ast.parse(MODULES[m].read_text())))]
+    inits = {m for m, path in MODULES.items() if path.name == "__init__.py"}
+    heavy = [m for m in sorted(inits)
+             if any(isinstance(n, (ast.Import, ast.ImportFrom)) and not
+                    (isinstance(n, ast.ImportFrom) and n.module == "__future__")
+                    for n in ast.walk(ast.parse(MODULES[m].read_text())))]
     assert heavy == []
+
+
+def test_every_package_sits_in_one_layer():
+    packages = {".".join(m.split(".")[:2]) for m in MODULES if m != "workbench"}
+    listed = [p for names in LAYERS for p in names]
+    assert sorted(packages - set(listed)) == [] and len(listed) == len(set(listed))
 
 
 def test_readme_layout_names_every_package_and_top_module():
@@ -306,7 +300,7 @@ def test_the_runner_finder_finds_both_forms():
 # imports sit at its top: packages form layers, so no import has to hide in a function to break a
 # cycle. Optional engines (deepspeed, megatron-core, ray, vllm, unsloth, trackers) are third-party
 # packages, imported where chosen (tests/integration/test_optional_imports.py).
-DEFERS_IMPORTS = {"workbench.cli", "workbench.launch", "workbench.serve.__main__"}
+DEFERS_IMPORTS = {"workbench.cli", "workbench.launch.dispatch", "workbench.serve.__main__"}
 
 
 def function_level_imports() -> list[str]:

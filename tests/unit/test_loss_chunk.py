@@ -5,7 +5,7 @@
 The pieces run the same head, log-softmax and gather on the same rows, so log-probs, entropies
 and every gradient element equal the one-piece computation up to the order of the sums in the
 backward (LOSS_RTOL, scale_atol: tests/tolerances.py). The memory test reads the torch CPU
-allocator's peak (workbench/telemetry/tensor_memory.py) over a forward and backward of a
+allocator's peak (workbench/plan/tensor_memory.py) over a forward and backward of a
 131,072-token vocabulary at 1,024 positions: one piece holds the (positions x vocabulary) fp32
 logits, their log-softmax and a gradient at once (1.5 GiB), pieces of 128 an eighth of that.
 """
@@ -78,7 +78,7 @@ def test_logps_equal_the_logits_path():
 
 
 def peak_bytes(lm, ids, select, targets) -> int:
-    from workbench.telemetry.tensor_memory import Window
+    from workbench.plan.tensor_memory import Window
 
     window = Window()
     window.start()

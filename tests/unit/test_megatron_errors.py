@@ -15,7 +15,7 @@ from tests.conftest import compose
 from tests.tolerances import LOSS_RTOL, scale_atol
 from workbench.core.errors import UserError
 from workbench.megatron.model import Parallel, check_parallel, family, padded_vocab, rope
-from workbench.run import rules
+from workbench.resolve import rules
 
 SMALL = dict(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=128)

@@ -13,9 +13,11 @@ The finder reads the source (ast). A read is any of
     cfg.method.beta    ctx.cfg.backend.stage    pick(cfg, "backend.ep")    OmegaConf.select(c, "method.beta")
     getattr(cfg.method, "loss_on", ...)    hasattr(cfg.backend, "ep")    "beta" in cfg.method
     m = cfg.method; m.beta    b = cfg.get("backend"); b.get("stage"), b["stage"]    pick(cfg, f"backend.{x}")
+    for k in ("tp", "pp"): b[k]    {k: b[k] for k in ("tp", "pp") if k in b}
 
 where `cfg` is anything config-like (`cfg`, `c`, `ctx.cfg`, `self.cfg`, `run_cfg`...) and an alias
-is a name bound to an options node in the same function or one that encloses it.
+is a name bound to an options node in the same function or one that encloses it; a loop name
+over literal option names (`for k in ("tp", "pp")`) reads each of them.
 """
 
 from __future__ import annotations
@@ -60,26 +62,33 @@ def _kind(expr: ast.AST, aliases: dict) -> str | None:
     return None
 
 
-def _reads(node: ast.AST, aliases: dict) -> list[tuple[str, str]]:
-    """The (kind, option) pairs `node` itself reads."""
+def _keys(node: ast.AST, loops: dict) -> list[str]:
+    """The option names `node` stands for as a key: a string, or a loop name over literal ones."""
+    if _text(node):
+        return [_text(node)]
+    return loops.get(node.id, []) if isinstance(node, ast.Name) else []
+
+
+def _reads(node: ast.AST, aliases: dict, loops: dict | None = None) -> list[tuple[str, str]]:
+    """The (kind, option) pairs `node` itself reads; `loops`: loop names bound to literal names."""
+    loops = loops or {}
     out = []
     if isinstance(node, ast.Attribute) and (kind := _kind(node.value, aliases)):
         if node.attr not in ("get", "pop", "setdefault", "items", "keys", "values"):  # the node's own methods
             out.append((kind, node.attr))
-    elif isinstance(node, ast.Subscript) and (kind := _kind(node.value, aliases)) and _text(node.slice):
-        out.append((kind, _text(node.slice)))
-    elif isinstance(node, ast.Compare) and _text(node.left) and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
+    elif isinstance(node, ast.Subscript) and (kind := _kind(node.value, aliases)):
+        out += [(kind, k) for k in _keys(node.slice, loops)]
+    elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
             and (kind := _kind(node.comparators[0], aliases)):
-        out.append((kind, _text(node.left)))
+        out += [(kind, k) for k in _keys(node.left, loops)]
     elif isinstance(node, ast.Call):
         func = node.func
         fname = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
         if isinstance(func, ast.Attribute) and func.attr in ("get", "pop", "setdefault") and node.args \
-                and _text(node.args[0]) and (kind := _kind(func.value, aliases)):
-            out.append((kind, _text(node.args[0])))
-        if fname in ("getattr", "hasattr") and len(node.args) >= 2 and _text(node.args[1]) \
-                and (kind := _kind(node.args[0], aliases)):
-            out.append((kind, _text(node.args[1])))
+                and (kind := _kind(func.value, aliases)):
+            out += [(kind, k) for k in _keys(node.args[0], loops)]
+        if fname in ("getattr", "hasattr") and len(node.args) >= 2 and (kind := _kind(node.args[0], aliases)):
+            out += [(kind, k) for k in _keys(node.args[1], loops)]
         for arg in node.args:
             if (m := _PATH.fullmatch(_text(arg) or "")):
                 out.append((m.group(1), m.group(2)))
@@ -111,8 +120,15 @@ def _scope(body: list, inherited: dict, found: list, rel: str) -> None:
                     aliases[t.id] = kind
                 else:
                     aliases.pop(t.id, None)
+    loops = {}  # loop names over literal option names: for k in ("tp", "pp"), comprehensions too
     for node in nodes:
-        found += [f"{rel}:{node.lineno} reads {k}.{o}" for k, o in _reads(node, aliases)]
+        if isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.target, ast.Name) \
+                and isinstance(node.iter, (ast.Tuple, ast.List, ast.Set)) and node.iter.elts \
+                and all(_text(e) for e in node.iter.elts):
+            loops[node.target.id] = [_text(e) for e in node.iter.elts]
+    for node in nodes:
+        line = getattr(node, "lineno", None)
+        found += [f"{rel}:{line} reads {k}.{o}" for k, o in _reads(node, aliases, loops) if line]
     for fn in nested:
         params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
         body = [fn.body] if isinstance(fn, ast.Lambda) else fn.body
@@ -183,6 +199,18 @@ def test_the_option_finder_finds_backend_reads_in_every_form():
     assert found == [f"{rel}:3 reads backend.cpu_offload", f"{rel}:3 reads backend.ep", f"{rel}:3 reads backend.stage",
                      f"{rel}:4 reads backend.distributed_optimizer", f"{rel}:4 reads backend.offload_param",
                      f"{rel}:4 reads backend.selective_every", f"{rel}:5 reads backend.<f'backend.{{field}}'>"]
+
+
+def test_the_option_finder_finds_reads_in_a_loop_over_names():
+    found = _planted(
+        'def f(cfg):\n'
+        '    b = cfg.get("backend")\n'
+        '    par = {k: int(b[k]) for k in ("tp", "pp") if k in b}\n'
+        '    for key in ["cp"]:\n'
+        '        par[key] = getattr(cfg.backend, key, 1)\n'
+        '    return par\n')
+    rel = "workbench/plan/_planted_option_read.py"
+    assert found == [f"{rel}:3 reads backend.pp", f"{rel}:3 reads backend.tp", f"{rel}:5 reads backend.cp"]
 
 
 def test_the_owners_may_read_their_own_options():

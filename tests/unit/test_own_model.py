@@ -125,7 +125,7 @@ def test_hub_id_without_a_local_config_says_what_to_do():
 
 
 def test_megatron_refuses_an_unmapped_family_clearly(model_dirs):
-    from workbench.run.resolved import resolve_run
+    from workbench.resolve.resolved import resolve_run
 
     cfg = compose([f"model.path={model_dirs['gemma2']}", "backend=megatron", "peft=none"], base=BASE)
     with pytest.raises(UserError, match=r"\[megatron-family\].*no HF<->Megatron mapping.*gemma2"):

@@ -28,7 +28,7 @@ def _policy(peft: str):
     from workbench.models.head import SelectiveLM
     from workbench.models.load import load_model
     from workbench.peft import lora
-    from workbench.run.derive import derive
+    from workbench.resolve.derive import derive
 
     cfg = compose(["method=dpo", f"peft={peft}"])
     model = lora.apply(load_model(cfg.model), derive(cfg))

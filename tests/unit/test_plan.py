@@ -18,10 +18,10 @@ from workbench.models.load import zoo_entry
 from workbench.plan import catalog
 from workbench.plan.counts import build_full, count, probe
 from workbench.plan.fit import verdict
+from workbench.plan.make import make_plan, refusal
 from workbench.plan.memory import estimate, nf4_bytes_per_param
 from workbench.plan.setup import Setup
 from workbench.plan.speed import cost_per_million_tokens, speed, train_flops_per_token
-from workbench.run.plan import make_plan, refusal
 from workbench.telemetry.metrics import Tracker, usd_per_million_tokens
 
 
@@ -223,7 +223,7 @@ def test_grpo_rollouts_come_from_the_methods_own_options_and_defaults():
     method's own Config defaults for an option the node leaves out, validated or not: the plan
     of a GRPO node without max_new_tokens and share_prompt is the plan with GRPO's defaults."""
     from workbench.methods.grpo import Config
-    from workbench.run.plan import from_cfg
+    from workbench.plan.make import from_cfg
 
     full = compose(["method=grpo"], base=())
     bare = compose(["method=grpo", "~method.max_new_tokens", "~method.share_prompt"], base=(), validate=False)
@@ -278,7 +278,7 @@ def measured_forward_share() -> float:
 
 
 def setup_from(overrides):
-    from workbench.run.plan import from_cfg
+    from workbench.plan.make import from_cfg
 
     extra = ["method.teacher=tiny"] if "method=distill" in overrides else []
     return from_cfg(compose([*overrides, *extra]))
@@ -342,3 +342,16 @@ def test_tracker_logs_dollars_per_million_tokens(tmp_path):
     bare.set_price([], devices=1)
     bare.log({"step": 1, "loss": 1.0, "tokens_per_s": 10.0})
     assert "usd_per_mtok" not in bare.rows[0]
+
+
+def test_a_plan_derives_each_config_once(monkeypatch):
+    # the configured run once for every hardware row and note, each change the planner tries once
+    # for every row it is tried on (it used to derive again per row, per term and per candidate)
+    from omegaconf import OmegaConf
+
+    from workbench.plan import make
+
+    derived, real = [], make.derive
+    monkeypatch.setattr(make, "derive", lambda c: derived.append(OmegaConf.to_yaml(c)) or real(c))
+    make.make_plan(compose(["method=dpo", "model=70b", "hardware=8xh100"], base=()))
+    assert len(derived) >= 2 and len(derived) == len(set(derived))  # the config and the changes it tried

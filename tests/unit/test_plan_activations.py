@@ -18,13 +18,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tests.conftest import compose
 from tests.tolerances import DORA_ACTIVATION_RTOL
+from workbench.compute import precision
 from workbench.peft.lora import base_model
 from workbench.plan.activations import block_bytes, block_cast_bytes
 from workbench.plan.counts import count, probe
-from workbench.run.plan import from_cfg
+from workbench.plan.make import from_cfg
 from workbench.run.runner import Runner
 from workbench.telemetry.metrics import Tracker
-from workbench.train import precision
 
 BATCH, SEQ = 4, 50
 

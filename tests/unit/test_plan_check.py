@@ -1,4 +1,4 @@
-"""The plan checked against the run (workbench/telemetry/plan_check.py), and calibration.
+"""The plan checked against the run (workbench/plan/check.py), and calibration.
 
     OMP_NUM_THREADS=1 python -m pytest -q tests/unit/test_plan_check.py
 """
@@ -10,8 +10,8 @@ import json
 import pytest
 
 from tests.conftest import compose, train
-from workbench.run.plan import make_plan
-from workbench.telemetry import plan_check
+from workbench.plan import check as plan_check
+from workbench.plan.make import make_plan
 
 
 def test_a_run_compares_its_measurements_with_the_plan_and_calibrates_later_dry_runs(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """A dry run's verdict: `python -m workbench dry_run=true ...` prints the whole plan and exits 4
-(workbench/run/plan.py DOES_NOT_FIT_EXIT) when it does not fit the configured hardware, with one
+(workbench/plan/make.py DOES_NOT_FIT_EXIT) when it does not fit the configured hardware, with one
 `error:` line ending with the smallest change that fits (Megatron's included: its own layouts,
 then the backend that shards parameters), and the change named really fits and passes the rules.
 The tables keep to 100 columns; the token count says why it follows the devices; Megatron's
@@ -20,9 +20,9 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, compose
+from workbench.plan.make import DOES_NOT_FIT_EXIT, make_plan
 from workbench.plan.tables import WIDTH, tokens_line
-from workbench.run import rules
-from workbench.run.plan import DOES_NOT_FIT_EXIT, make_plan
+from workbench.resolve import rules
 
 DPO = ["method=dpo", "model=70b", "hardware=8xh100"]
 GRPO_MEGATRON = ["method=grpo", "model=70b", "backend=megatron", "hardware=8xh100"]
@@ -119,7 +119,7 @@ def test_a_run_that_fits_has_no_refusal_and_the_tokens_follow_the_devices():
 @pytest.mark.parametrize("backend", ["single", "fsdp2"])
 def test_no_weights_note_without_a_second_model(backend):
     plan = make_plan(compose([*GRPO_MEGATRON[:2], f"backend={backend}", "hardware=8xh100"], base=()), others=False)
-    # the one note left is the chunked loss the 128,256-token vocabulary gets (run/derive.py Run.loss_chunk)
+    # the one note left is the chunked loss the 128,256-token vocabulary gets (resolve/derive.py Run.loss_chunk)
     assert plan["hf_copy_gb"] == 0 and not [n for n in plan["notes"] if n.startswith("weights")], plan["notes"]
 
 

@@ -14,12 +14,12 @@ import pytest
 from rich.console import Console
 
 from tests.conftest import compose
+from workbench.plan import make as run_plan
+from workbench.plan.check import Shapes
+from workbench.plan.make import from_cfg, make_plan, refusal, rollout_of
 from workbench.plan.memory import estimate
 from workbench.plan.speed import Decoder, Rollout, generation_seconds
 from workbench.plan.tables import show
-from workbench.run import plan as run_plan
-from workbench.run.plan import from_cfg, make_plan, refusal, rollout_of
-from workbench.telemetry.plan_check import Shapes
 from workbench.train.batch import Forward
 
 

@@ -20,8 +20,9 @@ from omegaconf import OmegaConf
 
 from tests.conftest import ROOT, compose
 from workbench.core.errors import UserError
-from workbench.run import preflight, rules
-from workbench.run.plan import DoesNotFit
+from workbench.plan.make import DoesNotFit
+from workbench.resolve import rules
+from workbench.run import preflight
 
 ALL = frozenset({"bitsandbytes", "deepspeed", "megatron", "torchao", "vllm", "unsloth"})
 CPU = rules.Env(cuda=False, gpus=0, packages=ALL)
@@ -270,7 +271,7 @@ def test_70b_dpo_refuses_then_dry_run_plans(tmp_path, capsys):
     assert msg.startswith("model=llama3-70b method=dpo") and "GiB per device" in msg and "hardware=" in msg
     assert not (tmp_path / "run").exists()  # refused before the run directory or any weights
     capsys.readouterr()
-    # the dry run prints the whole plan, then ends with status 4: it does not fit (workbench/run/plan.py)
+    # the dry run prints the whole plan, then ends with status 4: it does not fit (workbench/plan/make.py)
     with pytest.raises(DoesNotFit) as stop:
         run_job(compose(ov + ["dry_run=true", "plan.json=true"], validate=False, base=[]))
     assert stop.value.exit_code == 4 and "it fits on" in str(stop.value)  # nothing fits this CPU
@@ -307,8 +308,8 @@ def test_cli_70b_dpo_refuses_then_plans_without_download(tmp_path):
 def test_keep_best_is_checked_against_the_metrics_the_tasks_report():
     """evals/hooks.py says what each task reports; keep_best checks the name against it, with the
     closest one; a task whose metrics are known only when it runs (a hook, lm_eval) takes any."""
+    from workbench.checkpoints import keep_best
     from workbench.evals import hooks
-    from workbench.train import keep_best
 
     tasks = ["loss", "arith_add2", "mypkg.evals:exact", "lm_eval:hellaswag"]
     reported = hooks.metrics(tasks)

@@ -198,7 +198,7 @@ def test_an_unexpected_exception_is_printed_without_its_secrets(tmp_path, plante
 def test_the_watchdog_files_hold_no_secret(tmp_path, planted):
     """A rank's failure (failure.json, its traceback file, the line for the other ranks), a stall
     verdict (stall.json) and a stack file's note, with a store standing in for the process group's."""
-    from workbench.train.watchdog import Watchdog, save_traceback
+    from workbench.guard.watchdog import Watchdog, save_traceback
 
     class Store:
         def __init__(self):

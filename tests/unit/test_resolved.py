@@ -1,4 +1,4 @@
-"""The resolved run (workbench/run/resolved.py) is the one place run-wide decisions are made, and the
+"""The resolved run (workbench/resolve/resolved.py) is the one place run-wide decisions are made, and the
 code is held to that: grep-level checks over workbench/, the import layers the README's Layout
 names, a read-only config after validation, and the defects the resolved run replaced.
 
@@ -17,8 +17,8 @@ from omegaconf.errors import ReadonlyConfigError
 
 from tests.conftest import ROOT, compose, train
 from workbench.core.errors import UserError
-from workbench.run.derive import derive
-from workbench.run.resolved import resolve_run
+from workbench.resolve.derive import derive
+from workbench.resolve.resolved import resolve_run
 from workbench.train.layout import Layout
 
 PKG = ROOT / "workbench"
@@ -26,7 +26,7 @@ SOURCES = {p.relative_to(ROOT).as_posix(): p.read_text() for p in sorted(PKG.rgl
 # validate.py checks the fields, rules.py refuses combinations before a run is resolved (the rules
 # of one backend or method read them through config/rule.py), and derive.py derives from them:
 # only these read the raw fields.
-READERS = {"workbench/run/validate.py", "workbench/run/rules.py", "workbench/run/derive.py",
+READERS = {"workbench/resolve/validate.py", "workbench/resolve/rules.py", "workbench/resolve/derive.py",
            "workbench/config/rule.py"}
 
 def test_only_the_resolved_run_reads_peft_kind_and_precision_name():
@@ -37,15 +37,15 @@ def test_only_the_resolved_run_reads_peft_kind_and_precision_name():
 
 
 def test_only_the_resolved_run_builds_a_precision_policy():
-    calls = [f"{p}:{i}" for p, text in SOURCES.items() if p not in ("workbench/run/derive.py",
-                                                                     "workbench/train/precision.py")
+    calls = [f"{p}:{i}" for p, text in SOURCES.items() if p not in ("workbench/resolve/derive.py",
+                                                                     "workbench/compute/precision.py")
              for i, line in enumerate(text.splitlines(), 1) if re.search(r"\bpolicy\(", line)]
     assert calls == []
 
 
 def test_the_runner_never_probes_methods_or_backends():
     # where Method and Backend objects (and their modules) are held
-    holders = {"workbench/run/runner.py", "workbench/train/faults.py", "workbench/run/preflight.py",
+    holders = {"workbench/run/runner.py", "workbench/guard/faults.py", "workbench/run/preflight.py",
                "workbench/export/write.py", "workbench/launch/torchrun.py"}
     holders |= {p for p in SOURCES if p.startswith(("workbench/methods/", "workbench/backends/"))}
     probe = re.compile(r"\b(hasattr|getattr)\((self\.)?(ctx\.)?(backend|method|backend_module|module)\b")
@@ -101,7 +101,7 @@ def test_precision_auto_follows_the_cpus_bf16_arithmetic(tmp_path, monkeypatch, 
 def test_precision_auto_override_and_the_start_line(tmp_path, monkeypatch, forced, want):
     """WORKBENCH_CPU_BF16 makes one machine resolve `auto` either way (the suite runs under both);
     the start line names the choice and why, and a set precision says it was set."""
-    from workbench.train import precision
+    from workbench.compute import precision
 
     monkeypatch.setenv("WORKBENCH_CPU_BF16", forced)
     summary = derive(compose(["model=tiny"], tmp_path, base=[])).summary()

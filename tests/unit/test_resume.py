@@ -17,9 +17,9 @@ import torch
 
 from tests.conftest import compose
 from tests.tolerances import LOSS_RTOL, PROBE_RTOL_HALF
+from workbench.checkpoints import canonical, checkpoint, replay, resume
 from workbench.core.errors import UserError
-from workbench.run.derive import derive
-from workbench.train import canonical, checkpoint, replay, resume
+from workbench.resolve.derive import derive
 from workbench.train.layout import Layout
 
 
@@ -122,7 +122,7 @@ def test_grpo_prompts_per_step_fixes_the_global_batch_at_any_layout(tmp_path):
 
 # -- the schedule -------------------------------------------------------------------------------
 def test_schedule_continues_with_the_restored_lr():
-    from workbench.train.optim import build_optimizer, build_scheduler
+    from workbench.compute.optim import build_optimizer, build_scheduler
 
     cfg = compose(["optim.warmup_steps=2", "optim.scheduler=cosine"]).optim
 
@@ -238,7 +238,7 @@ def test_survivors_that_cannot_split_with_this_micro_batch_take_a_smaller_one(tm
 
 
 def test_a_run_that_cannot_keep_its_batch_at_min_nodes_is_refused_at_start(tmp_path):
-    from workbench.run.resolved import resolve_run
+    from workbench.resolve.resolved import resolve_run
 
     ok = compose(["hardware.nodes=3", "hardware.min_nodes=2", "train.micro_batch_size=4"], tmp_path)
     assert resolve_run(ok, planning=True).batch.size == 12  # 12 rows: 3 x 4 at 3 nodes, 2 x 3 x 2 at 2
@@ -255,7 +255,7 @@ def test_a_run_that_cannot_keep_its_batch_at_min_nodes_is_refused_at_start(tmp_p
 
 def test_the_survivors_of_a_lost_node_resolve_their_run(tmp_path):
     # inside a worker after node 2 of 2 was lost: one rank left, hardware.nodes still says 2
-    from workbench.run.resolved import resolve_run
+    from workbench.resolve.resolved import resolve_run
 
     cfg = compose(["hardware.nodes=2", "hardware.min_nodes=1", "hardware.procs=1", "train.micro_batch_size=4",
                    "train.grad_accum=1", "hardware.rdzv_endpoint=127.0.0.1:29400"], tmp_path)

@@ -13,10 +13,10 @@ import json
 import pytest
 
 from tests.conftest import compose, train
+from workbench.checkpoints import checkpoint
+from workbench.compute.optim import lr_factor
 from workbench.core.errors import UserError
 from workbench.telemetry.compare import read_run
-from workbench.train import checkpoint
-from workbench.train.optim import lr_factor
 
 COSINE = ["optim.scheduler=cosine", "optim.warmup_steps=0", "optim.min_lr_ratio=0.1"]
 

@@ -276,7 +276,7 @@ def test_the_plan_counts_the_judge(tmp_path):
     """A dry run's plan holds the judge's calls per step (the tiny config's GRPO step: 8
     completions), and with reward.seconds_per_call the seconds: ceil(8 / 4 at a time) x 0.5 s = 1 s
     a step, 10 s over 10 steps; no note without a judge."""
-    from workbench.run.plan import make_plan
+    from workbench.plan.make import make_plan
 
     base = ["method=grpo", "reward=judge", "reward.base_url=http://127.0.0.1:9/v1", "train.max_steps=10"]
     notes = make_plan(compose([*base, "reward.seconds_per_call=0.5"], tmp_path), others=False)["notes"]

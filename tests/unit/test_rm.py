@@ -134,7 +134,7 @@ def rm_run(tmp_path_factory):
 
 
 def test_rm_trains_with_lora_head_trainable_and_checkpointed(rm_run):
-    from workbench.train.canonical import read_all
+    from workbench.checkpoints.canonical import read_all
 
     losses = rm_run.results["losses"]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses) and losses[0] != losses[1]
@@ -392,7 +392,7 @@ def test_shared_prompt_rows_equal_two_rows(tiny, peft):
     from workbench.models.head import SelectiveLM
     from workbench.models.load import load_model
     from workbench.peft import lora
-    from workbench.run.derive import derive
+    from workbench.resolve.derive import derive
 
     pairs = varied_pairs(tiny)  # prompts and completions of several lengths
     pairs[1] = replace(pairs[1], margin=0.75)

@@ -90,7 +90,7 @@ def test_resume_with_only_cadence_and_length_changes_continues_and_lists_them(tm
 def test_a_moved_reward_service_is_listed_a_changed_reward_is_refused(tmp_path):
     """reward.url (and the timeouts, tries, concurrency) say where and how the reward is asked,
     not what it scores: a resume lists them; a changed reward function is still refused."""
-    from workbench.train.resume_changes import check, settings
+    from workbench.checkpoints.resume_changes import check, settings
 
     def cfg(*extra):
         return compose(["method=grpo", "reward=http", "reward.url=http://127.0.0.1:8000", *extra], tmp_path / "run")

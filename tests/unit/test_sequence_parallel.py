@@ -13,7 +13,7 @@ import torch
 from tests.conftest import compose
 from workbench.core.errors import UserError
 from workbench.data.collate import pack_rows, pad_batch
-from workbench.run import rules
+from workbench.resolve import rules
 from workbench.train import sequence_parallel as sp
 
 
@@ -71,8 +71,8 @@ def test_sp_is_accepted_on_each_backend(backend):
 
 
 def test_planner_splits_tokens_not_the_batch():
+    from workbench.plan.make import from_cfg, run_tokens
     from workbench.plan.memory import activation_bytes, logits_bytes
-    from workbench.run.plan import from_cfg, run_tokens
 
     one = compose(["data.seq_len=1024", "hardware.procs=2"])
     two = compose(["data.seq_len=1024", "hardware.procs=2", "backend.sp=2"])

@@ -1,5 +1,5 @@
 """The plan check's CPU memory figure counts tensors, not the resident set
-(workbench/telemetry/tensor_memory.py).
+(workbench/plan/tensor_memory.py).
 
     python -m pytest -q tests/unit/test_tensor_memory.py
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.telemetry.tensor_memory import Window, alive_bytes, storage_bytes
+from workbench.plan.tensor_memory import Window, alive_bytes, storage_bytes
 
 MiB = 2**20
 
@@ -40,7 +40,7 @@ def test_storage_bytes_counts_a_storage_once_and_skips_meta_tensors():
 
 
 def test_the_plan_checks_window_is_the_checks_own_step():
-    from workbench.telemetry.plan_check import Memory
+    from workbench.plan.check import Memory
 
     m = Memory("cpu", check_after=3, max_steps=5)
     base = alive_bytes()  # what the window will find alive: whatever earlier tests left

@@ -1,6 +1,6 @@
 """`dry_run=trace` (workbench/plan/trace.py) held to real runs: the step traced on fake tensors
 against the same step on real tensors, measured by the torch CPU allocator (what tensors occupy:
-workbench/telemetry/tensor_memory.py, the plan check's measure), on the tiny model; single in
+workbench/plan/tensor_memory.py, the plan check's measure), on the tiny model; single in
 this process, fsdp2 on 2 ranks of a real gloo group (torchrun) against the trace over a fake
 group of 2. Then the command line: the traced figures beside the plan, a backend that is not
 traced saying so, and a bad value refused.
@@ -38,9 +38,9 @@ DEFAULT_TIER = ("dpo-lora-bf16",)
 
 def _real(overrides: list[str], out: Path) -> dict:
     """The tracer's step on real tensors: the allocator's peak and the tracker's figures."""
+    from workbench.plan.tensor_memory import Window, alive_bytes
     from workbench.plan.trace import _step
-    from workbench.run.resolved import resolve_run
-    from workbench.telemetry.tensor_memory import Window, alive_bytes
+    from workbench.resolve.resolved import resolve_run
 
     run = resolve_run(compose([*SHAPE, *overrides], out))
     gc.collect()  # an earlier trace's fake tensors are not counted as alive
@@ -53,11 +53,11 @@ def _real(overrides: list[str], out: Path) -> dict:
 
 
 def _traced(overrides: list[str], out: Path, procs: int = 1) -> dict:
+    from workbench.plan.make import make_plan
     from workbench.plan.trace import trace_run
-    from workbench.run.plan import make_plan
 
     cfg = compose([*SHAPE, *overrides, f"hardware.procs={procs}"], out)
-    from workbench.run.resolved import resolve_run
+    from workbench.resolve.resolved import resolve_run
 
     got = trace_run(resolve_run(cfg, planning=True), make_plan(cfg, others=False))
     assert got["traced"], got
@@ -145,9 +145,9 @@ ACCUMULATING = ["model=smollm2-135m", "hardware=8xh100", "backend=fsdp2", "metho
 def _accumulating(sync: str, tmp_path) -> tuple[dict, float, float]:
     """The trace (2 micro-batches, world 8), and the gradient's bytes per rank sharded and whole:
     the traced AdamW state is two fp32 moments per parameter, sharded like the fp32 gradient."""
+    from workbench.plan.make import make_plan
     from workbench.plan.trace import trace_run
-    from workbench.run.plan import make_plan
-    from workbench.run.resolved import resolve_run
+    from workbench.resolve.resolved import resolve_run
 
     cfg = compose([*ACCUMULATING, f"backend.sync_each_micro_batch={sync}"], tmp_path, base=())
     got = trace_run(resolve_run(cfg, planning=True), make_plan(cfg, others=False))
@@ -181,7 +181,7 @@ def test_fsdp2_full_fine_tuning_keeps_gradients_sharded_while_it_accumulates(tmp
 
 def test_a_plan_that_only_just_fits_says_how_to_trace_it(tmp_path, capsys):
     from workbench.plan.trace import CLOSE_CALL, close_call
-    from workbench.run.resolved import resolve_run
+    from workbench.resolve.resolved import resolve_run
 
     run = resolve_run(compose(["backend=fsdp2", "hardware.procs=2"], tmp_path), planning=True)
     usable = 72.0

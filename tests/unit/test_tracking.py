@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from workbench.telemetry import peak as tracking
-from workbench.train import precision
+from workbench.compute import precision
+from workbench.plan import peak as tracking
 
 BF16 = precision.spec("bf16-mixed")
 FP32 = precision.spec("fp32")

@@ -5,7 +5,7 @@ The runner only talks to a backend through these calls, so a backend is free to 
 backend class names `Backend` as its base, so the optional parts below come with their
 defaults: the runner calls them, it never probes for them.
 
-State goes through one format every layout reads (workbench/train/canonical.py): a backend
+State goes through one format every layout reads (workbench/checkpoints/canonical.py): a backend
 gives its part of the canonical tensors (`canonical_state`) and fills itself from a reader
 (`load_canonical`), in its own shapes and shards; the schedule travels as JSON.
 """
@@ -19,9 +19,9 @@ from typing import Protocol
 
 import torch
 
-from workbench.train import canonical
+from workbench.checkpoints import canonical
+from workbench.guard.finite import grads_finite
 from workbench.train.batch import StepBatch
-from workbench.train.step import grads_finite
 
 LossFn = Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]]
 
@@ -65,7 +65,7 @@ class Backend(Protocol):
 
     def canonical_state(self) -> dict:
         """This rank's part of the canonical tensors (collective): trainable weights and their
-        optimizer state under canonical names (workbench/train/canonical.py)."""
+        optimizer state under canonical names (workbench/checkpoints/canonical.py)."""
 
     def save_canonical(self, path: Path):
         """Write the canonical tensors into `path` (collective); a future when the write goes on

@@ -9,7 +9,7 @@ adds the partitioning, clipping (optim.max_grad_norm) and, for bf16/fp16, its ma
 The ZeRO-3 knobs have the names of DeepSpeed's own JSON fields. On CPU, DeepSpeed needs
 DS_ACCELERATOR=cpu, which this module sets before importing it.
 
-Checkpoints are the canonical format (workbench/train/canonical.py), through DeepSpeed's
+Checkpoints are the canonical format (workbench/checkpoints/canonical.py), through DeepSpeed's
 per-parameter accessors (deepspeed.utils.safe_get/set_full_fp32_param and _optimizer_state):
 writing, every rank joins each parameter's gather and the parameter's owner (index % world)
 keeps the full fp32 master and Adam moments; reading, every rank reads the full tensors in
@@ -31,15 +31,16 @@ import torch.distributed as dist
 from workbench.backends.base import Backend
 from workbench.backends.spec import BackendFacts, BackendSpec, BackendTerms, on
 from workbench.backends.step import all_sum
+from workbench.checkpoints import canonical
+from workbench.compute.optim import build_optimizer, build_scheduler
 from workbench.config import rule
 from workbench.config.rule import Rule
 from workbench.config.schema import pick
 from workbench.core.errors import missing_package
 from workbench.models.build import rebuild_plain
-from workbench.train import canonical, sequence_parallel
+from workbench.train import sequence_parallel
 from workbench.train.batch import StepBatch
 from workbench.train.distributed import ensure_process_group
-from workbench.train.optim import build_optimizer, build_scheduler
 
 TAG = "zero"  # DeepSpeed's own checkpoint tag in step directories from before the canonical format
 READ_CHUNK_BYTES = 1 << 30  # full fp32 tensors a rank reads at once when loading (weights + moments)
@@ -99,7 +100,7 @@ def ds_config(cfg, tcfg, pol, max_grad_norm: float, n_params: int = 1 << 62, acc
     Buckets are buffers of that many elements; one larger than the model only wastes memory
     (DeepSpeed allocates them whole), so they are capped at the number of parameters. `accum`:
     the resolved run's micro-batches per step (a resume at another world size keeps the global
-    batch by changing it; workbench/run/derive.py), else train.grad_accum.
+    batch by changing it; workbench/resolve/derive.py), else train.grad_accum.
     """
     cap = max(int(n_params), 1)
     zero: dict = {
@@ -239,7 +240,7 @@ class DeepSpeedBackend(Backend):
             self.model.train(was)
         return float(loss_sum.detach().float())
 
-    # -- state (workbench/train/canonical.py) ----------------------------------------------------
+    # -- state (workbench/checkpoints/canonical.py) ----------------------------------------------------
     def _named(self) -> list:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 

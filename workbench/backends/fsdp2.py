@@ -9,7 +9,7 @@ DTensors sharded on dim 0 over all ranks; `wrap` checks that they really are and
 otherwise. Gradients are reduce-scattered and averaged over ranks, like DDP, so the loss
 scaling below matches backend=single exactly at equal global batch.
 
-Checkpoints are the canonical format (workbench/train/canonical.py): each rank writes its own
+Checkpoints are the canonical format (workbench/checkpoints/canonical.py): each rank writes its own
 DTensor shards, and any layout reads them. With peft, only the trainable (adapter) tensors are
 saved; the frozen base is reloaded from its source.
 """
@@ -26,15 +26,16 @@ import torch.distributed as dist
 from workbench.backends.base import Backend
 from workbench.backends.spec import BackendFacts, BackendSpec, BackendTerms, checkpointing, on, syncs_each_micro_batch
 from workbench.backends.step import accumulate, clip_and_step, forward_only
+from workbench.checkpoints import canonical
+from workbench.compute.optim import build_optimizer, build_scheduler
 from workbench.config import rule
 from workbench.config.rule import Rule
 from workbench.config.schema import pick
 from workbench.models.build import rebuild_plain
 from workbench.peft.lora import base_model
-from workbench.train import canonical, sequence_parallel
+from workbench.train import sequence_parallel
 from workbench.train.batch import StepBatch
 from workbench.train.distributed import ensure_process_group
-from workbench.train.optim import build_optimizer, build_scheduler
 
 
 @dataclass
@@ -200,7 +201,7 @@ class FSDP2Backend(Backend):
         self._forwarded = True
         return forward_only(self.model, micro, loss_fn, self.pol, self.device)
 
-    # -- state (workbench/train/canonical.py: each rank writes its DTensor shards) -------------
+    # -- state (workbench/checkpoints/canonical.py: each rank writes its DTensor shards) -------------
     def canonical_state(self) -> dict:
         return canonical.torch_state(self.model, self.optimizer, self.trainable)
 

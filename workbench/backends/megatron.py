@@ -21,9 +21,9 @@ workbench/megatron/grads.py (data-parallel; experts over expert-data-parallel), 
 mixed precision).
 
 Data: a rank's *data-parallel* rank and size decide its slice of the global batch (TP and PP
-peers train on the same examples); the resolved run's layout (workbench/run/resolved.py) holds them
+peers train on the same examples); the resolved run's layout (workbench/resolve/resolved.py) holds them
 and `wrap()` checks that Megatron-Core's process groups agree.
-Checkpoints: the canonical format (workbench/train/canonical.py) under Hugging Face names, so
+Checkpoints: the canonical format (workbench/checkpoints/canonical.py) under Hugging Face names, so
 any layout and backend reads them: base weights by TP block, adapters whole under PEFT's names,
 the distributed optimizer's fp32 main weights (workbench/backends/megatron_state.py).
 `unwrapped()` is the HF model with the current weights (with LoRA: the adapters) bridged back
@@ -44,23 +44,24 @@ from workbench.backends import megatron_state as state
 from workbench.backends.base import Backend
 from workbench.backends.spec import BackendFacts, BackendSpec, BackendTerms, checkpointing, on
 from workbench.backends.step import forward_only
+from workbench.checkpoints import canonical
+from workbench.compute import precision as prec
+from workbench.compute.optim import build_optimizer, build_scheduler, lr_factor
 from workbench.config import rule
 from workbench.config.rule import Rule
 from workbench.config.schema import pick
+from workbench.families import registry as families
 from workbench.megatron import bridge, grads, lora
 from workbench.megatron.cpu_shim import cpu_device
 from workbench.megatron.lm import LogitsView, MegatronLM, pad_micro, stage_forward
 from workbench.megatron.lora import TARGETS
-from workbench.megatron.model import FAMILIES, Parallel, build_gpt, check_parallel, require_megatron
+from workbench.megatron.model import Parallel, build_gpt, check_parallel, require_megatron
 from workbench.megatron.optimizer import DistributedOptimizer
 from workbench.models.build import rebuild_plain
 from workbench.peft.lora import base_model
-from workbench.train import canonical
-from workbench.train import precision as prec
 from workbench.train.batch import StepBatch
 from workbench.train.distributed import all_max, ensure_process_group, reduce_scalar
 from workbench.train.layout import layout
-from workbench.train.optim import build_optimizer, build_scheduler, lr_factor
 
 
 @dataclass
@@ -89,7 +90,7 @@ def parallel(cfg):
 
 def check(cfg, hf_config, world_size: int) -> None:
     """The loaded model against the parallel sizes (its config.json is the truth: a hub model's
-    intermediate size is not in model.arch). Combinations of options are rules (workbench/run/rules.py)."""
+    intermediate size is not in model.arch). Combinations of options are rules (workbench/resolve/rules.py)."""
     require_megatron()
     check_parallel(hf_config, parallel(cfg), world_size)
 
@@ -485,7 +486,7 @@ RULES = (
          lambda c, e: f"peft.target_modules: {_unmapped_targets(c)} have no Megatron linear to adapt; backend=megatron "
                       f"maps {sorted(TARGETS)} (or all-linear)"),
     Rule("megatron-family", {"backend": "megatron", "model": "a family without an HF<->Megatron mapping"},
-         lambda c, e: c.model.arch.family not in FAMILIES,
+         lambda c, e: c.model.arch.family not in families.megatron_model_types(),
          lambda c, e: f"backend=megatron has no HF<->Megatron mapping for model family {c.model.arch.family!r} "
                       f"(model={c.model.name}); use backend=fsdp2 for it"),
 )

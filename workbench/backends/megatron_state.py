@@ -1,4 +1,4 @@
-"""backend=megatron's checkpoint state in the canonical format (workbench/train/canonical.py):
+"""backend=megatron's checkpoint state in the canonical format (workbench/checkpoints/canonical.py):
 what a rank writes and how it fills itself from whatever layout wrote the checkpoint.
 
     flat = canonical_state(backend)      # {"model/<HF name>": tensor or DTensor, "optim/<HF name>/<state>": ...}
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from workbench.checkpoints import canonical
 from workbench.core.errors import UserError
 from workbench.megatron import bridge, lora
-from workbench.train import canonical
 
 
 def trainable(b) -> dict[str, nn.Parameter]:

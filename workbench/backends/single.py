@@ -15,9 +15,10 @@ import torch.distributed as dist
 from workbench.backends.base import Backend
 from workbench.backends.spec import BackendFacts, BackendSpec
 from workbench.backends.step import accumulate, clip_and_step, forward_only
-from workbench.train import canonical, sequence_parallel
+from workbench.checkpoints import canonical
+from workbench.compute.optim import build_optimizer, build_scheduler
+from workbench.train import sequence_parallel
 from workbench.train.batch import StepBatch
-from workbench.train.optim import build_optimizer, build_scheduler
 
 
 @dataclass
@@ -79,7 +80,7 @@ class SingleBackend(Backend):
     def forward_only(self, micro: dict, loss_fn) -> float:
         return forward_only(self.model, micro, loss_fn, self.pol, self.device)
 
-    # -- state (workbench/train/canonical.py; DDP replicas write each key once) ---------------
+    # -- state (workbench/checkpoints/canonical.py; DDP replicas write each key once) ---------------
     def canonical_state(self) -> dict:
         return canonical.torch_state(self.model, self.optimizer, self.trainable)
 

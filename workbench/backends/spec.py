@@ -5,7 +5,7 @@ name, its options dataclass (`Config`), its builder, the facts other layers read
 it (whether it shards parameters, what the planner counts for it), the function that turns its
 options into the planner's terms (`terms`: BackendTerms) and the rules that concern it alone.
 `workbench/backends/registry.py` gathers the specs: it is the only list of backends, read by the
-rule table (workbench/run/rules.py), the resolved run and the planner (workbench/plan/), none of
+rule table (workbench/resolve/rules.py), the resolved run and the planner (workbench/plan/), none of
 which compares a backend's name (tests/unit/test_layout.py) or reads a backend option by name
 (tests/unit/test_option_reads.py): they read the facts and the terms.
 """
@@ -46,7 +46,7 @@ class BackendFacts:
     loads_unsloth: bool = False  # model.loader=unsloth's patched single-GPU model trains under it
     own_accumulation: bool = False  # counts accumulation boundaries from its own config (train.grad_accum)
     # only runs inside a launched process (DeepSpeed's engine needs LOCAL_RANK): torchrun starts
-    # it even on one process (workbench/launch/__init__.py)
+    # it even on one process (workbench/launch/dispatch.py)
     needs_launcher: bool = False
     model_parallel: bool = False  # splits the model itself (tp/pp/ep), with its own layers and checkpoint field
     # -- planner terms (workbench/plan/): what the memory estimate counts and the fixes it may
@@ -122,7 +122,7 @@ def checkpointing(value) -> str | None:
 @dataclass(frozen=True)
 class BackendTerms:
     """A backend's options in the planner's terms: what they do, not what they are called. Each
-    backend module maps its own options (`BackendSpec.terms`); the planner (workbench/run/plan.py,
+    backend module maps its own options (`BackendSpec.terms`); the planner (workbench/plan/make.py,
     workbench/plan/), the resolved run and resume read these, so a backend with its own offload,
     parallel or checkpointing options adds no planner code. The defaults are a backend without
     such options."""

@@ -9,7 +9,7 @@
   forward and its backward.
 - `clip_and_step`: unscale (fp16), clip, optimizer and scheduler step, zero grads.
 - `forward_only`: one micro-batch's summed loss without gradient, in eval mode (the resume
-  certificate's probe, workbench/train/replay.py).
+  certificate's probe, workbench/checkpoints/replay.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import torch
 
+from workbench.compute import precision as prec
 from workbench.core import heartbeat
 from workbench.peft import lora
-from workbench.train import precision as prec
 from workbench.train import sequence_parallel
 from workbench.train.batch import StepBatch
 from workbench.train.distributed import reduce_scalar

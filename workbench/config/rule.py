@@ -4,7 +4,7 @@ A rule refuses one combination of options (method x peft x backend x precision x
 cannot work, with a message naming the fix. The rules that concern one backend or one method
 alone are part of its spec (`BackendSpec.rules`, workbench/backends/spec.py; `MethodSpec.rules`,
 workbench/methods/spec.py), written next to its options; the rest cut across them. The table
-(workbench/run/rules.py) checks the cross-cutting ones plus those of the run's chosen backend and
+(workbench/resolve/rules.py) checks the cross-cutting ones plus those of the run's chosen backend and
 method, and writes docs/compatibility.md from all of them.
 
     from workbench.config.rule import Rule, device
@@ -105,6 +105,12 @@ def precision(c) -> str:
 def par(c, key: str) -> int:
     """A parallel degree of the backend (backend.tp, pp, cp, ep); 1 where its options have none."""
     return int(pick(c, f"backend.{key}", 1))
+
+
+def degrees(c) -> dict[str, int]:
+    """The parallel degrees a run's ranks are laid out by (workbench/train/layout.py): the
+    backend's tp / pp / cp / sp, 1 where its options have none."""
+    return {key: par(c, key) for key in ("tp", "pp", "cp", "sp")}
 
 
 def stage(c) -> int:

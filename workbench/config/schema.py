@@ -5,7 +5,7 @@ Hydra composes it onto the dataclass here; an unknown key (`optim.lrr`) or a wro
 (`optim.lr=abc`) fails while it composes. Method and backend options live beside their code
 (`workbench/methods/<name>.py`, `workbench/backends/<name>.py`, each with a `Config` dataclass,
 registered in `workbench/methods/registry.py` and `workbench/backends/registry.py`).
-`workbench/run/validate.py` applies all of them to a composed config.
+`workbench/resolve/validate.py` applies all of them to a composed config.
 
 Run `python -m workbench --cfg job` to see the composed config.
 
@@ -189,13 +189,13 @@ class TrainConfig:
     keep_checkpoints: int = 2  # the newest N step checkpoints are kept, older ones deleted; 0: keep all
     resume: str = "auto"  # auto (latest in output_dir, if any) | never | <checkpoint dir>
     # Resuming at another world size keeps the checkpoint's global batch by recomputing grad_accum
-    # (workbench/train/resume.py); false: this run's micro x accum x ranks is the new global batch.
+    # (workbench/checkpoints/resume.py); false: this run's micro x accum x ranks is the new global batch.
     keep_global_batch: bool = True
-    # The replay certificate on every resume (workbench/train/replay.py): error stops a run whose
+    # The replay certificate on every resume (workbench/checkpoints/replay.py): error stops a run whose
     # loaded weights do not reproduce the saved probe loss; warn reports it and goes on.
     resume_check: str = "error"
     # A resume whose config changes what the run computes (optimizer, schedule, data, model,
-    # method, precision, seed; workbench/train/resume_changes.py) is refused naming each change;
+    # method, precision, seed; workbench/checkpoints/resume_changes.py) is refused naming each change;
     # allow: it continues, and the changes are recorded in manifest.json and report.md.
     resume_changes: str = "refuse"
     export: bool = True
@@ -203,12 +203,12 @@ class TrainConfig:
     # export/adapter, so a full fine-tuning run exports nothing
     export_merged: bool = True
     compile: bool = False
-    # NaN/Inf loss or gradients: skip up to this many steps, then stop (workbench/train/faults.py); 0 = stop
+    # NaN/Inf loss or gradients: skip up to this many steps, then stop (workbench/guard/faults.py); 0 = stop
     max_bad_steps: int = 0
     # a supervised run whose loss has not improved for N steps warns once, and its end says so
     # (workbench/telemetry/stall.py); 0: never
     stall_steps: int = 100
-    # Keep the best evaluated checkpoint in checkpoints/best/ (workbench/train/keep_best.py): a metric
+    # Keep the best evaluated checkpoint in checkpoints/best/ (workbench/checkpoints/keep_best.py): a metric
     # such as loss/loss; mode auto = min for losses/perplexity, else max; export_best exports it.
     keep_best: str | None = None
     keep_best_mode: str = "auto"  # auto | min | max
@@ -273,7 +273,7 @@ class HardwareConfig:
     rdzv_timeout_s: float = 300.0  # how long a node waits at the rendezvous for the others
     min_nodes: int = 0  # fewest nodes a multi-node run continues on after losing one; 0: hardware.nodes
     timeout_minutes: int = 30  # collective timeout
-    # the watchdog (workbench/train/watchdog.py): seconds without progress before a run is called
+    # the watchdog (workbench/guard/watchdog.py): seconds without progress before a run is called
     # stalled; 0: twenty times the median step time, at least 300 s (600 s until 3 steps are timed)
     stall_timeout_s: float = 0.0
     watchdog: bool = True  # false: no watchdog thread (e.g. stepping through a run in a debugger)
@@ -293,9 +293,14 @@ class PlanConfig:
     hardware: list[str] = field(default_factory=list)  # profiles plan.compare lists; empty = all
     enforce: bool = True  # refuse a real run whose plan does not fit the configured hardware
     # after this many steps compare measured memory, step time and tokens/s with the plan
-    # (workbench/telemetry/plan_check.py); 0: never
+    # (workbench/plan/check.py); 0: never
     check_after_steps: int = 10
     calibrate: bool = False  # keep measured/predicted per hardware; later dry runs use it
+
+
+# The GGUF types the export writes: those llama.cpp's own converter writes that gguf.quants can
+# produce in Python (workbench/export/gguf.py); K-quants need llama.cpp's llama-quantize.
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 @dataclass
@@ -315,7 +320,7 @@ class DebugConfig:
     # fault injection: crash_rank exits like a killed process at this step, on the first attempt
     # only (restart tests); -1: off
     crash_at_step: int = -1
-    nan_at_step: int = -1  # fault injection: this step's loss is NaN (workbench/train/faults.py)
+    nan_at_step: int = -1  # fault injection: this step's loss is NaN (workbench/guard/faults.py)
     crash_rank: int = 0  # the rank crash_at_step kills
     step_sleep_s: float = 0.0  # fault injection: every step takes this much longer (signal and node-loss tests)
     overfit_batches: int = 0  # N > 0: every step trains on the first N batches in turn (debug=overfit); 0: off
@@ -325,7 +330,7 @@ class DebugConfig:
     hang_at_step: int = -1
     hang_rank: int = 0  # the rank that hangs (hang_phase, hang_at_step)
     # smoke runs (debug=fast sets 8): every sampled completion and episode turn at most this many
-    # tokens, at most 2 turns an episode, no refill rounds (workbench/run/validate.py), so a method
+    # tokens, at most 2 turns an episode, no refill rounds (workbench/resolve/validate.py), so a method
     # that generates finishes in seconds on a random model, which never stops on its own
     max_new_tokens: int | None = None
 

@@ -1,6 +1,6 @@
 """Publishing a directory whole: a reader finds the complete old directory or the complete new
 one, never a part, whenever the writer stops (an exception, kill -9, a power cut). Checkpoints
-(workbench/train/checkpoint.py), the best checkpoint (workbench/train/keep_best.py) and cache
+(workbench/checkpoints/checkpoint.py), the best checkpoint (workbench/checkpoints/keep_best.py) and cache
 entries (workbench/core/cache.py) are all written this way.
 
     from workbench.core import atomic

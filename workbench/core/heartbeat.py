@@ -1,7 +1,7 @@
 """What this process is doing right now: its phase and step, for the watchdog.
 
 The training loop, the backends, the methods and the reward and evaluation code mark their
-phases; workbench/train/watchdog.py reads the mark from its own thread, publishes it to the
+phases; workbench/guard/watchdog.py reads the mark from its own thread, publishes it to the
 other ranks and judges whether the run still makes progress. Marking costs two attribute
 writes and a clock read, so it sits on every step's path.
 
@@ -21,7 +21,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 
-# phases whose budget is the long one (workbench/train/watchdog.py): they take as long as they
+# phases whose budget is the long one (workbench/guard/watchdog.py): they take as long as they
 # take, once, and are not a step's work
 LONG_PHASES = ("startup", "evaluation", "checkpoint", "export")
 

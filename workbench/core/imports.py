@@ -62,7 +62,7 @@ def skip_bitsandbytes(needed: bool) -> None:
     torch._inductor and, on a CPU with AVX512-BF16, logs a warning about an optional kernel (see
     quiet_bitsandbytes): about a second and a warning line before the first step of a run that
     quantises nothing. Called by the CLI's Hydra job before each job with `needed` from
-    workbench/run/derive.py needs_bitsandbytes: a job that is not QLoRA hides bitsandbytes
+    workbench/resolve/derive.py needs_bitsandbytes: a job that is not QLoRA hides bitsandbytes
     unless an earlier job of this process imported it; a QLoRA job after one that hid it (a
     multirun in one process) brings it back. run_job called from Python leaves the process as it
     is (only the CLI calls this)."""

@@ -28,7 +28,7 @@ model card (workbench/export/card.py), the trackers (workbench/telemetry/tracker
 metrics.jsonl and console lines (workbench/telemetry/metrics.py), report.md and results.json,
 `samples/grpo.jsonl` (workbench/methods/grpo.py), `samples/episodes.jsonl`
 (workbench/methods/grpo_env.py), `stalls/` (failure.json, stall.json, the per-rank stack and
-traceback files: workbench/train/watchdog.py), `error:` lines and the traceback of an unexpected
+traceback files: workbench/guard/watchdog.py), `error:` lines and the traceback of an unexpected
 exception (workbench/cli.py) and log lines (LogFilter).
 """
 

@@ -14,19 +14,22 @@ import hashlib
 from dataclasses import dataclass
 
 from workbench.core.errors import UserError
-from workbench.models.gguf_tokenizer import GEMMA_TEMPLATE
+from workbench.families import registry as families
 
 IGNORE = -100
 
-# Named chat templates a user may ask for with data.chat_template=<name>.
-TEMPLATES = {
-    "chatml": (
-        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
-        " + '<|im_end|>' + '\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-    ),
-    "gemma": GEMMA_TEMPLATE,  # <start_of_turn>user ... <end_of_turn> (workbench/models/gguf_tokenizer.py)
-}
+# Named chat templates a user may ask for with data.chat_template=<name>: chatml, and each model
+# family's own by its spec's template_name (gemma: <start_of_turn>user ... <end_of_turn>; read
+# when asked, so a family registered later is offered too).
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def templates() -> dict[str, str]:
+    return {"chatml": CHATML, **{s.template_name: s.chat_template for s in families.FAMILIES.values() if s.template_name}}
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,10 @@ def setup_tokenizer(tokenizer, template_name: str | None = None) -> ChatContract
     template itself: render a probe assistant turn and take the first special token after it.
     """
     if template_name:
-        if template_name not in TEMPLATES:
-            raise UserError(f"data.chat_template={template_name!r} is not one of {sorted(TEMPLATES)}")
-        tokenizer.chat_template = TEMPLATES[template_name]
+        named = templates()
+        if template_name not in named:
+            raise UserError(f"data.chat_template={template_name!r} is not one of {sorted(named)}")
+        tokenizer.chat_template = named[template_name]
     if not tokenizer.chat_template:
         raise UserError("the tokenizer has no chat template; set data.chat_template (e.g. chatml)")
     probe = "PROBE_TEXT_7"

@@ -18,7 +18,7 @@
 Every key is checked: a typo names the field and the recipe file.
 
 One file needs no recipe: `data.path=FILE` (or a list of files) with `data.eval_split=0.05 | 200 |
-eval.jsonl`. `workbench.run.validate` turns those into an inline recipe (`data.recipe` holds it
+eval.jsonl`. `workbench.resolve.validate` turns those into an inline recipe (`data.recipe` holds it
 as JSON, so the run's config.yaml records exactly what was read), and `load_recipe` reads it like
 a file. The held-out rows are chosen deterministically (a fixed-seed permutation of row numbers,
 the same for the same file and size) and are removed from the training view of every source;

@@ -15,8 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from workbench.checkpoints import checkpoint
 from workbench.core.errors import UserError
-from workbench.train import checkpoint
 
 USAGE = "usage: python -m workbench.export <run_dir> [step=N] [key=value ...]"
 

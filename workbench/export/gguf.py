@@ -30,18 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
+from workbench.config.schema import GGUF_TYPES
 from workbench.core.errors import UserError
+from workbench.families import registry as families
+from workbench.families.spec import Gguf
+from workbench.models.gguf_tokenizer import SENTENCEPIECE
 
-# HF model_type -> (GGUF architecture, permute Q/K rows like llama.cpp's LlamaModel)
-ARCHES = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
-          "qwen3": ("qwen3", False), "gemma3_text": ("gemma3", False)}
-# Gemma's RMSNorm scales by (1 + weight); llama.cpp's by weight, so its converter adds the 1
-# (and transformers' GGUF reader takes it away again: modeling_gguf_pytorch_utils.Gemma2TensorProcessor)
-NORM_PLUS_ONE = {"gemma3_text"}
-TYPES = ("f32", "f16", "bf16", "q8_0")
-# Pre-tokenizer names llama.cpp selects its split regex by (it hashes a tokenisation to find
-# them; a table by tokenizer is the small equivalent for the families the workbench trains).
-PRE = {"smollm2": "smollm", "qwen2": "qwen2", "qwen3": "qwen2", "llama": "llama-bpe"}
+# What each family needs written (architecture, Q/K permutation, norms, split rule) is its spec's
+# (workbench/families/); the types are those the schema offers (workbench/config/schema.py GGUF_TYPES).
+TYPES = GGUF_TYPES
 
 
 def check_types(types) -> list[str]:
@@ -52,10 +49,13 @@ def check_types(types) -> list[str]:
     return [str(t).lower() for t in types]
 
 
-def check_model(model_type: str) -> None:
-    if model_type not in ARCHES:
+def check_model(model_type: str) -> Gguf:
+    """The family's GGUF rules; UserError for a family the writer has none for."""
+    spec = families.get(model_type)
+    if spec is None or spec.gguf is None:
         raise UserError(f"export.gguf: model_type {model_type!r} has no GGUF mapping here; supported: "
-                        f"{sorted(ARCHES)}")
+                        f"{families.gguf_model_types()}")
+    return spec.gguf
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -137,7 +137,7 @@ def _sentencepiece(w, model_file: Path, tok) -> None:
         pieces.append(added[i].content.encode("utf-8"))
         scores.append(-1000.0)
         types.append(3 if added[i].special else 4)  # CONTROL | USER_DEFINED
-    w.add_tokenizer_model("llama")
+    w.add_tokenizer_model(SENTENCEPIECE)
     w.add_tokenizer_pre("default")
     w.add_token_list(pieces)
     w.add_token_scores(scores)
@@ -161,13 +161,13 @@ def write(merged_dir: Path, out: Path, kind: str, eos_id: int | None = None, pre
     logging.getLogger("gguf").setLevel(logging.WARNING)
     merged_dir, out = Path(merged_dir), Path(out)
     cfg = AutoConfig.from_pretrained(merged_dir)
-    check_model(cfg.model_type)
-    arch, permute = ARCHES[cfg.model_type]
+    rules = check_model(cfg.model_type)
+    arch, permute = rules.arch, rules.permute_qk
     tok = AutoTokenizer.from_pretrained(merged_dir)
     n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head
     scalar = getattr(cfg, "query_pre_attn_scalar", None)
-    if arch == "gemma3" and scalar is not None and int(scalar) != head_dim:
+    if rules.query_scale_from_head_dim and scalar is not None and int(scalar) != head_dim:
         # GGUF has no key for it: llama.cpp (and transformers' GGUF reader) scale queries by
         # 1/sqrt(head_dim) (27B excepted), so such a file would run a different model
         raise UserError(f"export.gguf: {merged_dir}/config.json has query_pre_attn_scalar={scalar} but "
@@ -186,7 +186,7 @@ def write(merged_dir: Path, out: Path, kind: str, eos_id: int | None = None, pre
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(_rope_base(cfg))
-    if getattr(cfg, "sliding_window", None) and arch == "gemma3":
+    if getattr(cfg, "sliding_window", None) and rules.sliding_window:
         # llama.cpp's gemma3 takes the 5 local : 1 global layer pattern and the local layers'
         # rope base (10,000) as fixed; the window is the file's
         w.add_sliding_window(int(cfg.sliding_window))
@@ -198,7 +198,7 @@ def write(merged_dir: Path, out: Path, kind: str, eos_id: int | None = None, pre
     if (merged_dir / "tokenizer.model").exists():
         _sentencepiece(w, merged_dir / "tokenizer.model", tok)
     else:
-        _byte_bpe(w, merged_dir, tok, pre or PRE.get(cfg.model_type, "default"))
+        _byte_bpe(w, merged_dir, tok, pre or rules.pre_tokenizer)
     eos = eos_id if eos_id is not None else tok.eos_token_id
     for setter, value in ((w.add_bos_token_id, tok.bos_token_id), (w.add_eos_token_id, eos),
                           (w.add_eot_token_id, eos), (w.add_pad_token_id, tok.pad_token_id),
@@ -216,7 +216,7 @@ def write(merged_dir: Path, out: Path, kind: str, eos_id: int | None = None, pre
                 if tied and hf_name == "lm_head.weight":
                     continue  # GGUF ties by leaving output.weight out
                 t = f.get_tensor(hf_name).to(torch.float32).numpy()
-                if cfg.model_type in NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
+                if rules.norm_plus_one and hf_name.endswith("norm.weight"):
                     t = t + 1.0
                 if permute and hf_name.endswith("q_proj.weight"):
                     t = _permute(t, n_head)

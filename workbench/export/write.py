@@ -31,6 +31,7 @@ from workbench.export.gguf import write
 from workbench.export.merge import dtype_name, fp32_copy, merged_model
 from workbench.export.parity import compare, rounding
 from workbench.export.reward_model import export_reward_model
+from workbench.families import registry as families
 from workbench.models.load import tokenizer_metadata
 
 
@@ -53,7 +54,7 @@ def _save_tokenizer(tokenizer, contract, path: Path) -> None:
 
 
 def export(trained, tokenizer, contract, run, out_dir: Path, results: dict | None = None) -> dict:
-    """`run`: the resolved run (workbench/run/resolved.py) the model was trained under."""
+    """`run`: the resolved run (workbench/resolve/resolved.py) the model was trained under."""
     try:
         with hidden("deepspeed"):  # save_pretrained would import it just to probe (workbench/core/imports.py)
             return _export(trained, tokenizer, contract, run, out_dir, results or {})
@@ -170,14 +171,16 @@ def _read_back(path: Path, config):
     """The GGUF file as transformers (5.17) reads it, with two gaps of its reader met by handing it
     the merged model's config: it takes no attention.key_length for some architectures (qwen3) and
     builds its default head size (Gemma: its attention scale, the released models' 256), and it
-    reads a llama-architecture file whose name says "mistral" (the writer's mistral, ARCHES) as
+    reads a llama-architecture file whose name says "mistral" (the family spec's `read_back_as`) as
     model type mistral, for which gguf-py has no tensor map. The file carries both facts, and
     llama.cpp reads them (llama_cpp.check runs the file)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    if config.model_type == "mistral":
+    spec = families.get(config.model_type)
+    read_as = spec.gguf.read_back_as if spec and spec.gguf else None
+    if read_as:
         fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
-        config = LlamaConfig(**fields)
+        config = AutoConfig.for_model(read_as, **fields)
     else:
         back = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         if _attention(back.config) == _attention(config):

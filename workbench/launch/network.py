@@ -21,7 +21,7 @@ import socket
 from dataclasses import dataclass
 
 from workbench.core.errors import UserError
-from workbench.train.watchdog import NODE_ADDR
+from workbench.guard.watchdog import NODE_ADDR
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -120,7 +120,7 @@ def prepare(endpoint: str, node_addr: str = "", field: str = "hardware.rdzv_endp
         # the endpoint is this node, by a name that resolves to loopback here (Debian puts the
         # hostname on 127.0.1.1): the others reach it at its outward interface's address
         route = Route(host, port, *outward(field), here=True)
-    os.environ[NODE_ADDR] = route.address  # the watchdog names a lost node by it (workbench/train/watchdog.py)
+    os.environ[NODE_ADDR] = route.address  # the watchdog names a lost node by it (workbench/guard/watchdog.py)
     if route.ifname:
         for var in IFNAME_VARS:
             os.environ.setdefault(var, route.ifname)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from workbench.core.errors import UserError, missing_package
 from workbench.launch import network, remote
+from workbench.resolve.validate import validate
 from workbench.run.runner import Runner
-from workbench.run.validate import validate
 from workbench.train.distributed import requested_procs
 
 ROOT = Path(__file__).resolve().parents[2]

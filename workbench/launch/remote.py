@@ -23,7 +23,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from workbench.core.secrets import redact, redact_overrides, secret_values
-from workbench.run.validate import _merge
+from workbench.resolve.validate import _merge
 from workbench.telemetry import manifest
 
 CONFIG_NAME = "job_config"

@@ -21,8 +21,8 @@ import threading
 from dataclasses import dataclass, field
 
 from workbench.core.errors import UserError, missing_package
+from workbench.guard import faults
 from workbench.launch import network, remote
-from workbench.train import faults
 
 
 @dataclass
@@ -85,7 +85,7 @@ def launch(cfg):
 
 def preempt_then_requeue() -> None:
     """Slurm's warning ahead of a time limit or preemption (`--signal`; submitit asks for USR2)
-    and a plain SIGTERM both reach the fault guard (workbench/train/faults.py): the step finishes
+    and a plain SIGTERM both reach the fault guard (workbench/guard/faults.py): the step finishes
     and every rank checkpoints together. Then rank 0 requeues the job, which comes back with the
     same output_dir and resumes there. submitit's own USR2 handler would requeue at once and exit
     without that checkpoint, so USR2 is turned into SIGTERM instead."""

@@ -24,10 +24,10 @@ from pathlib import Path
 
 from workbench.config.files import CONF_DIR
 from workbench.core.errors import UserError
+from workbench.guard.watchdog import MISTAKE, RankFailure, ended
 from workbench.launch import network
-from workbench.run.resolved import resolve_run
+from workbench.resolve.resolved import resolve_run
 from workbench.train.distributed import LAUNCHED_BY, requested_procs
-from workbench.train.watchdog import MISTAKE, RankFailure, ended
 
 
 def _free_port() -> int:
@@ -208,7 +208,7 @@ def _verdicts(stalls: Path) -> set:
 
 
 def _mistake(stalls: Path, seen=frozenset()) -> UserError | None:
-    """A rank's mistake (workbench/train/watchdog.py `save_mistake`) as the one error line."""
+    """A rank's mistake (workbench/guard/watchdog.py `save_mistake`) as the one error line."""
     try:
         text = (stalls / MISTAKE).read_text()
         found = json.loads(text)
@@ -228,7 +228,7 @@ def _clear(stalls: Path) -> None:
 
 
 def _failure(stalls: Path, exc=None, seen=frozenset()):
-    """What the workers' watchdog found (workbench/train/watchdog.py), as one line; else the last
+    """What the workers' watchdog found (workbench/guard/watchdog.py), as one line; else the last
     line of the first rank's traceback that a worker left (cli.py), naming its file. A rank's own
     failure comes first: the peers that then find it gone record that as a stall too. A rank a
     signal ended (SIGKILL: the kernel's out-of-memory killer) raised nothing and wrote nothing:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.core.errors import UserError
-from workbench.megatron.model import family, head_dim, n_experts, padded_vocab
+from workbench.megatron.model import family, head_dim, mapping, n_experts, padded_vocab
 
 ADAPTER = ".lora."  # GPTModel parameter names of LoRA adapters (lora.is_adapter)
 
@@ -77,7 +77,7 @@ def _vocab_rows(t: torch.Tensor, vp: int, tp: int, r: int) -> torch.Tensor:
 # -- HF -> Megatron -----------------------------------------------------------------------------
 def to_megatron(hf: dict, cfg, lay: ShardLayout) -> dict:
     """This rank's Megatron-Core tensors (its TP shard of its PP stage) from a full HF state dict."""
-    fam = family(cfg)
+    fam = mapping(cfg)
     out: dict[str, torch.Tensor] = {}
     tp, r = lay.tp, lay.tp_rank
     ng, nh, hd = cfg.num_key_value_heads, cfg.num_attention_heads, head_dim(cfg)
@@ -89,17 +89,17 @@ def to_megatron(hf: dict, cfg, lay: ShardLayout) -> dict:
         h, m = f"model.layers.{i}.", f"decoder.layers.{j}."
         out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"].clone()
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"].clone()
-        for suffix in ("weight", "bias") if fam == "qwen2" else ("weight",):
+        for suffix in ("weight", "bias") if fam.qkv_bias else ("weight",):
             q, k, v = (hf[f"{h}self_attn.{p}_proj.{suffix}"] for p in "qkv")
             rest = q.shape[1:]
             fused = torch.cat([q.reshape(ng, nh // ng * hd, *rest), k.reshape(ng, hd, *rest),
                                v.reshape(ng, hd, *rest)], dim=1)
             out[m + f"self_attention.linear_qkv.{suffix}"] = _block(fused, tp, r).reshape(-1, *rest)
         out[m + "self_attention.linear_proj.weight"] = _block(hf[h + "self_attn.o_proj.weight"], tp, r, 1)
-        if fam == "qwen3":
+        if fam.qk_norm:
             out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"].clone()
             out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"].clone()
-        if fam == "mixtral":
+        if n_experts(cfg):
             _experts_to_megatron(hf, h, m, cfg, lay, out)
         else:
             gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from workbench.core.errors import UserError, missing_package
+from workbench.families import registry as families
+from workbench.families.spec import Megatron
 from workbench.megatron.attention import sdp_attention
 from workbench.megatron.cpu_shim import cpu_device, patch_cpu_autocast, patch_missing_te
-
-FAMILIES = ("llama", "qwen2", "qwen3", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,19 @@ def require_megatron():
 
 
 def family(hf_config) -> str:
+    """The model type, if its family has a Megatron mapping (workbench/families/); UserError if not."""
     name = getattr(hf_config, "model_type", None)
-    if name not in FAMILIES:
+    spec = families.get(name)
+    if spec is None or spec.megatron is None:
         arch = (getattr(hf_config, "architectures", None) or [name])[0]
         raise UserError(f"backend=megatron has no HF<->Megatron mapping for architecture {arch!r} "
-                        f"(model_type={name!r}); mapped families: {list(FAMILIES)}")
+                        f"(model_type={name!r}); mapped families: {families.megatron_model_types()}")
     return name
+
+
+def mapping(hf_config) -> Megatron:
+    """How the model's family maps onto Megatron-Core (its spec's `megatron`)."""
+    return families.get(family(hf_config)).megatron
 
 
 def head_dim(hf_config) -> int:
@@ -58,7 +65,7 @@ def head_dim(hf_config) -> int:
 
 
 def n_experts(hf_config) -> int | None:
-    return getattr(hf_config, "num_local_experts", None) if family(hf_config) == "mixtral" else None
+    return getattr(hf_config, "num_local_experts", None) if families.get(family(hf_config)).experts else None
 
 
 def check_parallel(hf_config, par: Parallel, world_size: int) -> None:
@@ -119,7 +126,7 @@ def transformer_config(hf_config, par: Parallel, dtype: torch.dtype, compute_dty
         kv_channels=head_dim(hf_config), ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        add_qkv_bias=family(hf_config) == "qwen2", qk_layernorm=family(hf_config) == "qwen3",
+        add_qkv_bias=mapping(hf_config).qkv_bias, qk_layernorm=mapping(hf_config).qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
         # Fusions are CUDA kernels (apex / TE); the plain PyTorch paths give the same numbers.
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,

@@ -49,23 +49,23 @@ from pathlib import Path
 
 import torch
 
+from workbench.compute import precision
 from workbench.config.files import CONF_DIR, load_group_file
 from workbench.config.rule import Rule
 from workbench.config.schema import ModelConfig, pick
 from workbench.core.errors import UserError
 from workbench.data.chat import IGNORE
 from workbench.data.collate import pad_batch
-from workbench.data.mixing import Mixture, rank_share
-from workbench.data.overfit import Overfit
+from workbench.data.mixing import Mixture
 from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
 from workbench.methods.base import Method
+from workbench.methods.batching import Batcher
 from workbench.methods.spec import MethodFacts, MethodSpec, Rollouts
 from workbench.models import load
 from workbench.models.auto import adopt
 from workbench.models.head import SelectiveLM
 from workbench.rollout.generate import generate_ids
-from workbench.train import precision
 from workbench.train.batch import StepBatch
 
 
@@ -196,7 +196,7 @@ class Distill(Method):
     def __init__(self, cfg, ctx):
         self.cfg = cfg
         self.ctx = ctx
-        self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
+        self.batch = Batcher(ctx)  # the step's rows and micro-batches (workbench/methods/batching.py)
         self.teacher_cfg = None
         self.teacher = None
         self._step_tokens = 1.0
@@ -266,9 +266,7 @@ class Distill(Method):
         return rows, [len(ids) for ids in comp], passes
 
     def next_batch(self, state, backend) -> StepBatch:
-        t = self.ctx.cfg.train
-        _, mine = rank_share(self.ctx.run.layout, self.ctx.run.batch.per_rank,
-                             lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
+        _, mine = self.batch.draw(state.step, self.mixture.take)
         examples = [self.sources[s].examples[r] for s, r in mine]
         info = {f"mix/{s.source.name}": r for s, r in zip(self.sources, self.mixture.realised())}
         on = self.on_policy(state.step)
@@ -278,8 +276,7 @@ class Distill(Method):
             examples, lengths, passes = self._student_rows(backend, examples)
             info["completion_length"] = sum(lengths) / len(lengths)
         pad = self.ctx.tokenizer.pad_token_id
-        micro = [{k: v.to(self.ctx.device) for k, v in pad_batch(examples[i:i + t.micro_batch_size], pad).items()}
-                 for i in range(0, len(examples), t.micro_batch_size)]
+        micro = self.batch.cut(examples, lambda rows: pad_batch(rows, pad))
         denom = float(sum(int(m["targets"].numel()) for m in micro))
         self._step_tokens = max(denom, 1.0)
         tokens = int(sum(int(m["attention_mask"].sum()) for m in micro))

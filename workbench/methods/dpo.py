@@ -37,17 +37,16 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.compute import precision
 from workbench.core import cache
 from workbench.core.errors import UserError
-from workbench.data.mixing import rank_share
-from workbench.data.overfit import Overfit
 from workbench.data.pair_tree import tree_batch, tree_fits
 from workbench.data.preference import pairs_report, read_pairs
 from workbench.methods.base import Method
+from workbench.methods.batching import Batcher
 from workbench.methods.logps import collate, margin_loss, pair_logps
 from workbench.methods.reference import REFERENCES, Reference
 from workbench.methods.spec import MethodFacts, MethodSpec
-from workbench.train import precision
 from workbench.train.batch import StepBatch
 
 LOSSES = ("sigmoid", "ipo", "hinge")
@@ -77,7 +76,7 @@ class Config:
 
 def check(cfg) -> None:
     """The options (SPEC.check, run when the run resolves, before any weights load); method.reference=adapter
-    without adapters is the rule dpo-adapter-ref-needs-peft (workbench/run/rules.py)."""
+    without adapters is the rule dpo-adapter-ref-needs-peft (workbench/resolve/rules.py)."""
     if cfg.loss_type not in LOSSES:
         raise UserError(f"method.loss_type={cfg.loss_type!r} is not one of {list(LOSSES)}")
     if cfg.reference not in REFERENCES:
@@ -105,8 +104,8 @@ class DPO(Method):
     def __init__(self, cfg, ctx):
         self.cfg = cfg
         self.ctx = ctx
-        self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
-        self.reference = ctx.run.reference  # workbench/run/resolved.py
+        self.batch = Batcher(ctx)  # the step's rows and micro-batches (workbench/methods/batching.py)
+        self.reference = ctx.run.reference  # workbench/resolve/resolved.py
         self.ref: Reference | None = None  # adapter / copy (workbench/methods/reference.py)
         self.ref_logps: list[torch.Tensor] | None = None  # per source: (rows, 2) chosen, rejected
         self._pairs_in_step = 1.0
@@ -137,6 +136,14 @@ class DPO(Method):
         micro = collate(pairs, pad)
         micro["real_tokens"] = int(micro["attention_mask"].sum())
         return micro
+
+    def _collate_drawn(self, idx: list) -> dict:
+        """The drawn (source, row) pairs collated, with their precomputed reference log-probs."""
+        m = self._collate([self.sources[s].pairs[r] for s, r in idx])
+        if self.ref_logps is not None:
+            ref = torch.stack([self.ref_logps[s][r] for s, r in idx])
+            m["ref_chosen"], m["ref_rejected"] = ref[:, 0], ref[:, 1]
+        return m
 
     def _fingerprint(self) -> str:
         c = self.ctx.cfg
@@ -180,18 +187,9 @@ class DPO(Method):
 
     # -- batches -------------------------------------------------------------------------
     def next_batch(self, state, backend) -> StepBatch:
-        t = self.ctx.cfg.train
-        _, mine = rank_share(self.ctx.run.layout, self.ctx.run.batch.per_rank,
-                             lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
-        micro, tokens = [], 0
-        for i in range(0, len(mine), t.micro_batch_size):
-            idx = mine[i:i + t.micro_batch_size]
-            m = self._collate([self.sources[s].pairs[r] for s, r in idx])
-            tokens += m.pop("real_tokens")
-            if self.ref_logps is not None:
-                ref = torch.stack([self.ref_logps[s][r] for s, r in idx])
-                m["ref_chosen"], m["ref_rejected"] = ref[:, 0], ref[:, 1]
-            micro.append({k: v.to(self.ctx.device) for k, v in m.items()})
+        _, mine = self.batch.draw(state.step, self.mixture.take)
+        micro = self.batch.cut(mine, self._collate_drawn)
+        tokens = sum(m.pop("real_tokens") for m in micro)
         self._pairs_in_step = float(len(mine))
         return StepBatch(micro=micro, denom=float(len(mine)), tokens=tokens)
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from workbench.compute import precision
 from workbench.core import heartbeat
 from workbench.core.secrets import redact, secret_values
 from workbench.data.chat import IGNORE, prompt_ids
@@ -68,7 +69,7 @@ from workbench.rollout.async_rollouts import AsyncRollouts
 from workbench.rollout.generate import generate
 from workbench.rollout.vllm_engine import Options as VLLMOptions
 from workbench.rollout.vllm_engine import VLLMEngine
-from workbench.train import precision, sequence_parallel
+from workbench.train import sequence_parallel
 from workbench.train.batch import Forward, StepBatch
 from workbench.train.distributed import all_max, reduce_scalar
 from workbench.train.signal import StallWatch
@@ -152,7 +153,7 @@ def stopped(ids: list[int], max_new_tokens: int) -> bool:
 def batch_shape(cfg, batch) -> BatchShape:
     """The step's shape from the method options and the resolved run's batch (ctx.run.batch:
     micro-batch, accumulation, data-parallel ranks; a resume at another world size changes the
-    accumulation to keep the global batch, workbench/train/resume.py)."""
+    accumulation to keep the global batch, workbench/checkpoints/resume.py)."""
     return step_shape(cfg, batch.micro, batch.accum, batch.dp)
 
 
@@ -234,7 +235,7 @@ class GRPO(Method):
         module = backend.unwrapped()
         self.tree = self.cfg.share_prompt and tree_fits(module, self.ctx.cfg.data.seq_len + self.cfg.max_new_tokens,
                                                         "using one row per completion")
-        reference = self.ctx.run.reference  # none (beta=0) | adapter | copy: workbench/run/resolved.py
+        reference = self.ctx.run.reference  # none (beta=0) | adapter | copy: workbench/resolve/resolved.py
         if reference != "none":
             self.ref = Reference(reference, module)
         if self.cfg.engine == "vllm":

@@ -29,6 +29,7 @@ import sys
 
 import torch
 
+from workbench.compute import precision
 from workbench.core import heartbeat
 from workbench.core.secrets import redact, secret_values
 from workbench.envs import base as envs
@@ -36,7 +37,6 @@ from workbench.envs import registry as env_registry
 from workbench.rollout import advantages, episodes
 from workbench.rollout.generate import generate_ids
 from workbench.rollout.turns import Turns
-from workbench.train import precision
 
 
 class EpisodeRollouts:

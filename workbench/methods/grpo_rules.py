@@ -127,8 +127,8 @@ def make_shape(generations: int, prompts_per_step: int | None, micro_batch_size:
 def step_shape(cfg, micro_batch_size: int, grad_accum: int, dp: int) -> BatchShape:
     """GRPO's MethodSpec.batch: the step's shape from the method config `cfg` at `dp`
     data-parallel ranks; a UserError where the options make no whole groups per rank. The
-    resolved run's accumulation (workbench/run/derive.py) and a resume's global batch
-    (workbench/train/resume.py) ask here."""
+    resolved run's accumulation (workbench/resolve/derive.py) and a resume's global batch
+    (workbench/checkpoints/resume.py) ask here."""
     if cfg.num_generations < 1:  # the rule grpo-group-size refuses it; nothing divides into no group
         raise UserError(f"method.num_generations={cfg.num_generations} makes no group")
     return make_shape(cfg.num_generations, cfg.prompts_per_step, micro_batch_size, grad_accum, dp)

@@ -53,12 +53,12 @@ import torch
 from workbench.config.rule import Rule
 from workbench.core.errors import UserError
 from workbench.data.collate import pad_batch
-from workbench.data.mixing import Mixture, rank_share
-from workbench.data.overfit import Overfit
+from workbench.data.mixing import Mixture
 from workbench.data.pipeline import tokenizer_digest
 from workbench.data.recipes import load_recipe
 from workbench.data.unpaired import Unpaired, tokenise_unpaired
 from workbench.methods.base import Method
+from workbench.methods.batching import Batcher
 from workbench.methods.logps import sequence_logps
 from workbench.methods.reference import REFERENCES, Reference
 from workbench.methods.spec import MethodFacts, MethodSpec
@@ -131,8 +131,8 @@ class KTO(Method):
     def __init__(self, cfg, ctx):
         self.cfg = cfg
         self.ctx = ctx
-        self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
-        self.reference = ctx.run.reference  # workbench/run/resolved.py (auto -> adapter / copy)
+        self.batch = Batcher(ctx)  # the step's rows and micro-batches (workbench/methods/batching.py)
+        self.reference = ctx.run.reference  # workbench/resolve/resolved.py (auto -> adapter / copy)
         self.ref: Reference | None = None  # adapter / copy (workbench/methods/reference.py)
         self.kl = cfg.loss_type == "kto"
         self._counts = (1.0, 1.0, 1.0)  # examples, desirable, undesirable in this rank's step
@@ -160,14 +160,10 @@ class KTO(Method):
 
     # -- batches -------------------------------------------------------------------------
     def next_batch(self, state, backend) -> StepBatch:
-        t = self.ctx.cfg.train
-        _, drawn = rank_share(self.ctx.run.layout, self.ctx.run.batch.per_rank,
-                              lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
+        _, drawn = self.batch.draw(state.step, self.mixture.take)
         mine = [self.sources[s].examples[r] for s, r in drawn]
         pad, seq_len = self.ctx.tokenizer.pad_token_id, self.ctx.cfg.data.seq_len
-        micro = [{k: v.to(self.ctx.device) for k, v in
-                  collate(mine[i:i + t.micro_batch_size], pad, seq_len, self.kl).items()}
-                 for i in range(0, len(mine), t.micro_batch_size)]
+        micro = self.batch.cut(mine, lambda rows: collate(rows, pad, seq_len, self.kl))
         good = float(sum(e.label for e in mine))
         self._counts = (float(len(mine)), good, float(len(mine)) - good)
         # the trained sequences' tokens; the KL pairs only run forward (like the reference, uncounted)

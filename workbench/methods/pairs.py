@@ -11,10 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from workbench.data.chat import IGNORE
-from workbench.data.mixing import rank_share
-from workbench.data.overfit import Overfit
 from workbench.data.pair_tree import tree_fits
 from workbench.data.preference import Pair, pairs_report, read_pairs
+from workbench.methods.batching import Batcher
 from workbench.methods.logps import collate
 from workbench.train.batch import StepBatch
 
@@ -40,7 +39,7 @@ class PairStream:
         self.ctx = ctx
         self.nll_tokens = nll_tokens
         self.collate = collate_fn
-        self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
+        self.batch = Batcher(ctx)  # the step's rows and micro-batches (workbench/methods/batching.py)
         self.pairs, self.nll_scale, self.nll_tokens_rank = 1.0, 1.0, 1.0
 
     def prepare(self, ctx) -> None:
@@ -57,18 +56,13 @@ class PairStream:
         return pairs_report(self.sources)
 
     def step(self, state) -> StepBatch:
-        t = self.ctx.cfg.train
-        drawn, own = rank_share(self.ctx.run.layout, self.ctx.run.batch.per_rank,
-                                lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
+        drawn, own = self.batch.draw(state.step, self.mixture.take)
         pairs, mine = [self.sources[s].pairs[r] for s, r in drawn], [self.sources[s].pairs[r] for s, r in own]
         self.measure(pairs, mine)
         pad = self.ctx.tokenizer.pad_token_id
-        micro, tokens = [], 0
-        for i in range(0, len(mine), t.micro_batch_size):
-            m = self.collate(mine[i:i + t.micro_batch_size], pad)
-            # the tokens the model reads: a collate of shared-prompt rows says (their mask is 4-D)
-            tokens += m.pop("real_tokens") if "real_tokens" in m else int(m["attention_mask"].sum())
-            micro.append({k: v.to(self.ctx.device) for k, v in m.items()})
+        micro = self.batch.cut(mine, lambda rows: self.collate(rows, pad))
+        # the tokens the model reads: a collate of shared-prompt rows says (their mask is 4-D)
+        tokens = sum(m.pop("real_tokens") if "real_tokens" in m else int(m["attention_mask"].sum()) for m in micro)
         return StepBatch(micro=micro, denom=float(len(mine)), tokens=tokens)
 
     def measure(self, pairs: list[Pair], mine: list[Pair]) -> None:

@@ -1,6 +1,6 @@
 """The frozen reference model a loss compares against (DPO, KTO, GRPO's KL), set up once.
 
-`workbench/run/resolved.py` decides which (`run.reference`): `adapter`, the policy itself with its
+`workbench/resolve/resolved.py` decides which (`run.reference`): `adapter`, the policy itself with its
 PEFT adapters disabled (no second copy in memory), or `copy`, a frozen deep copy of the initial
 model. `precomputed` log-probs are the method's own business (DPO caches them).
 """
@@ -15,7 +15,7 @@ import torch
 from workbench.core.errors import UserError
 
 # method.reference's choices for DPO and KTO (KTO refuses precomputed); auto is adapter with peft,
-# copy without (workbench/run/resolved.py)
+# copy without (workbench/resolve/resolved.py)
 REFERENCES = ("auto", "adapter", "copy", "precomputed")
 
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 from workbench.core.errors import UserError
 from workbench.data.collate import pad_batch
-from workbench.data.mixing import Mixture, rank_share
-from workbench.data.overfit import Overfit
+from workbench.data.mixing import Mixture
 from workbench.data.packing import Packer, attention_layout, packed_micro_batches, pad_free, sliding_window
 from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
 from workbench.methods.base import Method
+from workbench.methods.batching import Batcher
 from workbench.methods.spec import MethodFacts, MethodSpec
 from workbench.peft.lora import base_model
 from workbench.train import sequence_parallel
@@ -39,7 +39,7 @@ class SFT(Method):
     def __init__(self, cfg, ctx):
         self.cfg = cfg
         self.ctx = ctx
-        self.overfit = Overfit(ctx.cfg.debug.overfit_batches)  # workbench/data/overfit.py
+        self.batch = Batcher(ctx)  # the step's rows and micro-batches (workbench/methods/batching.py)
         self.window = None  # the model's sliding window where shorter than a row (attach)
 
     def prepare(self, ctx) -> None:
@@ -74,12 +74,10 @@ class SFT(Method):
         self.window = window if window and window < self.ctx.cfg.data.seq_len else None
 
     def _packed_batch(self, state) -> StepBatch:
-        t = self.ctx.cfg.train
-        # the rule of every method (mixing.rank_share): all ranks pack the global batch, each keeps its rows
-        _, rows = rank_share(self.ctx.run.layout, self.ctx.run.batch.per_rank,
-                             lambda n: self.overfit.take(state.step, lambda: self.packer.next_rows(n)))
+        # all ranks pack the global batch, each keeps its rows
+        _, rows = self.batch.draw(state.step, self.packer.next_rows)
         layout, mask = attention_layout(self.ctx.cfg.model.attn_implementation, self.window)
-        micro, real = packed_micro_batches(rows, self._example, t.micro_batch_size, self.ctx.tokenizer.pad_token_id,
+        micro, real = packed_micro_batches(rows, self._example, self.batch.micro, self.ctx.tokenizer.pad_token_id,
                                            layout, mask)
         denom = float(sum(int(m["targets"].numel()) for m in micro))
         return StepBatch(micro=micro, denom=denom, tokens=real, info=self._mix_info())
@@ -87,11 +85,8 @@ class SFT(Method):
     def next_batch(self, state, backend) -> StepBatch:
         if self.packer is not None:
             return self._packed_batch(state)
-        t = self.ctx.cfg.train
-        _, mine = rank_share(self.ctx.run.layout, self.ctx.run.batch.per_rank,
-                             lambda n: self.overfit.take(state.step, lambda: self.mixture.take(n)))
-        examples = [self._example(x) for x in mine]
-        micro = [self._collate(examples[i:i + t.micro_batch_size]) for i in range(0, len(examples), t.micro_batch_size)]
+        _, mine = self.batch.draw(state.step, self.mixture.take)
+        micro = self.batch.cut([self._example(x) for x in mine], self._collate)
         denom = float(sum(int(m["targets"].numel()) for m in micro))
         tokens = sum(m.pop("real_tokens") for m in micro)
         return StepBatch(micro=micro, denom=denom, tokens=tokens, info=self._mix_info())

@@ -84,7 +84,7 @@ class MethodSpec:
     build: Callable  # (method config, Context) -> a Method (workbench/methods/base.py)
     facts: MethodFacts
     # (method config) -> None, raising a UserError for an option this method refuses; run when the
-    # run resolves (workbench/run/resolved.py), so a dry run sees what the real run would refuse
+    # run resolves (workbench/resolve/resolved.py), so a dry run sees what the real run would refuse
     check: Callable | None = None
     rules: tuple = ()  # workbench/config/rule.py Rules that concern this method alone
     # (method config) -> why its loss runs the model a second time per micro-batch besides a
@@ -130,7 +130,7 @@ class MethodSpec:
     def reference_choice(self, node) -> str:
         """The reference model the loss asks for as configured: none | auto | adapter | copy |
         precomputed (auto: the adapter-free base under peft, a frozen copy without;
-        workbench/run/derive.py decides it). facts.reference says which option decides:
+        workbench/resolve/derive.py decides it). facts.reference says which option decides:
         `method.reference` (DPO, KTO), or a KL term's `method.beta` > 0 (GRPO)."""
         if self.facts.reference == "none":
             return "none"

@@ -6,7 +6,7 @@
 Catalog entries (`conf/model/*.yaml`) are named shortcuts that carry their architecture
 numbers, so a 70B model can be planned on a laptop without its files. A model given by
 `model.path`, or by a `model.hub_id` that is not the catalog entry's own, brings its numbers
-with it: `adopt()` (called once by `workbench.run.validate`) reads its config.json, fills
+with it: `adopt()` (called once by `workbench.resolve.validate`) reads its config.json, fills
 `model.arch` from it, names the model after its directory or hub id and drops the catalog
 entry's packaged GGUF, which belongs to a different model. `model.arch_from` records which
 config.json was read; the planner then builds the real model class from it on the meta device,
@@ -171,7 +171,7 @@ def source_name(model_cfg) -> str:
 def adopt(model_node) -> None:
     """Fill model.arch (and name, gguf_package, arch_from) from the model's own config.json.
 
-    Called by workbench.run.validate on the merged config, before it is frozen; a no-op for
+    Called by workbench.resolve.validate on the merged config, before it is frozen; a no-op for
     catalog entries and the tiny model.
     """
     if model_node.name == "tiny" and model_node.gguf_package and not own_source(model_node):

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from workbench.compute import kernels, precision
 from workbench.models import value_head
 from workbench.models.load import load_model
 from workbench.peft import lora
-from workbench.train import kernels, precision
 
 
 def build_model(run, train: bool = True, base: torch.nn.Module | None = None) -> torch.nn.Module:

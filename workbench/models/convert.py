@@ -49,7 +49,8 @@ def convert(gguf_dir: str, gguf_file: str, out_dir: str) -> None:
 
     reader = GGUFReader(str(Path(gguf_dir, gguf_file)))  # metadata read once, for the tokenizer and METADATA
     vocab = gguf_tokenizer.read_vocab(reader)
-    if vocab.model == "llama":  # a SentencePiece vocabulary: rebuilt as llama.cpp reads it (gguf_tokenizer.py)
+    # a SentencePiece vocabulary: rebuilt as llama.cpp reads it (gguf_tokenizer.py)
+    if vocab.model == gguf_tokenizer.SENTENCEPIECE:
         tok = gguf_tokenizer.spm_tokenizer(vocab, out_dir)
     else:
         tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)

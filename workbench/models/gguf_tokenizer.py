@@ -23,28 +23,19 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Gemma's turn format (its instruction-tuned models' template): a system turn folded into the first
-# user turn, the assistant's role `model`, every turn ending in <end_of_turn>. The base model's
-# GGUF carries no template; fine-tuning it on chats teaches it this one, the format Gemma's tooling
-# serves (also data.chat_template=gemma). No `trim`: what a turn trains on is exactly its content
-# (workbench/data/chat.py).
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% set system = messages[0]['content'] + '\n\n' if messages and messages[0]['role'] == 'system' else '' %}"
-    "{% for message in messages if message['role'] != 'system' %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "{{ '<start_of_turn>' + role + '\n' + (system if loop.first else '') + message['content'] + '<end_of_turn>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
-)
+from workbench.families import registry as families
+from workbench.families.spec import FamilySpec
 
-# the chat template a vocabulary's family uses where its GGUF has none
-FAMILY_TEMPLATES = {"gemma": GEMMA_TEMPLATE, "gemma2": GEMMA_TEMPLATE, "gemma3": GEMMA_TEMPLATE,
-                    "gemma3_text": GEMMA_TEMPLATE}
-# transformers' tokenizer class for a SentencePiece vocabulary of this family (its conversion
-# rules: Gemma's byte fallback and whitespace pieces; Llama's space prefix)
-FAMILY_CLASSES = {"gemma": "GemmaTokenizer", "gemma2": "GemmaTokenizer", "gemma3": "GemmaTokenizer",
-                  "gemma3_text": "GemmaTokenizer"}
+
+def _family(vocab) -> FamilySpec:
+    """The family a GGUF's architecture names (its tokenizer class and template); a plain
+    SentencePiece family (LlamaTokenizer, no template) where none is known."""
+    return families.by_any_name(vocab.family) or FamilySpec(model_type=vocab.family)
+
+
+# tokenizer.ggml.model of a SentencePiece vocabulary (llama.cpp names the tokenizer kind after the
+# first model that used it; every SentencePiece family writes it)
+SENTENCEPIECE = "llama"
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types, the same numbers as SentencePiece's piece types
 
 
@@ -79,7 +70,7 @@ def read_vocab(gguf) -> Vocab:
         return default if f is None else f.contents()
 
     vocab = Vocab(model=str(scalar("tokenizer.ggml.model", "")), family=str(scalar("general.architecture", "")))
-    if vocab.model != "llama":
+    if vocab.model != SENTENCEPIECE:
         return vocab  # only SentencePiece vocabularies are rebuilt here
     vocab.pieces = [bytes(p).decode("utf-8", errors="replace") for p in _array(fields, "tokenizer.ggml.tokens")]
     vocab.scores = [float(s[0]) for s in _array(fields, "tokenizer.ggml.scores")] or [0.0] * len(vocab.pieces)
@@ -132,12 +123,12 @@ def spm_tokenizer(vocab: Vocab, out_dir: str | Path):
     markers = [p for p, kind in zip(vocab.pieces, vocab.types, strict=True)
                if kind in (CONTROL, USER_DEFINED) and p.startswith("<") and p.endswith(">")
                and p not in name.values() and not p.startswith("<unused")]
-    config = {"tokenizer_class": FAMILY_CLASSES.get(vocab.family, "LlamaTokenizer"),
+    config = {"tokenizer_class": _family(vocab).tokenizer_class,
               "add_bos_token": vocab.add_bos, "add_eos_token": vocab.add_eos,
               "bos_token": name.get("bos"), "eos_token": name.get("eos"), "unk_token": name.get("unk"),
               "pad_token": name.get("pad"), "additional_special_tokens": markers,
               "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False}
-    template = vocab.chat_template or FAMILY_TEMPLATES.get(vocab.family)
+    template = vocab.chat_template or _family(vocab).chat_template
     if template:
         config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))

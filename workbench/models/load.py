@@ -28,6 +28,7 @@ import torch
 from workbench.config.files import load_group_file
 from workbench.core import cache
 from workbench.core.errors import UserError
+from workbench.families import registry as families
 from workbench.models import import_check
 from workbench.models.auto import hub_reachable, meta_model
 from workbench.models.convert import CHECK_FAILED, METADATA
@@ -248,19 +249,18 @@ def hf_config(arch, vocab: int | None = None):
     )
     if arch.head_dim:
         common["head_dim"] = arch.head_dim
-    families = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
-                "mixtral": tf.MixtralConfig}
-    if arch.family == "mixtral":
+    spec = families.get(arch.family)
+    if spec is not None and spec.experts:
         common.update(num_local_experts=arch.experts, num_experts_per_tok=arch.experts_per_token)
-    if arch.family in families:
-        return families[arch.family](**common)
+    if spec is not None and spec.config_class:
+        return getattr(tf, spec.config_class)(**common)
     # Any other model type transformers knows (mistral, gemma, phi3, ...): its own config class
     # from the same numbers, so checks such as the Megatron bridge's see the real family.
     from transformers import CONFIG_MAPPING
 
     if arch.family not in CONFIG_MAPPING:
         raise UserError(f"model.arch.family={arch.family!r} is not a model type transformers "
-                        f"{tf.__version__} knows (e.g. {', '.join(sorted(families))})")
+                        f"{tf.__version__} knows (e.g. {', '.join(sorted(families.FAMILIES))})")
     # A multimodal model type (gemma3, llama4, mllama, ...) nests its language model's numbers in
     # a text_config: the flat numbers above would not reach it, and from_config would build the
     # default-size model (gemma3: 2.7B parameters, 11 GB in fp32 per process) plus a vision tower.
@@ -326,7 +326,7 @@ def cast_weights(model, dtype: torch.dtype) -> None:
 
 def attention_for(impl: str, device: str) -> str:
     """The attention kernel to build with. Whether this machine can run the choice is a rule
-    (workbench/run/rules.py: attention-choice, flash-attn-*).
+    (workbench/resolve/rules.py: attention-choice, flash-attn-*).
 
     `auto` picks flash-attention 2 on a CUDA GPU when `flash-attn` is installed (its varlen
     kernel runs padded and packed batches without attending across sequences), else SDPA."""

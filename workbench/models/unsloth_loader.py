@@ -42,7 +42,7 @@ def pin_problems(versions: dict[str, str | None]) -> list[str]:
 
 def check_versions() -> None:
     """The installed versions against unsloth's pins (which combinations are refused is a rule:
-    workbench/run/rules.py, unsloth-*)."""
+    workbench/resolve/rules.py, unsloth-*)."""
     bad = pin_problems({p: _version(p) for p in PINS})
     if bad:
         raise UserError("model.loader=unsloth: installed versions break unsloth's pins: " + ", ".join(bad)

@@ -3,7 +3,7 @@ the base is quantised to 4 bits, whether the adapters are DoRA.
 
     Peft("qlora").adapter, Peft("qlora").quantised     # True, True
 
-The resolved run carries one (workbench/run/derive.py `run.peft`, with the 4-bit storage dtype);
+The resolved run carries one (workbench/resolve/derive.py `run.peft`, with the 4-bit storage dtype);
 the planner's Setup asks the same questions of its peft kind (workbench/plan/setup.py).
 """
 

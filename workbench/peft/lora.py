@@ -84,7 +84,7 @@ def quantize_nf4(model: nn.Module, peft_cfg, compute_dtype: torch.dtype, quant_s
 
 
 def apply(model: nn.Module, run) -> nn.Module:
-    """Wrap `model` as the resolved run says (workbench/run/resolved.py); returns the model to train.
+    """Wrap `model` as the resolved run says (workbench/resolve/resolved.py); returns the model to train.
     NF4 layers compute in the policy's compute dtype and store in the resolved storage dtype."""
     if not run.peft.adapter:
         return model

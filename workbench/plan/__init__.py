@@ -6,7 +6,7 @@
     python -m workbench dry_run=true model=70b plan.compare=true          # every profile in the table
     python -m workbench dry_run=trace method=dpo model=70b backend=fsdp2 hardware=8xh100   # + the step on fake tensors
 
-`workbench/run/plan.py` (`make_plan(cfg)`) counts parameters exactly on a meta-device probe (counts.py), estimates
+`workbench/plan/make.py` (`make_plan(cfg)`) counts parameters exactly on a meta-device probe (counts.py), estimates
 per-device memory term by term (memory.py), gives a verdict for the configured hardware and
 every profile in conf/hardware/ with the smallest change that fits (fit.py), and the time and
 cost of the whole job on all of a profile's devices at plan.mfu, with a rollout method's

@@ -20,12 +20,13 @@ saves (torch.autograd.graph.saved_tensors_hooks) for every precision x peft x ke
 
 from __future__ import annotations
 
+from workbench.compute.precision import POLICIES
+
 # SHORT: the longest batch that runs the math kernel on CPU
 from workbench.models.head import SHORT
 from workbench.plan.setup import Setup
-from workbench.train.precision import POLICIES
 
-# bytes per element by precision name, from the policies themselves (workbench/train/precision.py)
+# bytes per element by precision name, from the policies themselves (workbench/compute/precision.py)
 COMPUTE = {name: pol.bytes("compute") for name, pol in POLICIES.items()}
 LORA_TARGETS = 7  # all-linear on a Llama block: q, k, v, o, gate, up, down
 

@@ -11,7 +11,7 @@ every device for generation or export, which no layout splits) is tried on the b
 shards parameters (FSDP2) the same way. Separately, the number of devices that fits is searched
 in whole nodes of the profile. The backends are chosen by their facts
 (workbench/backends/spec.py), not by name. `accept` lets the caller refuse a change the rule
-table would refuse (workbench/run/plan.py checks each on the real config).
+table would refuse (workbench/plan/make.py checks each on the real config).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from workbench.backends.spec import syncs_each_micro_batch
+from workbench.compute.precision import POLICIES
 from workbench.methods import registry
 from workbench.plan.activations import (
     COMPUTE,
@@ -53,9 +54,8 @@ from workbench.plan.activations import (
 )
 from workbench.plan.counts import Counts
 from workbench.plan.setup import Setup
-from workbench.train.precision import POLICIES
 
-# bytes per element by precision name, from the policies themselves (workbench/train/precision.py)
+# bytes per element by precision name, from the policies themselves (workbench/compute/precision.py)
 TRAINABLE = {name: pol.bytes("trainable") for name, pol in POLICIES.items()}
 FROZEN = {name: pol.bytes("frozen") for name, pol in POLICIES.items()}
 # bitsandbytes NF4, blocksize 64: 4 bits per weight + one absmax per block; double

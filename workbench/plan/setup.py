@@ -1,5 +1,5 @@
-"""What the planner sizes, in one flat record: a view of the resolved run (workbench/run/derive.py)
-and of the specs' facts (a method's Rollouts, a backend's BackendFacts), made by run/plan.py
+"""What the planner sizes, in one flat record: a view of the resolved run (workbench/resolve/derive.py)
+and of the specs' facts (a method's Rollouts, a backend's BackendFacts), made by plan/make.py
 from_cfg; the memory and speed models (plan/memory.py, plan/speed.py) read only this."""
 
 from __future__ import annotations

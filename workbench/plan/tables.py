@@ -105,7 +105,7 @@ def show(plan: dict, console: Console | None = None) -> None:
     if any(not r["fits"] and r["fix"] and r["tokens_per_s"] for r in rows):
         con.print(f"fits '{WITH_CHANGE}': tokens/s, time and cost are the run's with the smallest change that fits")
     cal = plan["here"].get("calibrated")
-    if cal:  # workbench/telemetry/plan_check.py: an earlier run on this hardware measured the plan
+    if cal:  # workbench/plan/check.py: an earlier run on this hardware measured the plan
         con.print(f"hardware={plan['here']['hardware']}: calibrated by the run {cal['from']} ({cal['time']}): "
                   f"memory x{cal.get('peak_gib') or 1:.2f}, tokens/s x{cal.get('tokens_per_s') or 1:.2f} "
                   "(measured/predicted, plan.calibrate=true)")

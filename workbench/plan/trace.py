@@ -165,7 +165,7 @@ def _short(module: str) -> str:
 def _step(run, mode: TraceMode | None, window=None) -> dict:
     """Build, wrap and step the run; the tracker's figures. `mode`: the fake tensors of a trace;
     None runs the same on real tensors (tests/unit/test_trace.py), where `window` (a
-    workbench/telemetry/tensor_memory.Window) measures the allocator around the step as well."""
+    workbench/plan/tensor_memory.py Window) measures the allocator around the step as well."""
     cfg = run.cfg
     here = run.on("cpu")  # the trace's device; bytes per tensor are the same on a GPU
     accumulates = int(cfg.train.grad_accum) > 1

@@ -16,7 +16,7 @@ generated at once (on-policy: the snapshot equals the weights).
 Costs: a second copy of the model's weights in memory, and on a CPU the two threads share the
 cores (docs/measurements/throughput.md, `python scripts/bench.py async_rollouts`). Sampling draws from
 torch's global generator in the background thread while the training thread draws nothing (no
-dropout), so a run repeats; the rules (workbench/run/rules.py) refuse it where a second
+dropout), so a run repeats; the rules (workbench/resolve/rules.py) refuse it where a second
 thread or copy cannot work: sharded weights (FSDP2, ZeRO-3: generation is a collective), more
 than one data-parallel rank (the thread's collectives would interleave with the training's),
 vLLM (its own engine), and a KL term in the reward (it reads the reference off the live model).

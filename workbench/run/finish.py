@@ -20,6 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from workbench.checkpoints.keep_best import metric_name
 from workbench.core import heartbeat
 from workbench.core.errors import UserError
 from workbench.core.secrets import redact
@@ -27,12 +28,11 @@ from workbench.evals import stats
 from workbench.export import llama_cpp
 from workbench.export.write import export
 from workbench.models.load import locate
-from workbench.run.plan import make_plan
+from workbench.plan import check
+from workbench.plan.make import make_plan
 from workbench.telemetry import manifest, report, stall
-from workbench.telemetry import plan_check as check
 from workbench.train import signal
 from workbench.train.distributed import all_max
-from workbench.train.keep_best import metric_name
 
 
 def write_manifest(run, run_dir: Path, *, data: dict, contract, resumed: str | None, resume: dict | None,
@@ -46,7 +46,7 @@ def write_manifest(run, run_dir: Path, *, data: dict, contract, resumed: str | N
     man["resolved"] = run.summary()  # what the config's choices became here (precision=auto, peft, layout)
     man["resumed_from"] = resumed
     if resume:
-        man["resume"] = resume  # from, the certificate (workbench/train/replay.py), the batch kept
+        man["resume"] = resume  # from, the certificate (workbench/checkpoints/replay.py), the batch kept
     man["world_size"] = run.layout.world
     man = redact(man, secrets)  # config.yaml below is man["config"]: one redaction for both files
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -56,7 +56,7 @@ def write_manifest(run, run_dir: Path, *, data: dict, contract, resumed: str | N
 
 def plan_check(run, run_dir: Path, step: int, tracker, memory: check.Memory, shapes: check.Shapes) -> dict | None:
     """Measured peak memory, step time and tokens/s against the planner's prediction for this
-    run (workbench/telemetry/plan_check.py); the peak is the largest over ranks (collective).
+    run (workbench/plan/check.py); the peak is the largest over ranks (collective).
     `memory` and `shapes`: what the loop measured of the steps so far."""
     peak = all_max(memory.peak_gib())
     if not run.layout.is_main:

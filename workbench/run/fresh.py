@@ -4,7 +4,7 @@ appending to it (its metrics.jsonl, checkpoints, results and report).
 
     moved = set_aside(run_dir)    # rank 0, before the tracker opens: <run_dir>.old-<time>, or None
 
-Moving, not refusing: `train.resume=never` is how the refusals of workbench/train/resume.py and
+Moving, not refusing: `train.resume=never` is how the refusals of workbench/checkpoints/resume.py and
 resume_changes.py tell a user to start again in the same directory, and deleting a run someone
 may still want is not this command's call. The old run goes beside the directory
 (`runs/x.old-2026-12-03_10-14-44`), not inside it, so `python -m workbench.report runs/x` and a

@@ -4,9 +4,10 @@
 
 The loop works with the `Parts` the runner hands it, each named for what it does: the method
 (data and loss), the backend (the model), the train state and its clock, the tracker, the
-checkpoints (workbench/run/checkpoints.py), the evaluations (workbench/run/evaluation.py) and
-the plan check's probes (workbench/telemetry/plan_check.py). Around the step are the fault guard
-(signals, non-finite steps; workbench/train/faults.py, wrapping workbench/train/step.py) and the
+checkpoints (workbench/checkpoints/run.py), the evaluations (workbench/evals/evaluator.py) and
+the plan check's probes (workbench/plan/check.py). Around the step are the fault guard
+(signals, non-finite steps; workbench/guard/faults.py), which judges each step between its
+backward and its update, and the
 stall watch (GRPO steps without gradient; workbench/train/signal.py) and the loss watch (a
 supervised loss that stopped falling; workbench/telemetry/stall.py). What happens before the
 first step (build, resume, manifest) and after the last (evaluation, export, report) is
@@ -20,14 +21,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from workbench.checkpoints.run import Checkpoints
 from workbench.core import heartbeat
 from workbench.envs.openenv import EnvServerError
+from workbench.evals.evaluator import Evaluator
+from workbench.plan.check import Memory, Shapes
+from workbench.resolve.derive import Run
 from workbench.rollout.remote import RewardServiceError
-from workbench.run.checkpoints import Checkpoints
-from workbench.run.derive import Run
-from workbench.run.evaluation import Evaluator
 from workbench.telemetry.metrics import Tracker, throughput
-from workbench.telemetry.plan_check import Memory, Shapes
 from workbench.telemetry.stall import LossWatch, watch_loss
 from workbench.train import noise
 from workbench.train.state import TrainState
@@ -70,7 +71,9 @@ def loop(p: Parts, guard, watch, results: dict) -> dict | None:
             watch.checkpoint = str(p.checkpoints.save(state))  # the last weights trained with signal
         p.shapes.update(batch)
         p.memory.seen(batch)
-        metrics = guard.step(batch, p.method.loss, state.step, p.checkpoints.latest_valid)  # step
+        metrics = step(p.backend, batch, guard.loss_fn(p.method.loss, state.step),        # step
+                       lambda m: guard.judge(m, state.step, p.checkpoints.latest_valid))
+        guard.check_applied(metrics, state.step, p.checkpoints.latest_valid)
         advance(state, p.run, batch)
         row = p.clock.record(state, batch, metrics, time.perf_counter() - t0)  # log
         p.memory.after(state.step)
@@ -88,6 +91,21 @@ def loop(p: Parts, guard, watch, results: dict) -> dict | None:
         if stalled:
             return stalled
     return None
+
+
+def step(backend, batch, loss_fn, refuse: Callable[[dict], str | None]) -> dict:
+    """One optimizer step on the Backend protocol (workbench/backends/base.py): forward and
+    backward over the step's micro-batches, then the update unless `refuse(metrics)` says why
+    not (the fault guard's judgement), in which case the gradients are dropped, the weights
+    untouched and `bad_step` is 1."""
+    with heartbeat.phase("forward"):  # backends mark forward and backward inside (backends/step.py)
+        metrics = backend.forward_backward(batch, loss_fn)
+    if refuse(metrics) is not None:
+        metrics.update(backend.discard_gradients(), bad_step=1)
+        return metrics
+    with heartbeat.phase("optimizer"):
+        metrics.update(backend.optimizer_step())
+    return metrics
 
 
 def crash_if_asked(debug, step: int, rank: int) -> None:

@@ -1,7 +1,7 @@
 """Preflight: the checks every run makes before anything heavy, and alone with dry_run=true.
 
 In order, cheapest first, all before any weights load:
-1. the resolved run (workbench/run/resolved.py), which checks the rule table (workbench/run/rules.py:
+1. the resolved run (workbench/resolve/resolved.py), which checks the rule table (workbench/resolve/rules.py:
    method x peft x backend x precision x hardware, GPU-only options, backend options); then what
    the run would otherwise find only after loading weights: GRPO's reward functions import (the
    same `rewards.resolve` the method calls), the eval tasks exist and their hooks import, and
@@ -11,7 +11,7 @@ In order, cheapest first, all before any weights load:
    with where it would fit, how many devices it needs, and time and cost;
 4. where the weights come from (nothing is downloaded);
 5. one data sample rendered through the chat template and loss mask (tokenizer only);
-6. on an existing run directory, the checkpoint it would resume (workbench/train/resume.py): the
+6. on an existing run directory, the checkpoint it would resume (workbench/checkpoints/resume.py): the
    same model, adapter and tokenizer, and the batch at this layout (dry_run prints that plan).
 
 With dry_run=true, problems of *this machine* (no GPU, weights not local, a GPU-only package
@@ -26,6 +26,7 @@ import sys
 
 from omegaconf import OmegaConf
 
+from workbench.checkpoints import keep_best, resume, resume_changes
 from workbench.core.errors import UserError
 from workbench.data import chat, formats
 from workbench.data.preference import preference_row
@@ -39,11 +40,10 @@ from workbench.models import import_check
 from workbench.models.load import import_report, load_tokenizer, locate
 from workbench.models.unsloth_loader import check_versions
 from workbench.plan.counts import count, probe
+from workbench.plan.make import make_plan, refusal
+from workbench.resolve import no_effect, rules
+from workbench.resolve.resolved import resolve_run
 from workbench.rollout import rewards
-from workbench.run import no_effect, rules
-from workbench.run.plan import make_plan, refusal
-from workbench.run.resolved import resolve_run
-from workbench.train import keep_best, resume, resume_changes
 from workbench.train.distributed import is_main_process
 
 
@@ -161,7 +161,7 @@ def check(cfg, env: rules.Env | None = None) -> dict:
     rec = resume.record_of(cfg.output_dir, cfg.train.resume)
     if rec is not None and "tokenizer" in facts:
         resume.check_identity(rec, resume.identity(run.cfg, run, *facts["tokenizer"]))
-    resume_changes.check(rec, run.cfg)  # one run directory, one config (workbench/train/resume_changes.py)
+    resume_changes.check(rec, run.cfg)  # one run directory, one config (workbench/checkpoints/resume_changes.py)
     facts["resume"] = resume.plan_line(rec, run.cfg, run)
     return facts
 

@@ -1,16 +1,16 @@
 """The run from start to end: build, resume, the loop, evaluate, export, report.
 
-    results = Runner(cfg).train()     # cfg from workbench/run/validate.py
+    results = Runner(cfg).train()     # cfg from workbench/resolve/validate.py
 
     build     tokenizer and data read and checked, then the model, adapters, precision, backend
-    start     tracker, resume (workbench/run/checkpoints.py), manifest, the evaluation at start
+    start     tracker, resume (workbench/checkpoints/run.py), manifest, the evaluation at start
     loop      data -> step -> log -> evaluate -> checkpoint (workbench/run/loop.py)
     finish    the last checkpoint, the evaluation at end, export and report (workbench/run/finish.py)
 
 Order of work is chosen so mistakes surface early: tokenizer and data are read and checked
 before any weights load, then the model, adapters and precision, then resume, then the loop.
 Rank 0 writes logs, checkpoint pointers, the export and the report. The resolved run
-(workbench/run/resolved.py) goes by one name everywhere: `run` (`runner.run`, `ctx.run`).
+(workbench/resolve/resolved.py) goes by one name everywhere: `run` (`runner.run`, `ctx.run`).
 """
 
 from __future__ import annotations
@@ -26,28 +26,30 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from workbench.backends import registry as backends
+from workbench.checkpoints import checkpoint, replay, resume, resume_changes
+from workbench.checkpoints.run import Checkpoints
+from workbench.compute import precision
+from workbench.compute.flops import FlopCount
 from workbench.core import heartbeat, startup
 from workbench.core.secrets import secret_values
+from workbench.evals.evaluator import Evaluator
+from workbench.guard import faults
+from workbench.guard.watchdog import Watchdog, gpu_env
 from workbench.methods import registry as methods
 from workbench.models import unsloth_loader
 from workbench.models.build import build_model
 from workbench.models.head import SelectiveLM
+from workbench.plan import check as plan_check
+from workbench.plan.peak import peak_flops
+from workbench.resolve.derive import Run
+from workbench.resolve.resolved import resolve_run
 from workbench.run import finish, fresh
-from workbench.run.checkpoints import Checkpoints
-from workbench.run.derive import Run
-from workbench.run.evaluation import Evaluator
 from workbench.run.loop import Clock, Parts, loop
 from workbench.run.preflight import tokenizer as make_tokenizer
-from workbench.run.resolved import resolve_run
-from workbench.telemetry import plan_check
-from workbench.telemetry.flops import FlopCount
 from workbench.telemetry.metrics import Tracker
-from workbench.telemetry.peak import peak_flops
-from workbench.train import checkpoint, faults, precision, replay, resume, resume_changes
 from workbench.train.context import Context
 from workbench.train.distributed import init_distributed, launched_here
 from workbench.train.state import TrainState, seed_everything
-from workbench.train.watchdog import Watchdog, gpu_env
 
 
 class Runner:
@@ -60,7 +62,7 @@ class Runner:
             torch.set_num_threads(cfg.hardware.threads)
         for key, value in (cfg.hardware.env or {}).items():  # NCCL presets, also under the user's own torchrun
             os.environ.setdefault(str(key), str(value))
-        if self.device == "cuda":  # NCCL's own watchdog and flight recorder (workbench/train/watchdog.py)
+        if self.device == "cuda":  # NCCL's own watchdog and flight recorder (workbench/guard/watchdog.py)
             for key, value in gpu_env(self.run_dir).items():
                 os.environ.setdefault(key, value)
         self.rank, self.world = init_distributed(self.device, cfg.hardware.timeout_minutes)
@@ -68,7 +70,7 @@ class Runner:
         if run is None or (run.layout.rank, run.layout.world) != (self.rank, self.world):
             run = resolve_run(cfg, self.rank, self.world)  # the rule table runs here too
         self.run = run
-        self.cfg = run.cfg  # a resume at another world size changes train.grad_accum (run/resolved.py)
+        self.cfg = run.cfg  # a resume at another world size changes train.grad_accum (resolve/resolved.py)
         self.pol = run.precision
         self.backend = None  # build() sets model, method, backend
         self._tokenizer = tokenizer
@@ -114,7 +116,7 @@ class Runner:
 
     # -- the run -----------------------------------------------------------------------------
     def train(self) -> dict:
-        """Train, evaluate, export and report, with the watchdog on (workbench/train/watchdog.py):
+        """Train, evaluate, export and report, with the watchdog on (workbench/guard/watchdog.py):
         an error here reaches the other ranks at once, a stall anywhere ends the run with stacks."""
         cfg = self.cfg
         if cfg.train.resume == "never":  # a fresh start is fresh: an earlier run here is moved aside first
@@ -128,7 +130,7 @@ class Runner:
         try:
             return self._train()
         except BaseException as exc:
-            # a collective that failed because a peer is gone names the peer (workbench/train/watchdog.py)
+            # a collective that failed because a peer is gone names the peer (workbench/guard/watchdog.py)
             blamed = self.dog.blame(exc) if isinstance(exc, (RuntimeError, dist.DistBackendError)) else exc
             self.dog.fail(blamed)  # the other ranks stop now
             if blamed is not exc:
@@ -169,7 +171,7 @@ class Runner:
                       memory=memory, dropout=self.dropout,
                       plan_check=lambda: finish.plan_check(self.run, self.run_dir, self.state.step, self.tracker,
                                                            memory, shapes))
-        # SIGTERM/SIGINT: finish the step, checkpoint, exit 75; NaN/Inf: skip or stop (workbench/train/faults.py)
+        # SIGTERM/SIGINT: finish the step, checkpoint, exit 75; NaN/Inf: skip or stop (workbench/guard/faults.py)
         guard = faults.Guard(self.run, self.backend, say=self.tracker.console)
         guard.install()
         startup.training()  # the collector runs again from here (workbench/core/startup.py)
@@ -217,7 +219,7 @@ class Runner:
         self.evaluator = Evaluator(self.run, self.run_dir, self.backend, self.tokenizer, self.contract, self.tracker,
                                    self.checkpoints)
         resumed, self.state = self.checkpoints.resume(self.state)
-        if resumed is None:  # a resume says "resuming from step N" (workbench/run/checkpoints.py)
+        if resumed is None:  # a resume says "resuming from step N" (workbench/checkpoints/run.py)
             self.tracker.console(f"new run in {self.run_dir}: {resume.describe(resume.layout_of(cfg, self.run))}, "
                                  f"global batch {self.run.batch.describe()}, {cfg.train.max_steps} steps")
         if self.is_main:
@@ -249,7 +251,7 @@ class Runner:
 
 
 def _extend_note(cfg) -> str:
-    """What raising train.max_steps does to this run's schedule (workbench/train/resume_changes.py)."""
+    """What raising train.max_steps does to this run's schedule (workbench/checkpoints/resume_changes.py)."""
     if cfg.optim.scheduler == "constant":
         return ""
     return (f" (with train.resume_changes=allow: optim.scheduler={cfg.optim.scheduler} is recomputed over the new "

@@ -68,7 +68,7 @@ def compose(overrides: list[str]):
     # deferred, as in workbench/cli.py: --help and a refused serve.* setting answer without them
     from workbench.config import commandline  # deferred: see above
     from workbench.config.files import CONF_DIR  # deferred: see above
-    from workbench.run.validate import validate  # deferred: see above
+    from workbench.resolve.validate import validate  # deferred: see above
 
     overrides = commandline.nulls_as_deletions(overrides)
     try:
@@ -101,7 +101,7 @@ def _service(cfg, serve_cfg):
     # deferred: the model's modules load once the config is known good (as workbench/cli.py does)
     from workbench.core.imports import import_without_incidentals  # deferred: see above
     from workbench.models.load import load_tokenizer  # deferred: see above
-    from workbench.run.resolved import resolve_run  # deferred: see above
+    from workbench.resolve.resolved import resolve_run  # deferred: see above
 
     for package in ("tinker", "uvicorn", "starlette"):
         if importlib.util.find_spec(package) is None:

@@ -2,10 +2,10 @@
 
 Built from the workbench's own parts: the model and its adapters come from
 `workbench.models.build.build_model` (the loader, LoRA wrapping and the precision policy the
-runner uses), the optimizer from `workbench.train.optim.build_optimizer`, the step from
+runner uses), the optimizer from `workbench.compute.optim.build_optimizer`, the step from
 `workbench.backends.step` (`accumulate` runs the loss under the run's autocast and LoRA input
 handling; `clip_and_step` clips and steps), checkpoints in the canonical format
-(`workbench.train.canonical`) published whole (`workbench.core.atomic`), and sampler weights as
+(`workbench.checkpoints.canonical`) published whole (`workbench.core.atomic`), and sampler weights as
 a PEFT adapter folder (`adapter_model.safetensors` + `adapter_config.json`).
 
 Everything here runs on the futures' single worker thread (workbench/serve/futures.py).
@@ -28,6 +28,9 @@ import torch
 from omegaconf import OmegaConf
 
 from workbench.backends.step import accumulate, clip_and_step
+from workbench.checkpoints import canonical
+from workbench.compute import precision as prec
+from workbench.compute.optim import build_optimizer
 from workbench.core import atomic
 from workbench.models.build import build_model
 from workbench.models.load import build_meta
@@ -35,10 +38,7 @@ from workbench.peft.lora import linear_names
 from workbench.rollout.generate import gumbel_max
 from workbench.serve import losses
 from workbench.serve.futures import ServeError
-from workbench.train import canonical
-from workbench.train import precision as prec
 from workbench.train.batch import StepBatch
-from workbench.train.optim import build_optimizer
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2", "w1", "w2", "w3")

@@ -1,14 +1,14 @@
 """Metrics of a run: metrics.jsonl in the run directory, the progress display, the experiment
 trackers chosen with `tracker=[...]` (workbench/telemetry/trackers.py), and the throughput arithmetic
-(tokens/s, MFU; its peak is workbench/telemetry/peak.py).
+(tokens/s, MFU; its peak is workbench/plan/peak.py).
 
     tracker = Tracker(run_dir, enabled=is_rank0, cfg=cfg)   # starts the configured trackers
     tracker.log(row, show=True)                             # one training step
     tracker.log_eval(results, step)                         # an evaluation
     tracker.finish(run_dir / "plots")                       # plots to the trackers, close them
 
-MFU is this rank's FLOPs of the step (workbench/telemetry/flops.py: counted as computed) over the
-step time and the device's peak (workbench/telemetry/peak.py).
+MFU is this rank's FLOPs of the step (workbench/compute/flops.py: counted as computed) over the
+step time and the device's peak (workbench/plan/peak.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 
 from rich.console import Console
 
+from workbench.compute.flops import FlopCount
 from workbench.core.secrets import redact, scrub_text, secret_values
 from workbench.plan.speed import cost_per_million_tokens
 from workbench.telemetry import trackers
-from workbench.telemetry.flops import FlopCount
 from workbench.telemetry.progress import Progress
 
 _console = Console(stderr=True, highlight=False)
@@ -137,5 +137,5 @@ def throughput(count, batch, seconds: float, peak: float, ranks: int) -> dict:
 
 def flops_per_token(model, seq_len: int, head_fraction: float = 1.0, run=None) -> float:
     """Training FLOPs per position of `model` at `seq_len`, the LM head on `head_fraction` of the
-    positions; the accounting of workbench/telemetry/flops.py (the runner counts each step's batch)."""
+    positions; the accounting of workbench/compute/flops.py (the runner counts each step's batch)."""
     return FlopCount.from_model(model, run).per_token(seq_len, head_fraction)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from workbench.checkpoints import resume_changes
 from workbench.evals import stats
 from workbench.telemetry import compare, plots, stall
-from workbench.train import resume_changes, signal
+from workbench.train import signal
 
 
 def evaluations(results: dict, rows: list[dict]) -> list[dict]:
@@ -94,8 +95,8 @@ def _pairs(rows: list[dict]) -> str:
 
 
 def _resume(resumed: dict | None, cfg) -> list[str]:
-    """The replay certificate of a resumed run (workbench/train/replay.py) and the settings the
-    resume changed (workbench/train/resume_changes.py), with the steps each value ran."""
+    """The replay certificate of a resumed run (workbench/checkpoints/replay.py) and the settings the
+    resume changed (workbench/checkpoints/resume_changes.py), with the steps each value ran."""
     cert = (resumed or {}).get("certificate")
     if not cert:
         return []
@@ -177,7 +178,7 @@ def _earlier(run_dir: Path, results: dict) -> dict:
 
 
 def _plan_check(check: dict | None) -> list[str]:
-    """The planner's prediction against the run (workbench/telemetry/plan_check.py)."""
+    """The planner's prediction against the run (workbench/plan/check.py)."""
     if not check or not check.get("figures"):
         return []
     out = ["", f"Plan check after {check['steps']} steps (measured / predicted; more than 20% off is flagged):", "",
@@ -188,7 +189,7 @@ def _plan_check(check: dict | None) -> list[str]:
 
 
 def write(run_dir: Path, run, results: dict, rows: list[dict]) -> None:
-    """`run`: the resolved run (workbench/run/resolved.py)."""
+    """`run`: the resolved run (workbench/resolve/resolved.py)."""
     cfg = run.cfg
     run_dir = Path(run_dir)
     launch = results.get("losses") or []  # this launch's steps; the report is the whole run's

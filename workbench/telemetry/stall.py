@@ -59,7 +59,7 @@ class LossWatch:
 
     @classmethod
     def of(cls, run) -> LossWatch | None:
-        """The watch for `run` (workbench/run/derive.py Run); None for the generating methods
+        """The watch for `run` (workbench/resolve/derive.py Run); None for the generating methods
         (GRPO's loss is ~0 by construction, on-policy distillation's changes with what it
         samples) and with train.stall_steps=0."""
         steps = int(run.cfg.train.get("stall_steps", 0) or 0)

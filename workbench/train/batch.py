@@ -25,7 +25,7 @@ class StepBatch:
     tokens: int  # input tokens, for throughput
     info: dict[str, float] = field(default_factory=dict)
     # forward passes without gradient the step ran besides its micro-batches (the rollouts of GRPO
-    # and on-policy distillation, GRPO's old log-probs), for the FLOP count (workbench/telemetry/flops.py)
+    # and on-policy distillation, GRPO's old log-probs), for the FLOP count (workbench/compute/flops.py)
     forward_passes: list[Forward] = field(default_factory=list)
     # the share of what the step trains on (all ranks) that carries gradient: 1.0 for most methods;
     # GRPO: groups with reward spread (workbench/train/signal.py watches it)

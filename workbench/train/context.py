@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 @dataclass(frozen=True)
 class Context:
     """What methods and backends may read while they set themselves up: the resolved run
-    (precision, peft, reference, layout; workbench/run/derive.py Run) and the tokenizer."""
+    (precision, peft, reference, layout; workbench/resolve/derive.py Run) and the tokenizer."""
 
     run: object
     tokenizer: object

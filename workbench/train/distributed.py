@@ -20,7 +20,7 @@ and what the config asks for are read through here:
     launched_here()                           # a worker of workbench/launch/torchrun.py
 
 A resolved run reads its layout instead (`ctx.run.layout`: rank, world, dp, dp_rank, is_main),
-which workbench/run/derive.py builds from these.
+which workbench/resolve/derive.py builds from these.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     from workbench.train.layout import layout
     lay = layout(cfg)          # lay.world, lay.dp, lay.dp_rank, lay.tp, lay.pp, lay.cp, lay.sp
 
-A low-level module on purpose: the resolved run (workbench/run/derive.py) carries it as
+A low-level module on purpose: the resolved run (workbench/resolve/derive.py) carries it as
 `run.layout`, and the rules of one backend or method (workbench/config/rule.py) read it
 without importing the run layer above them.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workbench.config import rule
 from workbench.train import distributed
 
 
@@ -62,6 +63,4 @@ def layout(cfg, rank: int | None = None, world: int | None = None) -> Layout:
         world = distributed.launched_world() or distributed.requested_procs(cfg.hardware)
     if rank is None:
         rank = distributed.launched_rank()
-    b = cfg.get("backend")
-    par = {k: int(b[k]) for k in ("tp", "pp", "cp", "sp") if b is not None and k in b}
-    return Layout(rank=rank, world=world, **par)
+    return Layout(rank=rank, world=world, **rule.degrees(cfg))

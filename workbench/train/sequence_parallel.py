@@ -27,7 +27,7 @@ Heads need not divide by sp: the all-to-all sends uneven head slices (9 heads ov
 and 4). Key/value heads are split with them where both counts divide, else repeated to one per
 query head first (more traffic, the same result). The attention itself is PyTorch's SDPA with a
 boolean mask of the whole sequence, so any softmax-attention decoder without soft-capping or a
-sliding window shorter than the row trains under it; the rules (workbench/run/rules.py) refuse
+sliding window shorter than the row trains under it; the rules (workbench/resolve/rules.py) refuse
 the rest before weights load.
 """
 

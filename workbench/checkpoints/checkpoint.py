@@ -3,7 +3,7 @@
 
     <output_dir>/checkpoints/step-00000040/
         canonical/            trainable weights and optimizer state under Hugging Face names, one
-                              safetensors file per writing rank (workbench/train/canonical.py):
+                              safetensors file per writing rank (workbench/checkpoints/canonical.py):
                               any backend at any world size reads it
         train.json            step, global samples, data position, LR schedule, the layout that wrote
                               it, the model/adapter/tokenizer it belongs to, the replay probe
@@ -45,7 +45,7 @@ from workbench.train.distributed import is_main_process
 
 FILES = "files.json"
 TRAIN = "train.json"  # the run's state at the step, one file for all ranks
-CANONICAL = "canonical"  # the tensors (workbench/train/canonical.py)
+CANONICAL = "canonical"  # the tensors (workbench/checkpoints/canonical.py)
 LEGACY = "state.json"  # rank 0's state in step directories from before the canonical format
 
 

@@ -1,6 +1,6 @@
 """The run, derived: every decision the validated config implies, made once.
 
-    from workbench.run.resolved import resolve_run
+    from workbench.resolve.resolved import resolve_run
     run = resolve_run(cfg)        # cfg from config.validate(); refuses a broken combination (rules.py)
     run = derive(cfg)         # the same facts without the rules (the planner sizes anything)
     run.precision.compute_dtype, run.load_dtype, run.export_dtype
@@ -23,11 +23,11 @@ from omegaconf import DictConfig
 
 from workbench.backends import registry as backends
 from workbench.backends.spec import BackendFacts, BackendTerms
+from workbench.compute import precision
 from workbench.core.errors import UserError
 from workbench.methods import registry
 from workbench.methods.spec import MethodFacts
 from workbench.peft.kind import Peft
-from workbench.train import precision
 from workbench.train.layout import Layout, layout
 
 REFERENCES = ("none", "adapter", "copy", "precomputed")
@@ -126,7 +126,7 @@ class Run:
         """Positions per checkpointed piece of the head (workbench/models/head.py): model.loss_chunk
         when set; else AUTO_CHUNK where one micro-batch's logits at once would pass
         AUTO_CHUNK_BYTES (a 262,144-token vocabulary: Gemma 3's 16 x 256 positions take 12 GiB in
-        the fp32 loss), else 0, all at once. The planner reads the same number (run/plan.py)."""
+        the fp32 loss), else 0, all at once. The planner reads the same number (plan/make.py)."""
         if self.cfg.model.loss_chunk:
             return int(self.cfg.model.loss_chunk)
         return AUTO_CHUNK if logits_at_once(self.cfg) > AUTO_CHUNK_BYTES else 0

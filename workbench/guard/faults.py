@@ -30,10 +30,9 @@ import signal
 import sys
 import threading
 
+from workbench.checkpoints import checkpoint
 from workbench.core.errors import UserError
-from workbench.train import checkpoint
 from workbench.train.distributed import any_rank
-from workbench.train.step import step as train_step
 
 PREEMPTED_EXIT = 75  # checkpoint written; relaunch to continue (EX_TEMPFAIL)
 # What a launcher does once the preemption checkpoint is written, before the exit (Slurm: requeue
@@ -136,19 +135,11 @@ class Guard:
 
         return poisoned
 
-    def step(self, batch, loss_fn, step: int, last_good) -> dict:
-        """The training step (workbench/train/step.py), its update refused where the numbers are
-        not finite: the step skipped, or the run stopped naming `last_good()`, the last good
-        checkpoint."""
-        m = train_step(self.backend, batch, self.loss_fn(loss_fn, step), lambda m: self._refuse(m, step, last_good))
-        if not m.get("bad_step") and not math.isfinite(m.get("grad_norm", 0.0)):
-            # not caught before the update: the weights are suspect
-            self._stop(step, f"grad_norm={m['grad_norm']} after the optimizer step", last_good)
-        return m
-
-    def _refuse(self, m: dict, step: int, last_good) -> str | None:
-        """Why this step's update must not happen (a non-finite loss or gradient on any rank),
-        or None. Under fp16 the loss scaler owns overflow: it skips such steps itself."""
+    def judge(self, m: dict, step: int, last_good) -> str | None:
+        """Between backward and the update (workbench/run/loop.py step): why this step's update
+        must not happen (a non-finite loss or gradient on any rank), or None. A refused step is
+        skipped, or the run stops naming `last_good()`, the last good checkpoint. Under fp16 the
+        loss scaler owns overflow: it skips such steps itself."""
         if self.scaled:
             return None
         bad = not math.isfinite(m["loss"])
@@ -162,6 +153,12 @@ class Guard:
             self._stop(step, f"{why} on backend {self.backend.name}, which cannot skip a step", last_good)
         self._count(step, why, last_good)
         return why
+
+    def check_applied(self, m: dict, step: int, last_good) -> None:
+        """After the update: a gradient that was not finite yet was not caught before it leaves
+        the weights suspect, and the run stops."""
+        if not m.get("bad_step") and not math.isfinite(m.get("grad_norm", 0.0)):
+            self._stop(step, f"grad_norm={m['grad_norm']} after the optimizer step", last_good)
 
     def _count(self, step: int, why: str, last_good) -> None:
         self.bad_steps += 1

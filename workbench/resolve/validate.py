@@ -1,7 +1,7 @@
 """Validation of a composed config: the schemas applied, the method's and backend's options
 checked against their registered dataclasses, and what a model or data given by path implies.
 
-    from workbench.run.validate import validate
+    from workbench.resolve.validate import validate
     cfg = validate(hydra_cfg)     # read-only DictConfig, or a UserError naming the first bad field
 
 Hydra composes `conf/train.yaml` with its groups; `validate(cfg)` then merges the result onto
@@ -15,15 +15,15 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from workbench.backends import registry as backends
+from workbench.compute.optim import OPTIMIZERS, SCHEDULERS
+from workbench.compute.precision import POLICIES
 from workbench.config.schema import EvalConfig, Schema
 from workbench.core.errors import UserError
 from workbench.data.recipes import inline_recipe
 from workbench.methods import registry as methods
 from workbench.models.auto import adopt
 from workbench.peft.kind import KINDS as PEFT_KINDS
-from workbench.run import no_effect
-from workbench.train.optim import OPTIMIZERS, SCHEDULERS
-from workbench.train.precision import POLICIES
+from workbench.resolve import no_effect
 
 PRECISIONS = ("auto", *POLICIES)  # auto: what the device does fastest (precision.choose)
 
@@ -89,9 +89,9 @@ def validate(cfg: DictConfig) -> DictConfig:
         merged[group] = sub
     OmegaConf.set_struct(merged, True)
     _check_values(merged)
-    no_effect.check(merged)  # settings this run would not read (workbench/run/no_effect.py)
+    no_effect.check(merged)  # settings this run would not read (workbench/resolve/no_effect.py)
     _smoke_bounds(merged)
-    # Every decision derived from here on lives in the resolved run (workbench/run/resolved.py);
+    # Every decision derived from here on lives in the resolved run (workbench/resolve/resolved.py);
     # nothing writes to the config after this point.
     OmegaConf.set_readonly(merged, True)
     return merged

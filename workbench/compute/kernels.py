@@ -37,7 +37,7 @@ def require_liger():
 
 def apply(model: torch.nn.Module, name: str, device: str) -> dict:
     """Patch the model's layers in place; returns which kernels were applied. Which choices this
-    machine can run is a rule (workbench/run/rules.py: kernels-choice, liger-on-cpu, liger-needs-package)."""
+    machine can run is a rule (workbench/resolve/rules.py: kernels-choice, liger-on-cpu, liger-needs-package)."""
     if name == "none":
         return {}
     lt = require_liger()

@@ -1,6 +1,6 @@
 """Training FLOPs counted as computed, from the model's own shapes and each step's batch.
 
-    from workbench.telemetry.flops import FlopCount
+    from workbench.compute.flops import FlopCount
     count = FlopCount.from_model(model, cfg)      # once, after adapters are applied
     count.step(batch.micro, batch.forward_passes)  # FLOPs this rank spent on one optimizer step
     count.per_token(seq_len=128, head_fraction=0.2)   # the same rule for one average token
@@ -65,7 +65,7 @@ class FlopCount:
     # -- building ------------------------------------------------------------------------
     @classmethod
     def from_model(cls, model: nn.Module, run=None) -> FlopCount:
-        """Walk the (PEFT-wrapped) model once; the resolved `run` (workbench/run/resolved.py) adds the
+        """Walk the (PEFT-wrapped) model once; the resolved `run` (workbench/resolve/resolved.py) adds the
         method's reference passes and the backend's model-parallel degree."""
         lm = model.get_base_model() if hasattr(model, "get_base_model") else model
         head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None

@@ -1,6 +1,6 @@
 """What a resume may change: the settings a checkpoint was written under against the relaunch's.
 
-    record["settings"] = settings(cfg)          # what every checkpoint keeps (workbench/run/checkpoints.py)
+    record["settings"] = settings(cfg)          # what every checkpoint keeps (workbench/checkpoints/run.py)
     found = check(rec, cfg)                     # before any weights load: a UserError naming every change
                                                 # to what the run computes, unless train.resume_changes=allow
     found.result, found.other                   # [(key, before, now), ...]
@@ -12,7 +12,7 @@ configs, so such a change is refused in one line that names each key with both v
 `train.resume_changes=allow`; then the run continues and the changes are recorded in
 manifest.json and report.md. An allowed change applies from the first step after the checkpoint
 (`Changes.from_step`; the optimizer and schedule take optim.* from this config, not the
-checkpoint: workbench/train/canonical.py `apply_schedule`), and the records say which steps ran
+checkpoint: workbench/checkpoints/canonical.py `apply_schedule`), and the records say which steps ran
 under which values. Changes that leave what each step computes alone (how often it logs,
 evaluates or checkpoints, the layout: backend, hardware, micro-batch x accumulation at the kept
 global batch) are allowed and listed.
@@ -97,7 +97,7 @@ def _changes_result(key: str, now: dict) -> bool:
 def schedule_follows_length(flat: dict) -> bool:
     """Whether the LR at a step depends on train.max_steps under these settings (`settings`'
     flat form): a linear or cosine decay is spread over the run's length
-    (workbench/train/optim.py `lr_factor`); a constant schedule and its warmup are not."""
+    (workbench/compute/optim.py `lr_factor`); a constant schedule and its warmup are not."""
     return flat.get("optim.scheduler", "constant") != "constant"
 
 

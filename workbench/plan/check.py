@@ -2,11 +2,11 @@
 
 After `plan.check_after_steps` steps (default 10; 0 turns it off) the runner measures, on every
 rank, the peak memory of a device (CUDA: the allocator's max allocated; CPU: what tensors occupy
-at their peak during the check's step, the same quantity, workbench/telemetry/tensor_memory.py),
+at their peak during the check's step, the same quantity, workbench/plan/tensor_memory.py),
 the median step time and tokens/s (the first step left out: it compiles and touches memory for
 the first time; on CPU the profiled step too), and compares them with
 the planner's prediction for exactly this run on its hardware
-(workbench/run/plan.py; tokens/s at `plan.mfu` of the device's peak, the peak the run's MFU is
+(workbench/plan/make.py; tokens/s at `plan.mfu` of the device's peak, the peak the run's MFU is
 taken against). One console line, `plan_check` in results.json and a table in report.md; a
 figure worse than planned by more than `TOLERANCE` (more memory, a slower step) is named in a
 warning, one better than planned in the plain line.
@@ -26,9 +26,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from workbench.core import cache
+from workbench.plan.peak import device_name
 from workbench.plan.speed import Rollout
-from workbench.telemetry.peak import device_name
-from workbench.telemetry.tensor_memory import Window
+from workbench.plan.tensor_memory import Window
 
 TOLERANCE = 0.20  # the bar: a prediction more than 20% off is worth a warning
 FILE = "plan_calibration.json"

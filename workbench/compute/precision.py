@@ -116,7 +116,7 @@ def spec(name: str) -> Policy:
 
 def policy(name: str) -> Policy:
     """The policy a run trains with. Whether this machine can run it (fp8 needs sm >= 8.9 and
-    torchao or Transformer Engine) is a rule in workbench/run/rules.py, checked before this."""
+    torchao or Transformer Engine) is a rule in workbench/resolve/rules.py, checked before this."""
     if name == "fp8":
         from dataclasses import replace
 

@@ -1,11 +1,11 @@
 """Resolving a run: the method's options and the rule table checked, then every decision derived
-(workbench/run/derive.py).
+(workbench/resolve/derive.py).
 
-    from workbench.run.resolved import resolve_run
+    from workbench.resolve.resolved import resolve_run
     run = resolve_run(cfg)        # cfg from config.validate(); a UserError for a broken combination
 
 Every entry point (preflight, the runner, export from a checkpoint) resolves through here, so a
-method's options (its SPEC.check) and a combination (workbench/run/rules.py) are refused in one
+method's options (its SPEC.check) and a combination (workbench/resolve/rules.py) are refused in one
 place, before anything loads, a dry run included, and derived in one place.
 """
 
@@ -15,10 +15,10 @@ from dataclasses import replace
 
 from omegaconf import DictConfig, OmegaConf
 
+from workbench.checkpoints import resume
 from workbench.methods import registry
-from workbench.run import rules
-from workbench.run.derive import Run, derive
-from workbench.train import resume
+from workbench.resolve import rules
+from workbench.resolve.derive import Run, derive
 from workbench.train.layout import layout
 
 
@@ -28,7 +28,7 @@ def resolve_run(cfg: DictConfig, rank: int | None = None, world: int | None = No
     then derive.
     `planning`: rules about this machine only warn (dry_run, or a launcher sends the run away).
     Resuming a checkpoint: its global batch is kept at this layout (train.grad_accum recomputed,
-    workbench/train/resume.py), and the run's `cfg` is then a copy with that grad_accum, so the
+    workbench/checkpoints/resume.py), and the run's `cfg` is then a copy with that grad_accum, so the
     rules, the batch arithmetic and DeepSpeed's config all see the accumulation the run uses."""
     rec = resume.record_of(cfg.output_dir, cfg.train.resume)
     lay = layout(cfg, rank, world)

@@ -10,9 +10,9 @@ fix; the choice between refusing and warning follows what the user asked for:
 - `eval.tasks` where no evaluation ever runs (eval.at_start, eval.at_end false and
   eval.every_n_steps 0, as debug=fast and eval=none set them): warned (`warnings`), since
   presets such as debug=overfit keep the default task list with evaluation off;
-- `train.keep_best` with no evaluation after a step: refused in workbench/train/keep_best.py.
+- `train.keep_best` with no evaluation after a step: refused in workbench/checkpoints/keep_best.py.
 
-    from workbench.run import no_effect
+    from workbench.resolve import no_effect
     no_effect.before_defaults(merged)   # validate(), before the method's recipe is filled in
     no_effect.check(cfg)                # validate(), on the merged config
     no_effect.warnings(cfg)             # preflight: lines to print as `warning: ...`

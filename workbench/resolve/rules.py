@@ -11,7 +11,7 @@ together: for a run, these plus its backend's and its method's rules; for the do
 `scripts/gen_compat_docs.py` writes docs/compatibility.md from RULES, so the docs cannot drift
 from what the code enforces.
 
-    from workbench.run import rules
+    from workbench.resolve import rules
     rules.violations(cfg)          # all broken rules, as (rule, message)
     rules.check(cfg)               # raise the first one
 
@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from workbench.backends import registry as backends
 from workbench.config.rule import Env, Rule, backend_name, current_env, device, launcher_name, method_name, par, rewards
-from workbench.config.schema import pick
+from workbench.config.schema import GGUF_TYPES, pick
 from workbench.core.errors import UserError
 from workbench.envs.rewards import NEEDS_ENV
-from workbench.export import gguf as to_gguf
+from workbench.families import registry as families
 from workbench.methods import registry
-from workbench.run.derive import reference, sharded
+from workbench.resolve.derive import reference, sharded
 from workbench.train.distributed import under_distributed_launcher
 from workbench.train.layout import layout
 
@@ -267,13 +267,13 @@ LAST: list[Rule] = [
          lambda c, e: c.kernels == "liger" and device(c) == "cuda" and not e.has("liger_kernel"),
          "kernels=liger needs liger-kernel: pip install -e '.[liger]' (or use kernels=none)", machine=True),
     Rule("gguf-types", {"export": "gguf=<type>"},
-         lambda c, e: c.train.export and any(str(t).lower() not in to_gguf.TYPES for t in c.export.gguf),
-         lambda c, e: f"export.gguf={list(c.export.gguf)}: choose from {list(to_gguf.TYPES)}; K-quants "
+         lambda c, e: c.train.export and any(str(t).lower() not in GGUF_TYPES for t in c.export.gguf),
+         lambda c, e: f"export.gguf={list(c.export.gguf)}: choose from {list(GGUF_TYPES)}; K-quants "
                       "(q4_k_m, ...) need llama.cpp's llama-quantize on the f16 file"),
     Rule("gguf-family", {"export": "gguf", "model": "a family without a GGUF mapping"},
-         lambda c, e: c.train.export and bool(c.export.gguf) and c.model.arch.family not in to_gguf.ARCHES,
+         lambda c, e: c.train.export and bool(c.export.gguf) and c.model.arch.family not in families.gguf_model_types(),
          lambda c, e: f"export.gguf: model family {c.model.arch.family!r} has no GGUF mapping here (supported: "
-                      f"{sorted(to_gguf.ARCHES)}); drop export.gguf and convert the merged folder with llama.cpp"),
+                      f"{families.gguf_model_types()}); drop export.gguf and convert the merged folder with llama.cpp"),
     Rule("push-needs-token", {"export": "push_to_hub"},
          lambda c, e: c.train.export and bool(c.export.push_to_hub) and not e.hub_token,
          "export.push_to_hub needs a write token in $HF_TOKEN (checked now, not after training)", machine=True),

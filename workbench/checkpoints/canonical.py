@@ -23,7 +23,7 @@ reads the overlapping chunks whatever layout wrote them. Each backend writes onl
 (DDP replicas are deduplicated, DeepSpeed and pipeline stages write different keys per rank).
 Hyperparameters (lr, betas, eps, weight decay) and the schedule's shape always come from the
 config, never the checkpoint; where the schedule stands (`schedule_state`) is JSON in train.json
-(workbench/train/checkpoint.py).
+(workbench/checkpoints/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def apply_schedule(scheduler, optimizer, state: dict, scaler=None) -> None:
     s.update({k: v for k, v in state.items() if k in ("last_epoch", "_step_count")})
     scheduler.load_state_dict(s)
     lambdas = getattr(scheduler, "lr_lambdas", None)
-    if lambdas is not None:  # LambdaLR (workbench/train/optim.py): this config's factor at the restored count
+    if lambdas is not None:  # LambdaLR (workbench/compute/optim.py): this config's factor at the restored count
         last = [base * f(scheduler.last_epoch) for base, f in zip(scheduler.base_lrs, lambdas, strict=True)]
         scheduler._last_lr = last
     else:

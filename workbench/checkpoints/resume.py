@@ -24,8 +24,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from workbench.checkpoints import canonical, checkpoint
 from workbench.core.errors import UserError
-from workbench.train import canonical, checkpoint
 
 
 def record_of(output_dir, mode: str) -> dict | None:

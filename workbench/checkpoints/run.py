@@ -5,8 +5,8 @@ weights go back in (the best, a stall's last good step), and what is kept when a
     path, state = ckpts.resume(state)    # None, state: nothing to resume
     ckpts.save(state)
 
-The format, its verification and rotation are workbench/train/checkpoint.py's; resuming at
-another layout is workbench/train/resume.py's; the certificate is workbench/train/replay.py's.
+The format, its verification and rotation are workbench/checkpoints/checkpoint.py's; resuming at
+another layout is workbench/checkpoints/resume.py's; the certificate is workbench/checkpoints/replay.py's.
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from workbench.checkpoints import canonical, checkpoint, keep_best, replay, resume, resume_changes
 from workbench.core import heartbeat
 from workbench.core.errors import UserError
-from workbench.train import canonical, checkpoint, keep_best, noise, replay, resume, resume_changes
+from workbench.train import noise
 from workbench.train.state import TrainState, rng_state, seed_everything, set_rng_state
 
 
 class Checkpoints:
     def __init__(self, run, run_dir: Path, backend, method, identity: dict, tracker):
         """`run`: the resolved run (its config, layout and device); `identity`: what a checkpoint
-        must match to be resumed (workbench/train/resume.py); `tracker`: the save's status line."""
+        must match to be resumed (workbench/checkpoints/resume.py); `tracker`: the save's status line."""
         self.cfg, self.run, self.run_dir = run.cfg, run, run_dir
         self.rank, self.world, self.is_main = run.layout.rank, run.layout.world, run.layout.is_main
         self.backend, self.method, self.device = backend, method, run.device
@@ -34,7 +35,7 @@ class Checkpoints:
         self.tracker = tracker
         self.resumed: dict | None = None  # where the run resumed from, its certificate
         self.resumed_step = 0  # the step the run continued from (0: a fresh start)
-        self.changes = resume_changes.Changes()  # settings the resume changed (workbench/train/resume_changes.py)
+        self.changes = resume_changes.Changes()  # settings the resume changed (workbench/checkpoints/resume_changes.py)
         # the run's launches so far, each from its first step: what it resumed from and what it
         # changed; every checkpoint carries it, so the report of a chained resume covers them all
         self.history: list[dict] = [{"first_step": 1, "resumed_from": None}]

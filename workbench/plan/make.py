@@ -3,7 +3,7 @@
 What a method generates per step comes from its spec (MethodSpec.generation: the method's own
 options over its Config's defaults); a backend's options (stage, offload, checkpointing) are read
 by the names its facts give, with its facts' defaults; precision, peft, the reference and the
-layout come from the derived run (workbench/run/derive.py). A change
+layout come from the derived run (workbench/resolve/derive.py). A change
 the planner proposes (workbench/plan/fit.py) is applied to the config itself and kept only where
 the rule table takes it and the changed run's own plan fits (`_fix_check`).
 
@@ -20,6 +20,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from workbench.backends import registry as backends
+from workbench.compute import precision as prec
 from workbench.config.files import CONF_DIR
 from workbench.config.schema import pick
 from workbench.core.errors import UserError
@@ -27,18 +28,17 @@ from workbench.methods import registry
 from workbench.peft.kind import Peft
 from workbench.plan import catalog
 from workbench.plan.activations import LORA_TARGETS
+from workbench.plan.check import calibration
 from workbench.plan.counts import count, probe
 from workbench.plan.fit import GiB, usable_bytes, verdict
 from workbench.plan.memory import estimate, tokens_per_micro
+from workbench.plan.peak import measured_peak_flops
 from workbench.plan.setup import Setup
 from workbench.plan.speed import Decoder, Rollout, generation_seconds, speed, train_flops_per_token
 from workbench.plan.tables import change_here, duration, money, needed_how, show
+from workbench.resolve import rules
+from workbench.resolve.derive import derive, logits_at_once
 from workbench.rollout import judge
-from workbench.run import rules
-from workbench.run.derive import derive, logits_at_once
-from workbench.telemetry.peak import measured_peak_flops
-from workbench.telemetry.plan_check import calibration
-from workbench.train import precision as prec
 from workbench.train.distributed import requested_procs
 
 # The exit status of `dry_run=true` when the plan does not fit the configured hardware (0 done,
@@ -72,19 +72,20 @@ def _flag(value) -> bool:
     return bool(value)
 
 
-def from_cfg(cfg, devices: int | None = None, completion_len: int | None = None) -> Setup:
+def from_cfg(cfg, devices: int | None = None, completion_len: int | None = None, run=None) -> Setup:
     """What the planner sizes: the backend's options in the planner's terms (BackendSpec.terms:
     its stage, offload, expert parallelism, checkpointing, accumulation sync, optimizer), the
     method's by its spec (MethodSpec.generation: what it generates per step, from its own options
     and defaults), precision, peft, the reference and the layout from the derived run.
     `completion_len`: the mean completion a run measured (the plan check), in place of the
-    method's max_new_tokens."""
+    method's max_new_tokens. `run`: the config's derived run where the caller has it (a plan
+    derives each config once)."""
     backend = pick(cfg, "backend.name", "single")
     spec = backends.spec(backend)
     terms = spec.terms(cfg.get("backend"))
     # the backend's own checkpointing option where it turns it on, else the model's switch
     ckpt = terms.checkpointing or ("full" if cfg.model.gradient_checkpointing else "none")
-    run = derive(cfg)  # precision, peft, the reference strategy and the layout, as the run will have them
+    run = run or derive(cfg)  # precision, peft, the reference strategy and the layout, as the run will have them
     method = registry.spec(cfg.method.name)
     gen = method.generation(cfg.method)  # None: the method trains on its data's rows
     ref = {"precomputed": "precompute"}.get(run.reference, run.reference)
@@ -185,7 +186,10 @@ def _fix_check(cfg, counts, devices: int, memory_gb: float, device: str, seen: d
             if "probe" not in seen:
                 seen["probe"] = probe(cfg.model)
             c = count(seen["probe"], changed.model.arch, changed.peft)
-        e = estimate(c, changed.model.arch, from_cfg(changed, devices=devices, completion_len=completion_len))
+        if ("run", change) not in seen:  # each changed config is derived once, for every row
+            seen[("run", change)] = derive(changed)
+        e = estimate(c, changed.model.arch, from_cfg(changed, devices=devices, completion_len=completion_len,
+                                                     run=seen[("run", change)]))
         return e.peak <= usable_bytes(memory_gb, device, e.vllm_fraction)
 
     return accept
@@ -193,7 +197,7 @@ def _fix_check(cfg, counts, devices: int, memory_gb: float, device: str, seen: d
 
 def _peak_tflops(hw, precision: str) -> float:
     """The datasheet figure of the profile; for this machine's CPU (no datasheet) the matmul rate
-    measured here, the peak a run's MFU is taken against (workbench/telemetry/peak.py)."""
+    measured here, the peak a run's MFU is taken against (workbench/plan/peak.py)."""
     tflops = catalog.peak_tflops(hw, precision)
     if not tflops and hw.device == "cpu":
         tflops = measured_peak_flops("cpu", prec.spec(precision)) / 1e12
@@ -239,7 +243,7 @@ def rollout_of(s: Setup) -> Rollout:
                    rows=s.rollout_prompts * s.generations, calls=per)
 
 
-def _row(cfg, counts, name, hw, mfu, devices: int | None = None, calibrated: bool = False,
+def _row(cfg, run, counts, name, hw, mfu, devices: int | None = None, calibrated: bool = False,
          rollout: Rollout | None = None, seen: dict | None = None, completion_len: int | None = None) -> dict:
     """The verdict on hardware profile `hw`: with the processes it asks for, or `devices`;
     `calibrated`: with the measured/predicted ratios an earlier run stored for it; `rollout`:
@@ -249,7 +253,7 @@ def _row(cfg, counts, name, hw, mfu, devices: int | None = None, calibrated: boo
     are the whole job's on all `devices`: the changed run's where a change makes it fit there,
     None where none does; `needed` gives them on the devices it needs where it does not fit."""
     devices = devices or requested_procs(hw)
-    s = from_cfg(cfg, devices=devices, completion_len=completion_len)
+    s = from_cfg(cfg, devices=devices, completion_len=completion_len, run=run)
     mem = catalog.memory_gb(hw)
     if hw.device == "cpu":
         mem /= devices  # CPU processes share the host's memory
@@ -258,7 +262,7 @@ def _row(cfg, counts, name, hw, mfu, devices: int | None = None, calibrated: boo
                 accept=_fix_check(cfg, counts, devices, mem, hw.device, {} if seen is None else seen,
                                    completion_len))
     # the job as configured, whatever the profile's device count
-    tokens = run_tokens(cfg, from_cfg(cfg, completion_len=completion_len))
+    tokens = run_tokens(cfg, from_cfg(cfg, completion_len=completion_len, run=run))
     peak = _peak_tflops(hw, s.precision)
 
     def rates(t) -> tuple[float, float]:
@@ -316,10 +320,11 @@ def _row(cfg, counts, name, hw, mfu, devices: int | None = None, calibrated: boo
     return row
 
 
-def cores(cfg) -> dict | None:
-    """On a CPU: this machine's cores and the processes the run asks for, when it asks for more."""
+def cores(cfg, run) -> dict | None:
+    """On a CPU: this machine's cores and the processes the run (its derived run) asks for, when
+    it asks for more."""
     have = os.cpu_count() or 1
-    asked = derive(cfg).layout.world
+    asked = run.layout.world
     if cfg.hardware.device != "cpu" or asked <= have:
         return None
     return {"available": have, "asked": asked}
@@ -335,18 +340,20 @@ def make_plan(cfg, counts=None, hardware: list[str] | None = None, others: bool 
     (plan.compare) says whether the table lists the other profiles beside this hardware."""
     counts = counts or count(probe(cfg.model), cfg.model.arch, cfg.peft)
     mfu = float(pick(cfg, "plan.mfu", 0.4))
-    s = from_cfg(cfg, completion_len=completion_len)
+    run = derive(cfg)  # once: every row and note reads it; each changed config is derived once too
+    s = from_cfg(cfg, completion_len=completion_len, run=run)
     est = estimate(counts, cfg.model.arch, s)
-    seen = {}  # the changes the rule table was asked about, for every row
-    here = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu, devices=derive(cfg).layout.world,
+    seen = {}  # the changes the rule table was asked about, and their derived runs, for every row
+    here = _row(cfg, run, counts, cfg.hardware.name, cfg.hardware, mfu, devices=run.layout.world,
                 calibrated=calibrated, rollout=rollout, seen=seen, completion_len=completion_len)
-    over = cores(cfg)
+    over = cores(cfg, run)
     if over:  # would it fit with one process per core?
-        fit = _row(cfg, counts, cfg.hardware.name, cfg.hardware, mfu, devices=over["available"], seen=seen,
+        fit = _row(cfg, run, counts, cfg.hardware.name, cfg.hardware, mfu, devices=over["available"], seen=seen,
                    completion_len=completion_len)
         here["cores"] = {**over, "fits": fit["fits"], "peak_gb": fit["peak_gb"], "usable_gb": fit["usable_gb"]}
     wanted = hardware or list(pick(cfg, "plan.hardware", []) or [])
-    rows = [_row(cfg, counts, name, hw, mfu, seen=seen, completion_len=completion_len) for name, hw in catalog.profiles().items()
+    rows = [_row(cfg, run, counts, name, hw, mfu, seen=seen, completion_len=completion_len)
+            for name, hw in catalog.profiles().items()
             if (not wanted or name in wanted) and name != cfg.hardware.name] if others else []
     plan = {
         "model": cfg.model.name, "method": s.method, "peft": s.peft, "backend": s.backend,
@@ -358,7 +365,7 @@ def make_plan(cfg, counts=None, hardware: list[str] | None = None, others: bool 
         "memory_gb": {k: round(v / GiB, 3) for k, v in est.terms().items()} | {"peak": round(est.peak / GiB, 3),
                                                                               "host": round(est.host / GiB, 3)},
         "hf_copy_gb": round(est.hf_copy / GiB, 3),  # of memory_gb.weights
-        "notes": _notes(cfg, s, est),
+        "notes": _notes(cfg, s, est, run),
         "compare": _flag(pick(cfg, "plan.compare", False)),
         "here": here,
         "profiles": rows,
@@ -372,11 +379,10 @@ def make_plan(cfg, counts=None, hardware: list[str] | None = None, others: bool 
 SEE_PLAN = " See the plan: add dry_run=true"  # the end of a real run's refusal, not a dry run's
 
 
-def _notes(cfg, s, est) -> list[str]:
+def _notes(cfg, s, est, run) -> list[str]:
     """What a memory term holds that its name does not say. Megatron's weights can be two
     models: its GPTModel shards and the whole HF model the runner keeps beside them on every
-    device (run.keeps_hf_base, workbench/run/derive.py) when something reads that model."""
-    run = derive(cfg)
+    device (run.keeps_hf_base, workbench/resolve/derive.py) when something reads that model."""
     notes = []
     if run.loss_chunk and not cfg.model.loss_chunk:  # chosen by the run (Run.loss_chunk), not the user
         notes.append(f"logits = model.loss_chunk={run.loss_chunk} positions at a time, chosen because one micro-batch's "

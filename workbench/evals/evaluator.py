@@ -5,7 +5,7 @@ checkpoint kept (train.keep_best).
     evaluator.evaluate("step", state)      # {} on ranks other than 0 and when eval.tasks is empty
 
 The hooks and tasks are workbench/evals/'s; the best checkpoint's bookkeeping is
-workbench/train/keep_best.py's.
+workbench/checkpoints/keep_best.py's.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from workbench.checkpoints.keep_best import Keeper, metric_name
+from workbench.compute import precision
 from workbench.core import heartbeat
 from workbench.evals import hooks
-from workbench.train import precision
-from workbench.train.keep_best import Keeper, metric_name
 from workbench.train.state import TrainState
 
 
