@@ -38,13 +38,12 @@ from workbench.models.gguf_tokenizer import SENTENCEPIECE
 
 # What each family needs written (architecture, Q/K permutation, norms, split rule) is its spec's
 # (workbench/families/); the types are those the schema offers (workbench/config/schema.py GGUF_TYPES).
-TYPES = GGUF_TYPES
 
 
 def check_types(types) -> list[str]:
-    bad = [t for t in types if str(t).lower() not in TYPES]
+    bad = [t for t in types if str(t).lower() not in GGUF_TYPES]
     if bad:
-        raise UserError(f"export.gguf: {bad} not writable here; choose from {list(TYPES)} (K-quants such as "
+        raise UserError(f"export.gguf: {bad} not writable here; choose from {list(GGUF_TYPES)} (K-quants such as "
                         "q4_k_m need llama.cpp's llama-quantize)")
     return [str(t).lower() for t in types]
 

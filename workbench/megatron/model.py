@@ -120,13 +120,14 @@ def transformer_config(hf_config, par: Parallel, dtype: torch.dtype, compute_dty
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     experts = n_experts(hf_config)
+    rules = mapping(hf_config)  # the family's Megatron mapping (workbench/families/)
     kw = dict(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
         num_attention_heads=hf_config.num_attention_heads, num_query_groups=hf_config.num_key_value_heads,
         kv_channels=head_dim(hf_config), ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        add_qkv_bias=mapping(hf_config).qkv_bias, qk_layernorm=mapping(hf_config).qk_norm,
+        add_qkv_bias=rules.qkv_bias, qk_layernorm=rules.qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
         # Fusions are CUDA kernels (apex / TE); the plain PyTorch paths give the same numbers.
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,

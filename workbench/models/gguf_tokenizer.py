@@ -123,12 +123,13 @@ def spm_tokenizer(vocab: Vocab, out_dir: str | Path):
     markers = [p for p, kind in zip(vocab.pieces, vocab.types, strict=True)
                if kind in (CONTROL, USER_DEFINED) and p.startswith("<") and p.endswith(">")
                and p not in name.values() and not p.startswith("<unused")]
-    config = {"tokenizer_class": _family(vocab).tokenizer_class,
+    family = _family(vocab)
+    config = {"tokenizer_class": family.tokenizer_class,
               "add_bos_token": vocab.add_bos, "add_eos_token": vocab.add_eos,
               "bos_token": name.get("bos"), "eos_token": name.get("eos"), "unk_token": name.get("unk"),
               "pad_token": name.get("pad"), "additional_special_tokens": markers,
               "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False}
-    template = vocab.chat_template or _family(vocab).chat_template
+    template = vocab.chat_template or family.chat_template
     if template:
         config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
