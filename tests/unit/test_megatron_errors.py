@@ -73,8 +73,8 @@ CPU_WITH_MEGATRON = rules.Env(packages=frozenset({"megatron"}))
     (["peft=lora", "peft.dropout=0.1"], r"\[lora-megatron-dropout\] peft.dropout=0.1"),
     (["backend.distributed_optimizer=true", "optim.name=sgd"], r"\[megatron-distopt-adam\]"),
     (["backend.recompute=some"], r"\[megatron-recompute-choice\] backend.recompute='some'"),
-    (["backend.sequence_parallel=true"], r"\[megatron-sequence-parallel\].*backend.tp > 1"),
-    (["backend.sequence_parallel=true", "backend.tp=2", "hardware.procs=2"], r"Transformer Engine or Apex"),
+    (["backend.sequence_parallel=true", "backend.tp=2", "hardware.procs=2"],
+     r"\[megatron-sequence-parallel\].*Transformer Engine layer specs"),
 ])
 def test_option_combinations_are_rules(overrides, message):
     with pytest.raises(UserError, match=message):

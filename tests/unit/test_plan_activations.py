@@ -83,3 +83,22 @@ def test_block_activations_match_saved_tensors(prec, peft, kernel, tmp_path):
         assert predicted == pytest.approx(measured, rel=DORA_ACTIVATION_RTOL), f"{prec} {kernel.name}"
     else:  # tensor by tensor: the same bytes
         assert predicted == measured, f"{prec} {peft} {kernel.name}"
+
+
+# Gemma 3's norms also keep their fp32 1 + w scales, per block and not per token (a few hundred
+# bytes on the tiny block: 6 bytes a token at 200 tokens, 0.2%); the bar is twice that share.
+FAMILY_RTOL = {"qwen3": 0.0, "gemma3_text": 0.004}
+
+
+@pytest.mark.parametrize("peft", ["none", "lora"])
+@pytest.mark.parametrize("family", list(FAMILY_RTOL))
+def test_family_blocks_match_saved_tensors(family, peft, tmp_path):
+    """Families whose blocks keep more than Llama's (FamilySpec.qk_norm, norms_per_block,
+    norm_in_fp32): the tiny model's shape built as that family."""
+    cfg = compose(["model=tiny", f"model.arch.family={family}", f"peft={peft}", "precision=bf16"], tmp_path)
+    runner = Runner(cfg)
+    runner.tracker = Tracker(runner.run_dir, enabled=False)
+    runner.build()
+    measured = _saved_by_block(runner, SDPBackend.FLASH_ATTENTION)
+    predicted = BATCH * SEQ * block_bytes(cfg.model.arch, from_cfg(cfg), SEQ, math=False)
+    assert predicted == pytest.approx(measured, rel=FAMILY_RTOL[family], abs=0), f"{family} {peft}"

@@ -32,8 +32,11 @@ CASES = {  # the headline's kind: adapters on a frozen base, autocast, the refer
     # a full fine-tune with a copied reference; SFT (slow tier)
     "dpo-full-fp32": ["method=dpo", "peft=none", "precision=fp32"],
     "sft-lora-bf16": ["method=sft", "peft=lora", "precision=bf16-mixed", "train.grad_accum=2"],
+    # the rollout's longest step (its KV cache, the sampler) and the completions' micro-batches
+    "grpo-lora-bf16": ["method=grpo", "method.num_generations=2", "method.max_new_tokens=16", "peft=lora",
+                       "precision=bf16-mixed"],
 }
-DEFAULT_TIER = ("dpo-lora-bf16",)
+DEFAULT_TIER = ("dpo-lora-bf16", "grpo-lora-bf16")
 
 
 def _real(overrides: list[str], out: Path) -> dict:
@@ -78,28 +81,72 @@ def test_the_trace_equals_the_real_step_single(case, tmp_path):
     _agree(_traced(CASES[case], tmp_path / "trace"), real, f"single {case}")
 
 
-def worker(out: Path) -> None:
+@pytest.mark.parametrize("new_tokens", [1, 16])
+def test_the_traced_rollout_step_holds_what_hf_generate_holds(new_tokens, tmp_path):
+    """The trace runs a rollout's last two decode steps on a cache grown to their length
+    (workbench/rollout/generate.py longest_step), not HF generate's whole loop; on real tensors
+    its peak is the allocator's peak of HF generate with every row running to max_new_tokens."""
+    import torch
+
+    from workbench.compute import precision
+    from workbench.models.build import build_model
+    from workbench.plan.tensor_memory import Window, alive_bytes
+    from workbench.resolve.resolved import resolve_run
+    from workbench.rollout.generate import generate_ids, longest_step
+
+    run = resolve_run(compose([*CASES["grpo-lora-bf16"]], tmp_path))
+    model = build_model(run.on("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(model.config.vocab_size, (48,), generator=gen).tolist() for _ in range(4)]
+    autocast = precision.autocast(run.precision, "cpu")
+
+    def peak(call) -> int:
+        gc.collect()
+        window, before = Window(), alive_bytes()
+        window.start()
+        call()
+        return window.stop() - before
+
+    never = model.config.vocab_size + 1  # an end-of-turn no row draws: every row runs to the end
+    whole = peak(lambda: generate_ids(model, prompts, new_tokens, never, 0, do_sample=True, num_return_sequences=8,
+                                      autocast=autocast))
+    traced = peak(lambda: longest_step(model, prompts, new_tokens, 0, 8, autocast=autocast))
+    print(f"max_new_tokens={new_tokens}: HF generate {whole / 2**20:.2f} MiB, longest_step {traced / 2**20:.2f} MiB")
+    assert abs(traced / whole - 1) <= TRACE_RTOL
+
+
+# Two real ranks over gloo against the trace over a fake group of 2: the same step, sharded.
+TWO_RANKS = {"fsdp2": [*CASES["dpo-lora-bf16"], "backend=fsdp2"],
+             "megatron-tp2": [*CASES["dpo-lora-bf16"], "backend=megatron", "backend.tp=2"],
+             # two stages: the trace runs both rank kinds (the first stage's micro-batches in flight,
+             # the last stage's head) and reports the higher; the real ranks' higher is the bar
+             "megatron-pp2": [*CASES["sft-lora-bf16"], "backend=megatron", "backend.pp=2"]}
+
+
+def worker(case: str, out: Path) -> None:
     """torchrun worker: each rank runs the tracer's step on real tensors over gloo."""
     import torch.distributed as dist
 
     from workbench.train.distributed import init_distributed
 
     rank, world = init_distributed("cpu", 5)
-    overrides = [*CASES["dpo-lora-bf16"], "backend=fsdp2", f"hardware.procs={world}"]
-    got = _real(overrides, out / f"rank{rank}")
+    got = _real([*TWO_RANKS[case], f"hardware.procs={world}"], out / f"rank{rank}")
     (out / f"rank{rank}.json").write_text(json.dumps(got))
     dist.destroy_process_group()
 
 
-def test_the_trace_over_a_fake_group_equals_two_real_fsdp2_ranks(tmp_path):
+@pytest.mark.parametrize("case", list(TWO_RANKS))
+def test_the_trace_over_a_fake_group_equals_two_real_ranks(case, tmp_path):
     from tests.helpers import torchrun
 
-    torchrun(Path(__file__).resolve(), ["--worker", tmp_path], timeout=300)
+    torchrun(Path(__file__).resolve(), ["--worker", case, tmp_path], timeout=300)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     real = max(ranks, key=lambda r: r["measured"])
-    traced = _traced([*CASES["dpo-lora-bf16"], "backend=fsdp2"], tmp_path / "trace", procs=2)
-    assert traced["world"] == 2 and traced["categories_gb"].get("Sharded Param", 0) > 0
-    _agree(traced, real, "fsdp2 x 2 dpo-lora-bf16")
+    traced = _traced(TWO_RANKS[case], tmp_path / "trace", procs=2)
+    assert traced["world"] == 2
+    if case == "fsdp2":
+        assert traced["categories_gb"].get("Sharded Param", 0) > 0
+    _agree(traced, real, f"{case} x 2")
 
 
 def _cli(overrides: list[str], tmp_path, capsys):
@@ -119,6 +166,18 @@ def test_dry_run_trace_prints_the_traced_terms_beside_the_plan(tmp_path, capsys)
     # dry_run=true is what it was: the plan alone
     facts, out = _cli(["dry_run=true"], tmp_path, capsys)
     assert "trace" not in facts["plan"] and "trace:" not in out
+
+
+def test_grpo_traces_its_rollout_and_a_pipeline_both_of_its_stage_kinds(tmp_path, capsys):
+    facts, out = _cli(["dry_run=trace", *CASES["grpo-lora-bf16"]], tmp_path / "grpo", capsys)
+    trace = facts["plan"]["trace"]
+    assert trace["traced"] and trace["phases_gb"]["rollout"] > 0, trace
+    assert "the rollout's own peak" in out
+    facts, out = _cli(["dry_run=trace", "backend=megatron", "backend.pp=2", "hardware.procs=2", "train.grad_accum=2"],
+                      tmp_path / "pp", capsys)
+    trace = facts["plan"]["trace"]
+    assert [(r["rank"], r["kind"]) for r in trace["ranks"]] == [(0, "the first stage"), (1, "the last stage")], trace
+    assert "as ranks 0 (the first stage" in out and "and 1 (the last stage" in out
 
 
 def test_a_backend_that_is_not_traced_says_so_and_shows_no_figure(tmp_path, capsys):
@@ -212,4 +271,4 @@ def test_70b_dpo_on_8xh100_traces_in_minutes(tmp_path):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    worker(Path(sys.argv[2]))
+    worker(sys.argv[2], Path(sys.argv[3]))

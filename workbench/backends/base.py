@@ -52,6 +52,12 @@ class Backend(Protocol):
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float("nan"), "lr": self.scheduler.get_last_lr()[0]}
 
+    def held(self) -> dict[str, list]:
+        """What this rank holds beside its modules' parameters and gradients, for dry_run=trace's
+        memory tracker (workbench/plan/trace.py): "optimizers", the torch optimizers with its
+        optimizer state; "grads", gradient buffers the parameters' .grad do not show."""
+        return {"optimizers": [self.optimizer] if self.optimizer is not None else [], "grads": []}
+
     def unwrapped(self) -> torch.nn.Module:
         """The plain module with current weights (for generation, eval and export)."""
 

@@ -72,7 +72,7 @@ class Config:
     cp: int = 1  # context parallelism: ranks splitting each sequence (> 1: Transformer Engine on a GPU)
     ep: int = 1  # expert parallelism (MoE): ranks splitting the experts; divides the experts and the data-parallel size
     # with tp > 1, split the norms' and dropout's activations over the sequence across TP ranks;
-    # needs Transformer Engine or Apex (GPU); required for a MoE model at tp > 1
+    # needs Transformer Engine layer specs, which are not built yet: refused (rule megatron-sequence-parallel)
     sequence_parallel: bool = False
     # Megatron-Core's distributed optimizer: Adam state and fp32 main weights sharded over the
     # data-parallel ranks (optim.name=adamw; not with precision=fp16)
@@ -95,19 +95,25 @@ def check(cfg, hf_config, world_size: int) -> None:
     check_parallel(hf_config, parallel(cfg), world_size)
 
 
+_GROUPS_OF: list = [None]  # the default process group Megatron-Core's groups were made in
+
+
 def _init_model_parallel(par) -> None:
-    """Megatron-Core's process groups for `par` (made again when a process trains another layout)."""
+    """Megatron-Core's process groups for `par` (made again when a process trains another layout,
+    or in another default process group: a dry_run=trace's fake one is gone after the trace)."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     if ps.model_parallel_is_initialized():
         now = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                ps.get_context_parallel_world_size(), ps.get_expert_model_parallel_world_size())
-        if now == (par.tp, par.pp, par.cp, par.ep):
+        if now == (par.tp, par.pp, par.cp, par.ep) and _GROUPS_OF[0] is dist.group.WORLD:
             return
         ps.destroy_model_parallel()
         # 0.16.1's destroy leaves this rank list behind, and initialize sets it only on the
         # embedding group's members: a middle stage would take itself for a member
         ps._EMBEDDING_GLOBAL_RANKS = None
+    _GROUPS_OF[0] = dist.group.WORLD
     ps.initialize_model_parallel(tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
                                  context_parallel_size=par.cp, expert_model_parallel_size=par.ep)
 
@@ -245,7 +251,9 @@ class MegatronBackend(Backend):
         else:
             grads.reduce(self.gpt, self.tied, self.par.sequence_parallel)
         out = {k: reduce_scalar(v, group=self.dp_group) for k, v in sums.items()}
-        loss = out.pop("loss_sum") / max(denom, 1e-12)
+        # every stage has the names broadcast from the last one, but over a dry_run=trace's fake
+        # group (which carries no data) a first stage has none
+        loss = out.pop("loss_sum", 0.0) / max(denom, 1e-12)
         return {"loss": loss, **out}
 
     def forward_only(self, micro: dict, loss_fn) -> float:
@@ -349,6 +357,15 @@ class MegatronBackend(Backend):
                 or (t.eval.every_n_steps and self.steps % t.eval.every_n_steps == 0)):
             self._sync_hf()  # export and eval read the HF model; every rank joins the gather
         return {"grad_norm": float(gn), "lr": lr}
+
+    def held(self) -> dict[str, list]:
+        """The distributed optimizer's torch optimizers (over this rank's fp32 main shards) and
+        Megatron-Core DDP's contiguous gradient buffers (the parameters' main_grad), or the plain optimizer."""
+        if self.mopt is None:
+            return {"optimizers": [self.optimizer], "grads": []}
+        ddp = self.mopt.ddp
+        return {"optimizers": [part.optimizer for part in self.mopt.parts],
+                "grads": [b.grad_data for b in ddp.buffers + ddp.expert_parallel_buffers if b.grad_data is not None]}
 
     def local_bytes(self) -> dict[str, int]:
         """Bytes of the GPTModel's parameters and of the optimizer state this rank holds."""
@@ -462,13 +479,17 @@ RULES = (
          and not bool(pick(c, "backend.sequence_parallel", False)),
          lambda c, e: f"model={c.model.name} has experts: Megatron-Core's MoE layer refuses to train with "
                       f"backend.tp={rule.par(c, 'tp')} and no sequence parallelism (without it every TP rank routes "
-                      "the same tokens and expert gradients come out tp times too large): set "
-                      "backend.sequence_parallel=true (GPU, Transformer Engine or Apex), or backend.tp=1 with "
-                      "backend.ep for the experts"),
+                      "the same tokens and expert gradients come out tp times too large): set backend.tp=1 "
+                      "with backend.ep for the experts (sequence parallelism needs Transformer Engine layer "
+                      "specs, which backend=megatron does not build yet)"),
+    # Megatron-Core's local layer spec takes torch's norm (WrappedTorchNorm asserts on
+    # sequence_parallel) or Apex's FusedLayerNorm (LayerNorm only, never RMSNorm): no machine
+    # builds these models with it, so the run would stop at the model build after its load
     Rule("megatron-sequence-parallel", {"backend": "megatron (sp)"},
-         lambda c, e: bool(pick(c, "backend.sequence_parallel", False))
-         and (rule.par(c, "tp") < 2 or not (e.has("transformer_engine") or e.has("apex"))),
-         "backend.sequence_parallel=true needs backend.tp > 1 and Transformer Engine or Apex norms (GPU)", machine=True),
+         lambda c, e: bool(pick(c, "backend.sequence_parallel", False)),
+         "backend.sequence_parallel=true needs Transformer Engine layer specs (an RMSNorm that splits the "
+         "tokens), which backend=megatron does not build yet: torch's norm in Megatron-Core's local spec "
+         "refuses it and Apex's is LayerNorm only; set backend.sequence_parallel=false"),
     Rule("megatron-cp-needs-gpu", {"backend": "megatron (cp)", "hardware": "cpu"},
          lambda c, e: rule.par(c, "cp") > 1 and rule.device(c) != "cuda",
          "backend.cp > 1 needs Transformer Engine's attention on a GPU", machine=True),
@@ -492,17 +513,19 @@ RULES = (
 )
 
 def terms(node) -> BackendTerms:
-    """The planner's terms: expert parallelism, recompute (none | selective | full) and the
-    distributed optimizer. tp, pp and cp reach the planner through the run's layout
+    """The planner's terms: expert parallelism, recompute (none | selective | full), the
+    distributed optimizer and sequence parallelism. tp, pp and cp reach the planner through the run's layout
     (workbench/train/layout.py)."""
     return BackendTerms(ep=int(getattr(node, "ep", 1)), checkpointing=checkpointing(getattr(node, "recompute", None)),
-                        distributed_optimizer=on(getattr(node, "distributed_optimizer", False)))
+                        distributed_optimizer=on(getattr(node, "distributed_optimizer", False)),
+                        tp_splits_tokens=on(getattr(node, "sequence_parallel", False)))
 
 
 SPEC = BackendSpec(name="megatron", config=Config, build=build, rules=RULES, terms=terms,
                    facts=BackendFacts(model_parallel=True, half_compute=True, checkpointing_field="recompute",
                                       head_every_position=True, gathers_logits=True, bridges_hf_model=True,
                                       fixed_positions=True,
-                                      untraced="Megatron-Core's parallel state builds its model-parallel groups "
-                                               "and fused kernels for real NCCL/gloo ranks; over torch's fake "
-                                               "process group it is not exercised here"))
+                                      untraced_with_experts="Megatron-Core's token dispatcher sizes each "
+                                                            "expert's batch from the router's choices "
+                                                            "(masked_select), values fake tensors do not "
+                                                            "carry"))

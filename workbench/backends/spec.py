@@ -81,6 +81,7 @@ class BackendFacts:
     # more than one process only
     untraced: str | None = None
     untraced_over_processes: str | None = None
+    untraced_with_experts: str | None = None  # the same, for a mixture-of-experts model
     # its output layer projects every position (Megatron's GPTModel), not only those a loss reads:
     # the logits' memory and the head's FLOPs follow the whole batch
     head_every_position: bool = False
@@ -139,6 +140,9 @@ class BackendTerms:
     # whether gradients are reduce-scattered after every micro-batch
     accum_sync: str = "auto"
     distributed_optimizer: bool = False  # Megatron-Core's optimizer: state sharded over data-parallel ranks
+    # tensor parallelism also splits the tokens of what it replicates (the norms, the residual
+    # stream, the column-parallel linears' inputs): Megatron-Core's sequence parallelism
+    tp_splits_tokens: bool = False
 
 
 def no_terms(node) -> BackendTerms:

@@ -23,4 +23,5 @@ SPEC = FamilySpec(
     model_type="gemma3_text", aliases=("gemma", "gemma2", "gemma3"),
     gguf=Gguf(arch="gemma3", norm_plus_one=True, sliding_window=True, query_scale_from_head_dim=True),
     tokenizer_class="GemmaTokenizer", chat_template=TEMPLATE, template_name="gemma",
+    qk_norm=True, norms_per_block=4, norm_in_fp32=True,
 )

@@ -5,5 +5,5 @@ from workbench.families.spec import FamilySpec, Gguf, Megatron
 SPEC = FamilySpec(
     model_type="qwen3", config_class="Qwen3Config",
     gguf=Gguf(arch="qwen3", pre_tokenizer="qwen2"),
-    megatron=Megatron(qk_norm=True),
+    qk_norm=True, megatron=Megatron(),
 )

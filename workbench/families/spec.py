@@ -39,7 +39,6 @@ class Megatron:
     """How the family maps onto Megatron-Core's GPTModel (workbench/megatron/model.py)."""
 
     qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2)
-    qk_norm: bool = False  # q and k are RMS-normalised per head (Qwen3)
 
 
 @dataclass(frozen=True)
@@ -52,6 +51,11 @@ class FamilySpec:
     # a sparse mixture of experts whose config takes model.arch's experts as num_local_experts and
     # num_experts_per_tok (Mixtral; Megatron maps it onto its MoE layers)
     experts: bool = False
+    # What a decoder block keeps for backward beyond a Llama block's (workbench/plan/activations.py),
+    # and how Megatron-Core builds it (qk_layernorm):
+    qk_norm: bool = False  # q and k RMS-normalised per head (Qwen3, Gemma 3)
+    norms_per_block: int = 2  # RMSNorms in a block (Gemma 3: 4, before and after attention and the MLP)
+    norm_in_fp32: bool = False  # the norm scales in fp32 (Gemma's 1 + w): a trainable scale keeps an fp32 copy
     gguf: Gguf | None = None  # None: no GGUF export (convert with llama.cpp's own script)
     megatron: Megatron | None = None  # None: backend=megatron refuses the family
     # a SentencePiece vocabulary rebuilt from a GGUF: transformers' tokenizer class (its conversion

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from workbench.core.errors import UserError
+from workbench.families import registry as families
 from workbench.megatron.model import family, head_dim, mapping, n_experts, padded_vocab
 
 ADAPTER = ".lora."  # GPTModel parameter names of LoRA adapters (lora.is_adapter)
@@ -96,7 +97,7 @@ def to_megatron(hf: dict, cfg, lay: ShardLayout) -> dict:
                                v.reshape(ng, hd, *rest)], dim=1)
             out[m + f"self_attention.linear_qkv.{suffix}"] = _block(fused, tp, r).reshape(-1, *rest)
         out[m + "self_attention.linear_proj.weight"] = _block(hf[h + "self_attn.o_proj.weight"], tp, r, 1)
-        if fam.qk_norm:
+        if families.get(family(cfg)).qk_norm:
             out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"].clone()
             out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"].clone()
         if n_experts(cfg):

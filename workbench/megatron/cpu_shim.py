@@ -108,7 +108,14 @@ def optimizer_cpu():
         return
     saved = (torch.tensor, torch.Tensor.type)
     tensor, type_of = torch.tensor, torch.Tensor.type
-    torch.tensor = lambda *a, device=None, **k: tensor(*a, device="cpu" if device == "cuda" else device, **k)
+
+    def make(data, *a, device=None, **k):
+        device = "cpu" if device == "cuda" else device
+        if _nested_tensors(data):  # Megatron's local multi_tensor_l2norm: torch.tensor of per-tensor norms
+            return _stack(data).to(*a, device=device, **k)
+        return tensor(data, *a, device=device, **k)
+
+    torch.tensor = make
 
     def cuda_type(self, *a, **k):
         out = type_of(self, *a, **k)
@@ -121,3 +128,17 @@ def optimizer_cpu():
         yield
     finally:
         torch.tensor, torch.Tensor.type = saved
+
+
+def _nested_tensors(data) -> bool:
+    """A (nested) list of tensors: torch.tensor reads their values one by one, which tensors
+    without data (dry_run=trace's fake ones) refuse; stacking them gives the same tensor."""
+    while isinstance(data, (list, tuple)) and data:
+        data = data[0]
+    return isinstance(data, torch.Tensor)
+
+
+def _stack(data) -> torch.Tensor:
+    if isinstance(data, torch.Tensor):
+        return data
+    return torch.stack([_stack(x) for x in data])

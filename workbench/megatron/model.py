@@ -127,7 +127,7 @@ def transformer_config(hf_config, par: Parallel, dtype: torch.dtype, compute_dty
         kv_channels=head_dim(hf_config), ffn_hidden_size=hf_config.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        add_qkv_bias=rules.qkv_bias, qk_layernorm=rules.qk_norm,
+        add_qkv_bias=rules.qkv_bias, qk_layernorm=families.get(family(hf_config)).qk_norm,
         hidden_dropout=0.0, attention_dropout=0.0,
         # Fusions are CUDA kernels (apex / TE); the plain PyTorch paths give the same numbers.
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
@@ -186,8 +186,41 @@ def build_gpt(hf_config, par: Parallel, dtype: torch.dtype = torch.float32, scal
         )
     if scalar_head and model.post_process:
         model.output_layer = ScalarHead(hf_config.hidden_size, par.sequence_parallel)
+    elif model.post_process:
+        model.output_layer.register_forward_hook(_contiguous_grad_out, with_kwargs=True)
     mark_tp_shards(model)
     return model
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; the gradient made contiguous on its way back."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _contiguous_grad_out(module, args, kwargs, out):
+    """The vocabulary head's output gradient, made contiguous before the head's backward.
+    GPTModel returns its [s, b, V/tp] logits transposed to [b, s, ...], so the gradient arrives as
+    a transposed view; the backward of a frozen head (LoRA: Megatron-Core's
+    LinearWithFrozenWeight) multiplies it by the weight with torch.matmul, which folds a view it
+    cannot flatten into one mm only when the weight requires grad, and otherwise expands the
+    weight to one copy per sequence position for a bmm, whose CPU kernel makes those copies
+    contiguous: 192 MiB for the tiny model at 64 positions (tests/unit/test_trace.py, Megatron
+    TP 2). One contiguous gradient costs the size of the logits' gradient instead. A trainable
+    head folds the view by itself, and is left as it is (a tied head's weight is the embedding's,
+    passed in the call)."""
+    logits, bias = out
+    weight = kwargs.get("weight")
+    weight = getattr(module, "weight", None) if weight is None else weight
+    if weight is None or weight.requires_grad or not torch.is_grad_enabled():
+        return out
+    return _ContiguousGrad.apply(logits), bias
 
 
 class ScalarHead(torch.nn.Module):

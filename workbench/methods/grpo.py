@@ -59,6 +59,7 @@ from workbench.data.overfit import Overfit
 from workbench.data.pair_tree import branch_batch, tree_fits
 from workbench.data.preference import read_prompts
 from workbench.data.recipes import load_recipe
+from workbench.methods import grpo_trace
 from workbench.methods.base import Method
 from workbench.methods.grpo_env import EpisodeRollouts
 from workbench.methods.grpo_rules import RULES, BatchShape, check, step_shape
@@ -570,9 +571,11 @@ def rollouts(cfg) -> Rollouts:
     return Rollouts(groups=True, generations=int(cfg.num_generations), completion_len=int(cfg.max_new_tokens),
                     prompts_per_step=cfg.prompts_per_step, num_iterations=max(1, int(cfg.num_iterations)),
                     share_prompt=bool(cfg.share_prompt), old_logps=bool(old), engine=str(cfg.engine),
-                    vllm_fraction=float(cfg.vllm_gpu_memory_utilization) if cfg.engine == "vllm" else 0.0)
+                    vllm_fraction=float(cfg.vllm_gpu_memory_utilization) if cfg.engine == "vllm" else 0.0,
+                    overlaps=bool(cfg.async_rollouts))
 
 
 SPEC = MethodSpec(name="grpo", config=Config, build=build, check=check, rules=RULES, batch=step_shape,
-                  rollouts=rollouts, facts=MethodFacts(data="prompts", reference="kl", generates=True, episodes=True,
+                  rollouts=rollouts, trace=grpo_trace.spec(collate, token_logps, rollouts, batch_shape),
+                  facts=MethodFacts(data="prompts", reference="kl", generates=True, episodes=True,
                                                        eval="reward", splits_rows=True))

@@ -70,11 +70,26 @@ class Rollouts:
     old_logps: bool
     engine: str  # hf | vllm
     vllm_fraction: float
+    overlaps: bool = False  # generates while the step trains (GRPO's async_rollouts), not before it
 
     def prompts_per_rank(self, micro_batch: int, grad_accum: int, data_parallel: int) -> int:
         if self.prompts_per_step:
             return max(1, int(self.prompts_per_step) // data_parallel)
         return max(1, micro_batch * grad_accum // max(self.generations, 1))
+
+
+@dataclass(frozen=True)
+class RolloutTrace:
+    """What `dry_run=trace` (workbench/plan/trace.py) runs of a method that generates:
+    `untraced(method config)`: why its step cannot be traced, or None; `sequences(run,
+    micro_batches)`: (prompts, rows) of the planner's lengths as plain lists, made before the fake
+    mode; `generate(method, backend, prompts)`: the rollout's longest step; `batch(method, backend,
+    rows, known)`: the step's StepBatch from the rows (workbench/methods/grpo_trace.py)."""
+
+    untraced: Callable
+    sequences: Callable
+    generate: Callable
+    batch: Callable
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,7 @@ class MethodSpec:
     batch: Callable | None = None
     # (method config with every option set) -> Rollouts, for a method that generates what it trains on
     rollouts: Callable | None = None
+    trace: RolloutTrace | None = None  # a method that generates and whose step dry_run=trace can run
 
     def __post_init__(self):
         """A half-made spec is an error where it is written, at import, not a fallback later."""

@@ -21,6 +21,8 @@ saves (torch.autograd.graph.saved_tensors_hooks) for every precision x peft x ke
 from __future__ import annotations
 
 from workbench.compute.precision import POLICIES
+from workbench.families import registry as families
+from workbench.families.llama import SPEC as LLAMA
 
 # SHORT: the longest batch that runs the math kernel on CPU
 from workbench.models.head import SHORT
@@ -55,15 +57,28 @@ def residual_bytes(s: Setup) -> int:
 def block_bytes(arch, s: Setup, seq: int, math: bool | None = None) -> float:
     """Bytes saved per token by one decoder block; `seq` is the batch's padded sequence length,
     `math` whether attention runs the math kernel (default: as workbench.models.head picks)."""
+    return sum(block_parts(arch, s, seq, math))
+
+
+def block_parts(arch, s: Setup, seq: int, math: bool | None = None) -> tuple[float, float]:
+    """block_bytes as (what tensor parallelism replicates on every TP rank: the norms, their
+    outputs that the column-parallel linears read, the adapters' low-rank outputs; what it shards
+    by heads and by the MLP's width: attention's tensors and the MLP's)."""
     h, heads, inter = arch.hidden, arch.heads, arch.intermediate
     d = arch.head_dim or h // heads
     q, kv = heads * d, (arch.kv_heads or heads) * d
     c = COMPUTE[s.precision]
     mode = weight_mode(s)
     adapters = s.adapter
+    fam = families.get(arch.family) or LLAMA
     # Each RMSNorm keeps an fp32 view of its input (the input itself when the stream is fp32, an
-    # upcast copy otherwise) and 1/rms; with a trainable weight also the normalised input.
-    norms = 2 * (4 * h + 4 + (0 if adapters else residual_bytes(s) * h))
+    # upcast copy otherwise) and 1/rms; with a trainable weight also the normalised input (in fp32
+    # where the family scales in fp32: Gemma's 1 + w).
+    scaled = 0 if adapters else (4 if fam.norm_in_fp32 else residual_bytes(s))
+    norms = fam.norms_per_block * (4 * h + 4 + scaled * h)
+    if fam.qk_norm:  # the same per head of q and k (Qwen3, Gemma 3), its scale in the compute dtype
+        kv_heads = arch.kv_heads or heads
+        norms += 4 * (q + kv) + 4 * (heads + kv_heads) + (0 if adapters else (4 if fam.norm_in_fp32 else c) * (q + kv))
     # What the Linear layers keep of their inputs. Autocast casts the input once per Linear (q, k
     # and v each; gate and up each); with LoRA, peft casts to the adapter's fp32 first, so the
     # frozen layers' inputs are copied for every adapter, o_proj's included.
@@ -87,7 +102,7 @@ def block_bytes(arch, s: Setup, seq: int, math: bool | None = None) -> float:
     if s.dora:
         # DoRA keeps each target's base output twice (scaled and unscaled) beside the LoRA path
         mlp += 2 * (q + 2 * kv + 2 * h + 2 * inter) * c
-    return norms + inputs + attention + mlp
+    return norms + inputs, attention + mlp
 
 
 def dora_transient_bytes(arch, s: Setup) -> float:

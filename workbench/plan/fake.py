@@ -6,7 +6,7 @@ say where the peak happens.
     with fake_world(8), mode:                 # rank 0 of 8, no second process, no memory
         model = ...                           # parameters are FakeTensors: shapes, dtypes, no data
         batch = mode.known(real_batch)        # small index tensors whose values the step reads
-        with PeakTracker(model, optimizer, fsdp=True) as t:
+        with peak_tracker(model, [optimizer], fsdp=True) as t:
             ...                               # the step
     t.peak, t.terms(), t.where                # bytes per category at the peak, and when it came
 
@@ -27,12 +27,13 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 # Elements a value-carrying tensor may have: a micro-batch's ids, masks and targets (rows x
 # seq_len; 16 x 2 x 32k = 1 M), with room to spare. Larger outputs of such ops become plain fakes.
 CONSTANT_LIMIT = 1 << 24
 _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+_RANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
 
 
 class TraceMode(FakeTensorMode):
@@ -47,6 +48,11 @@ class TraceMode(FakeTensorMode):
                 and t.device.type != "meta")
 
     def dispatch(self, func, types, args=(), kwargs=None):
+        if func in _RANGES:  # small index ranges carry their values (Megatron compares positions to one)
+            with unset_fake_temporarily():
+                real = func(*args, **(kwargs or {}))
+            if real.numel() <= CONSTANT_LIMIT:
+                return self.fake_tensor_converter.from_real_tensor(self, real, make_constant=True)
         if func in _SCALAR_READS and self.is_our_fake(args[0]) and args[0].constant is None \
                 and args[0].item_memo is None:
             self.stand_ins += 1
@@ -55,12 +61,13 @@ class TraceMode(FakeTensorMode):
         return super().dispatch(func, types, args, kwargs)
 
     def known(self, tree):
-        """`tree` (dicts, lists, tensors) with every real tensor made a fake one that keeps its values."""
+        """`tree` (dicts, lists, tensors) with every real tensor made a fake one that keeps its values,
+        up to CONSTANT_LIMIT elements (a tree row's 4-D attention mask is larger, and only masks)."""
         conv = self.fake_tensor_converter
 
         def one(x):
             if isinstance(x, torch.Tensor):
-                return conv.from_real_tensor(self, x, make_constant=True)
+                return conv.from_real_tensor(self, x, make_constant=x.numel() <= CONSTANT_LIMIT)
             if isinstance(x, dict):
                 return {k: one(v) for k, v in x.items()}
             if isinstance(x, (list, tuple)):
@@ -134,18 +141,48 @@ def global_shapes_apart():
         ShardingPropagator._propagate_tensor_meta_non_cached = orig
 
 
+_COALESCED: list = []  # the library that holds the Meta kernels below, once made
+
+
+def _coalesced_collectives() -> None:
+    """Meta kernels for c10d's coalesced collectives, which torch leaves without one
+    (torch/distributed/_meta_registrations.py lists them as deprecated) and Megatron-Core's
+    distributed optimizer calls: on fake tensors they return a finished work, as the others do."""
+    if _COALESCED:
+        return
+    from torch.distributed._meta_registrations import create_fakework
+
+    lib = torch.library.Library("c10d", "IMPL")
+    for op in ("allreduce_coalesced_", "allgather_coalesced_", "allgather_into_tensor_coalesced_",
+               "reduce_scatter_tensor_coalesced_"):
+        try:
+            lib.impl(op, lambda *args: create_fakework(args, return_first_arg=False), "Meta")
+        except RuntimeError:  # a torch that has one already
+            pass
+    _COALESCED.append(lib)
+
+
 @contextlib.contextmanager
-def fake_world(world: int):
-    """torch's `fake` process group as rank 0 of `world`: every collective returns at once, each
+def fake_world(world: int, rank: int = 0):
+    """torch's `fake` process group as `rank` of `world`: every collective returns at once, each
     tensor keeps the shape a real one would have. Nothing is sent; the group is destroyed after."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     if dist.is_initialized():
         raise RuntimeError("dry_run=trace needs a process without a process group (it makes a fake one)")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    _coalesced_collectives()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    # An object collective pickles into a tensor the fake group never fills: every rank's object is
+    # this rank's own (Megatron's pipeline broadcasts its metric names from the last stage). A group
+    # asked of another backend (Megatron-Core's gloo side groups) is a fake one too.
+    orig = dist.broadcast_object_list, dist.all_gather_object, dist.new_group
+    dist.broadcast_object_list = lambda objects, *a, **k: None
+    dist.all_gather_object = lambda out, obj, *a, **k: out.__setitem__(slice(None), [obj] * len(out))
+    dist.new_group = lambda *a, **k: orig[2](*a, **{**k, "backend": None})
     try:
         yield
     finally:
+        dist.broadcast_object_list, dist.all_gather_object, dist.new_group = orig
         dist.destroy_process_group()
 
 
@@ -164,17 +201,30 @@ def _located(base):
 
     class Located(base):
         where = ("", "")
+        phase: str | None = None  # set by the tracer for a phase of its own (a rollout)
+        phase_peaks: dict | None = None  # the highest total seen in each phase
 
         def _update_peak_stats(self, peak_state) -> None:
             # The device's peak only: torch's own also walks every module's figures at every op
             # (thousands of modules with adapters at 70B), which the trace does not report.
             for dev, snap in self._curr_mem_snap.items():
+                phase = self.phase or ("optimizer" if self._in_opt else "backward" if self._mod_tracker.is_bw
+                                       else "forward")
+                self.phase_peaks = self.phase_peaks or {}
+                self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), snap["Total"])
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
                     self._peak_mem_snap[dev] = dict(snap)
-                    phase = "optimizer" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
                     mods = sorted(self._mod_tracker.parents - {"Global"}, key=lambda n: (n.count("."), n))
                     self.where = (phase, mods[-1] if mods else "")
+
+        def _update_and_maybe_create_winfos(self, t, reftype, update_existing: bool = False):
+            # A meta tensor holds no memory (backend=megatron leaves the HF base's frozen weights
+            # as meta once its GPTModel holds them); torch's trackers count its storage's size
+            # under a "meta" device, which the trace's sum over devices would add in.
+            if t.device.type == "meta":
+                return set()
+            return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
             # MemTracker hooks every parameter's gradient, and torch refuses a hook on one that
@@ -182,7 +232,15 @@ def _located(base):
             for p in module.parameters():
                 if not p.requires_grad and self._param_to_grad_hook_handles.get(p, None) is None:
                     self._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+            # Megatron-Core's DDP keeps a list named `buffers` that hides Module.buffers()
+            shadow = module.__dict__.get("buffers")
+            if shadow is not None and not callable(shadow):
+                module.__dict__["buffers"] = torch.nn.Module.buffers.__get__(module)
+            try:
+                return super()._track_module_params_and_buffers(module, install_grad_hooks)
+            finally:
+                if shadow is not None and not callable(shadow):
+                    module.__dict__["buffers"] = shadow
 
         def _pre_fw_hook(self, module, inputs) -> None:  # MemTracker's
             if not self._mod_tracker.is_bw and module in self.memory_tracking:
@@ -204,15 +262,15 @@ def _located(base):
     return Located
 
 
-def peak_tracker(model, optimizer, fsdp: bool):
-    """A memory tracker of `model` and `optimizer` that locates its peak (enter it inside the mode)."""
+def peak_tracker(model, optimizers: list, fsdp: bool):
+    """A memory tracker of `model` and `optimizers` that locates its peak (enter it inside the mode)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    if fsdp:
-        return _located(FSDPMemTracker)(model, optimizer)
+    if fsdp:  # FSDP2 backends step one torch optimizer
+        return _located(FSDPMemTracker)(model, optimizers[0] if optimizers else None)
     tracker = _located(MemTracker)()
-    tracker.track_external(model, optimizer)
+    tracker.track_external(model, *optimizers)
     return tracker
 
 

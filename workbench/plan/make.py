@@ -96,7 +96,7 @@ def from_cfg(cfg, devices: int | None = None, completion_len: int | None = None,
         stage=spec.facts.default_stage if terms.stage is None else terms.stage,
         offload_optimizer=terms.offload_optimizer, offload_params=terms.offload_params,
         devices=lay.world, device=cfg.hardware.device,
-        tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=terms.ep, sp=lay.sp,
+        tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=terms.ep, sp=lay.sp, tp_splits_tokens=terms.tp_splits_tokens,
         micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum, seq_len=cfg.data.seq_len,
         checkpointing=ckpt, checkpoint_every=terms.checkpoint_every, accum_sync=terms.accum_sync,
         select_fraction=float(pick(cfg, "plan.select_fraction", 1.0)),
@@ -116,7 +116,7 @@ def _rollout_fields(gen, cfg, data_parallel: int, completion_len: int | None) ->
     return dict(rollouts=True, generations=gen.generations, completion_len=completion_len or gen.completion_len,
                 rollout_prompts=gen.prompts_per_rank(cfg.train.micro_batch_size, cfg.train.grad_accum, data_parallel),
                 num_iterations=gen.num_iterations, share_prompt=gen.share_prompt, old_logps=gen.old_logps,
-                vllm_fraction=gen.vllm_fraction)
+                vllm_fraction=gen.vllm_fraction, rollout_overlaps=gen.overlaps)
 
 
 def run_tokens(cfg, s) -> float:

@@ -24,11 +24,14 @@
 A GRPO micro-batch is its completions, side by side after their prompt in one row per prompt
 (method.share_prompt) or a row each; only the completions' tokens carry a loss.
 
-Peak = weights + master + optimizer + the larger of
+Peak = weights + master + optimizer + the largest of
   backward:  max(activations + casts + logits + head gradient + earlier micro-batches' gradients,
                  gradients + dense embedding gradient)
   step:      gradients + optimizer temporaries
-plus reference + generation ("transient" reports what the peak holds beyond the listed terms).
+  rollout:   generation (a method that generates before it trains: the KV cache is freed before
+             the activations exist; the traced GRPO step, docs/measurements/trace-matrix.md)
+plus reference, and generation on top where the rollout runs beside the step (async); "transient"
+reports what the peak holds beyond the listed terms.
 The earlier micro-batches' gradients (train.grad_accum > 1) are the gradients as the backend keeps
 them, or whole on every rank where a sharding backend skips their sync until the last one.
 Sharding divides each term by the backend: ZeRO-1 optimizer (+master), ZeRO-2 also grads, ZeRO-3 /
@@ -46,7 +49,7 @@ from workbench.compute.precision import POLICIES
 from workbench.methods import registry
 from workbench.plan.activations import (
     COMPUTE,
-    block_bytes,
+    block_parts,
     cast_bytes,
     dora_transient_bytes,
     residual_bytes,
@@ -129,9 +132,13 @@ def selected_per_micro(s: Setup) -> float:
 def activation_bytes(arch, s: Setup, tokens: int | None = None, seq: int | None = None) -> float:
     """Saved activations of one micro-batch: `tokens` in all, padded to `seq` per sequence."""
     tokens = tokens_per_micro(s) if tokens is None else tokens
-    per_block = block_bytes(arch, s, seq_len(s) if seq is None else seq)
-    split = s.tp * s.cp * s.sp  # sequence-parallel TP, context parallel and backend.sp split the tokens
-    kept = arch.hidden * residual_bytes(s)  # a checkpointed block keeps only its input
+    replicated, sharded = block_parts(arch, s, seq_len(s) if seq is None else seq)
+    # tensor parallelism shards attention and the MLP; what it replicates it splits by tokens only
+    # under sequence parallelism (Megatron-Core's sequence_parallel), else every TP rank holds it
+    tp_tokens = s.tp if s.tp_splits_tokens else 1
+    per_block = replicated / tp_tokens + sharded / s.tp
+    split = s.cp * s.sp  # context parallel and backend.sp split every token
+    kept = arch.hidden * residual_bytes(s) / tp_tokens  # a checkpointed block keeps only its input
     if s.checkpointing == "full":
         total = tokens * (arch.layers * kept + per_block)  # one block recomputed at a time
     elif s.checkpointing == "selective":
@@ -139,7 +146,7 @@ def activation_bytes(arch, s: Setup, tokens: int | None = None, seq: int | None 
         total = tokens * (ck * kept + (arch.layers - ck) * per_block + per_block)
     else:
         total = tokens * arch.layers * per_block
-    total += tokens * 3 * arch.hidden * residual_bytes(s)  # embedding output, final norm
+    total += tokens * 3 * arch.hidden * residual_bytes(s) / tp_tokens  # embedding output, final norm
     seq = seq_len(s) if seq is None else seq
     return total / split + sp_attention_bytes(arch, s, tokens, seq) + dora_transient_bytes(arch, s)
 
@@ -318,9 +325,14 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         moment = max(acts + casts + logit + head_grad, embed_grad) + grads
     backward = weights + gather + master + optim + moment
     step = weights + master + optim + grads + opt_tmp
-    peak = max(backward, step) + reference + generation
+    if s.rollout_overlaps:  # an async rollout generates beside the step's training
+        peak = max(backward, step) + reference + generation
+    else:  # the rollout generates before the step trains: its KV cache goes before the activations come
+        rollout = weights + gather + master + optim + generation
+        peak = max(backward, step, rollout) + reference
     grads = max(grads, held)  # reported as held at the peak: unsharded until the last micro-batch
-    transient = max(0.0, peak - (weights + master + optim + grads + acts + casts + logit + reference + generation))
+    transient = max(0.0, peak - (weights + master + optim + grads + acts + casts + logit + reference
+                                 + (generation if s.rollout_overlaps else 0.0)))
     weights += gather  # reported with the weights: gathered copies are weights on this device
     transient = max(0.0, transient - gather)
     return Estimate(weights=weights, master=master, grads=grads, optimizer=optim, activations=acts, casts=casts,

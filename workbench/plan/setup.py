@@ -31,6 +31,9 @@ class Setup:
     cp: int = 1
     ep: int = 1
     sp: int = 1  # backend.sp: ranks sharing every row's tokens (workbench/train/sequence_parallel.py)
+    # TP ranks split the tokens of what they replicate too (BackendTerms.tp_splits_tokens); else
+    # each holds every token of the norms, the residual stream and the linears' inputs
+    tp_splits_tokens: bool = True
     micro_batch: int = 1
     grad_accum: int = 1
     seq_len: int = 2048
@@ -56,6 +59,7 @@ class Setup:
     share_prompt: bool = False
     old_logps: bool = False  # a forward pass for the generating policy's log-probs (no gradient)
     vllm_fraction: float = 0.0  # GPU memory share reserved by a colocated vLLM engine (0: HF generate)
+    rollout_overlaps: bool = False  # the rollout generates while the step trains (async), not before it
     distributed_optimizer: bool = False  # megatron: Megatron-Core's optimizer, state sharded over data-parallel ranks
     # megatron: the runner's HF model keeps its weights on every device beside the GPTModel shards
     # (run.keeps_hf_base: a full fine-tune, generation, a copied or precomputed reference)

@@ -1,6 +1,6 @@
 """`dry_run=trace`: the resolved run's training step executed at its real shape on fake tensors,
-as rank 0 of a fake process group of the run's world size, and its per-device peak held beside
-the plan's.
+as rank 0 of a fake process group of the run's world size (and as the last rank, a pipeline's
+last stage, where the stages differ), and its per-device peak held beside the plan's.
 
     python -m workbench method=dpo model=70b hardware=8xh100 backend=fsdp2 train.micro_batch_size=1 dry_run=trace
     python -m workbench model=tiny backend=fsdp2 hardware.procs=2 dry_run=trace plan.json=true
@@ -27,10 +27,19 @@ What a tensor trace cannot see (the allocator's fragmentation and caching, the C
 NCCL's buffers, kernel workspaces) is the margin the planner holds back already: usable memory is
 HEADROOM of the device's (workbench/plan/fit.py). The verdict is the traced peak against that.
 
-Not traced, said so with the reason (never a number that was not traced): DeepSpeed and
-Megatron, DDP (backend=single over several processes),
-QLoRA's NF4 weights, methods that generate or load a teacher, fp8, liger kernels,
-torch.compile, unsloth, sequence parallelism, and DPO's precomputed reference.
+GRPO (engine=hf): the rollout's longest step (every completion running to max_new_tokens: the
+shared prefill, the KV cache at its last decode step's length, that step and the sampler), then
+the training micro-batches it makes, through the method's own loss
+(workbench/methods/grpo_trace.py); the peak is the larger of the two phases.
+
+Megatron: Megatron-Core's own parallel state over the fake group (its gloo side groups fake too,
+workbench/plan/fake.py), its DDP and distributed optimizer; a pipeline's first and last stages.
+
+Not traced, said so with the reason (never a number that was not traced): DeepSpeed, DDP
+(backend=single over several processes),
+QLoRA's NF4 weights, methods that load a teacher, vLLM rollouts, async rollouts, multi-turn
+episodes, fp8, liger kernels, torch.compile, unsloth, sequence parallelism, and DPO's
+precomputed reference.
 """
 
 from __future__ import annotations
@@ -78,14 +87,18 @@ def why_not(run) -> str | None:
     spec = methods.spec(cfg.method.name)
     if backend.facts.untraced:
         return f"backend={backend.name}: {backend.facts.untraced}"
+    rollout_why = spec.trace.untraced(cfg.method) if spec.trace else None
     checks = [
         (run.peft.quantised, "peft=qlora: bitsandbytes quantises real weights to NF4 as it builds them; fake "
                              "tensors carry no data to quantise"),
-        (spec.facts.generates, f"method={spec.name} generates during the step (its KV cache and sampler "
-                               "are not traced)"),
         (spec.facts.teacher, f"method={spec.name} loads a teacher model (not traced)"),
-        (spec.facts.data not in ("sft", "preference"), f"method={spec.name}: its batch ({spec.facts.data} rows) "
-                                                       "is not made by the tracer"),
+        (spec.facts.generates and spec.trace is None, f"method={spec.name} generates during the step (its KV "
+                                                      "cache and sampler are not traced)"),
+        (spec.trace is not None and cfg.get("env") is not None,
+         f"env={(cfg.get('env') or {}).get('name')}: multi-turn episodes are not traced"),
+        (bool(rollout_why), rollout_why),
+        (spec.trace is None and spec.facts.data not in ("sft", "preference"),
+         f"method={spec.name}: its batch ({spec.facts.data} rows) is not made by the tracer"),
         (spec.facts.scalar_head, f"method={spec.name}'s value head is not traced"),
         (run.reference == "precomputed", "method.reference=precomputed reads its cached log-probs from the data"),
         (bool(run.precision.fp8), "precision=fp8 swaps in torchao/Transformer Engine layers (not traced)"),
@@ -93,6 +106,8 @@ def why_not(run) -> str | None:
         (bool(cfg.train.compile), "train.compile=true: the compiled step is not traced (the eager one would be)"),
         (cfg.model.loader != "hf", f"model.loader={cfg.model.loader} (not traced)"),
         (run.layout.sp > 1, "backend.sp > 1: sequence parallelism is not traced"),
+        (bool(backend.facts.untraced_with_experts) and bool(cfg.model.arch.experts),
+         f"backend={backend.name} with experts: {backend.facts.untraced_with_experts}"),
         (bool(backend.facts.untraced_over_processes) and run.layout.world > 1,
          f"backend={backend.name} over {run.layout.world} processes: {backend.facts.untraced_over_processes}"),
         (bool(cfg.data.packing), "data.packing=true: packed rows are not made by the tracer"),
@@ -140,16 +155,17 @@ def make_batch(run, micro_batches: int) -> StepBatch:
     return StepBatch(micro=micro, denom=denom, tokens=sum(int(m["input_ids"].numel()) for m in micro))
 
 
-def _warm(optimizer, foreach: bool) -> None:
+def _warm(optimizers, foreach: bool) -> None:
     """One optimizer step on zero gradients: the state (AdamW's moments) exists as it does at
     every step after the first. `foreach`: the multi-tensor kernels torch picks on a GPU."""
-    for group in optimizer.param_groups:
-        if foreach:
-            group["foreach"] = True
-        for p in group["params"]:
-            p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if foreach:
+                group["foreach"] = True
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 def _short(module: str) -> str:
@@ -168,8 +184,13 @@ def _step(run, mode: TraceMode | None, window=None) -> dict:
     workbench/plan/tensor_memory.py Window) measures the allocator around the step as well."""
     cfg = run.cfg
     here = run.on("cpu")  # the trace's device; bytes per tensor are the same on a GPU
-    accumulates = int(cfg.train.grad_accum) > 1
-    batch = make_batch(run, 2 if accumulates else 1)  # real tensors: made before the fake mode
+    # two micro-batches when the run accumulates (the second finds the first's gradients); under a
+    # pipeline as many as it keeps in flight (1F1B: a stage holds up to pp micro-batches' activations)
+    n = min(int(cfg.train.grad_accum), max(2, run.layout.pp))
+    spec = methods.spec(cfg.method.name)
+    # real tensors and lists: made before the fake mode
+    rollout = spec.trace.sequences(run, n) if spec.trace else None
+    batch = None if rollout else make_batch(run, n)
     fake = mode is not None
     apart = global_shapes_apart() if fake else contextlib.nullcontext()
     with mode if fake else contextlib.nullcontext(), module_moves() if fake else contextlib.nullcontext(), apart:
@@ -179,31 +200,42 @@ def _step(run, mode: TraceMode | None, window=None) -> dict:
         ctx = Context(here, None, None, Path(cfg.output_dir))
         backend = backends.spec(cfg.backend.name).build(cfg.backend, ctx)
         backend.wrap(lm, ctx)
-        method = methods.spec(cfg.method.name).build(cfg.method, ctx)
+        method = spec.build(cfg.method, ctx)
         method.attach(backend)
-        if getattr(method, "tree", False):  # pairs as two rows, the planner's layout
+        if getattr(method, "tree", False) and not rollout:  # pairs as two rows, the planner's layout
             method.tree = False
-        _warm(backend.optimizer, foreach=cfg.hardware.device == "cuda")
+        held = backend.held()
+        _warm(held["optimizers"], foreach=cfg.hardware.device == "cuda")
         # torch's FSDPMemTracker where the wrap made FSDP2 modules, its MemTracker elsewhere
         fsdp = any(isinstance(m, FSDPModule) for m in backend.unwrapped().modules())
-        tracker = peak_tracker(backend.unwrapped(), backend.optimizer, fsdp)
-        ref = getattr(getattr(method, "ref", None), "model", None)
-        if ref is not None:  # a frozen copy (method.reference=copy): weights on this device too
-            from torch.distributed._tools.mem_tracker import _MemRefType
+        tracker = peak_tracker(backend.unwrapped(), held["optimizers"], fsdp)
+        from torch.distributed._tools.mem_tracker import _MemRefType
 
-            for p in ref.parameters():
-                tracker._update_and_maybe_create_winfos(p, _MemRefType.PARAM)  # noqa: SLF001 - no public way
-        micro = mode.known(batch.micro) if fake else batch.micro
-        step = StepBatch(micro=micro, denom=batch.denom, tokens=batch.tokens)
+        ref = getattr(getattr(method, "ref", None), "model", None)
+        # a frozen copy (method.reference=copy): weights on this device too; a backend's own
+        # gradient buffers: gradients
+        for t, kind in [*((p, _MemRefType.PARAM) for p in (ref.parameters() if ref is not None else ())),
+                        *((g, _MemRefType.GRAD) for g in held["grads"])]:
+            tracker._update_and_maybe_create_winfos(t, kind)  # noqa: SLF001 - no public way
+        if not rollout:
+            micro = mode.known(batch.micro) if fake else batch.micro
+            step = StepBatch(micro=micro, denom=batch.denom, tokens=batch.tokens)
         if window is not None:
             window.start()
         with tracker:
+            if rollout:  # the rollout's longest step, then the micro-batches it makes
+                prompts, rows = rollout
+                tracker.phase = "rollout"
+                spec.trace.generate(method, backend, prompts)
+                tracker.phase = None
+                step = spec.trace.batch(method, backend, rows, known=mode.known if fake else lambda t: t)
             backend.forward_backward(step, method.loss)
             backend.optimizer_step()
         measured = window.stop() if window is not None else None
         peak, terms, cats = peak_terms(tracker)
         return {"peak": peak, "terms": terms, "categories": cats, "where": tracker.where,
-                "micro_batches": len(micro), "measured": measured}
+                "phases": dict(tracker.phase_peaks or {}),
+                "micro_batches": len(step.micro), "measured": measured}
 
 
 def trace_run(run, plan: dict | None = None) -> dict:
@@ -218,22 +250,36 @@ def trace_run(run, plan: dict | None = None) -> dict:
         return {"traced": False, "reason": "a process group is running in this process already"}
     world = run.layout.world
     t0 = time.perf_counter()
-    mode = TraceMode()
+    # the rank kinds that hold different things: a pipeline's first stage (its embeddings, and
+    # the most micro-batches in flight) and its last (the head and the loss); elsewhere every
+    # rank holds what rank 0 does
+    # (the last stage's first rank: Megatron-Core orders ranks tp, cp, ep, dp, pp, so its data-
+    # and tensor-parallel ranks are rank 0's, as the resolved layout has them)
+    pp = run.layout.pp
+    kinds = {0: "the first stage", world - world // pp: "the last stage"} if pp > 1 else {0: ""}
+    ranks, stand_ins = {}, 0
     try:
-        with fake_world(world):
-            got = _step(run, mode)
+        for rank in kinds:
+            mode = TraceMode()
+            with fake_world(world, rank):
+                ranks[rank] = _step(run, mode)
+            stand_ins += mode.stand_ins
     except Exception as exc:  # noqa: BLE001 - a failed trace is reported as such, never as a number
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/workbench/" in f.filename]
         at = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
         line = (str(exc).strip().splitlines() or [""])[0][:300]
         return {"traced": False, "reason": f"the trace failed: {type(exc).__name__}: {line}{at}"}
-    out = {"traced": True, "world": world, "rank": 0, "device": "cpu (fake tensors)",
+    rank = max(ranks, key=lambda r: ranks[r]["peak"])
+    got = ranks[rank]
+    out = {"traced": True, "world": world, "rank": rank, "device": "cpu (fake tensors)",
+           "ranks": [{"rank": r, "kind": kinds[r], "peak_gb": round(g["peak"] / GiB, 3)} for r, g in ranks.items()],
            "micro_batches": got["micro_batches"], "grad_accum": int(run.cfg.train.grad_accum),
-           "seconds": round(time.perf_counter() - t0, 1), "stand_ins": mode.stand_ins,
+           "seconds": round(time.perf_counter() - t0, 1), "stand_ins": stand_ins,
            "peak_gb": round(got["peak"] / GiB, 3),
            "terms_gb": {k: round(v / GiB, 3) for k, v in got["terms"].items()},
            "categories_gb": {k: round(v / GiB, 3) for k, v in got["categories"].items()},
-           "where": {"phase": got["where"][0], "module": _short(got["where"][1]) if got["where"][1] else ""}}
+           "where": {"phase": got["where"][0], "module": _short(got["where"][1]) if got["where"][1] else ""},
+           "phases_gb": {k: round(v / GiB, 3) for k, v in got["phases"].items()}}
     if plan is not None:
         here = plan["here"]
         usable = float(here["usable_gb"])
@@ -258,8 +304,12 @@ def lines(trace: dict, plan: dict) -> list[str]:
     if not trace["traced"]:
         return [f"trace: not traced: {trace['reason']}"]
     ours = plan_terms(plan)
-    out = [f"trace: the step executed at its real shape on fake tensors as rank {trace['rank']} of {trace['world']} "
-           f"(backend={plan['backend']}: every rank holds the same), {trace['micro_batches']} of "
+    kinds = trace.get("ranks", [])
+    each = " and ".join(f"{k['rank']} ({k['kind']}, {k['peak_gb']:.1f} GiB)" for k in kinds)
+    who = (f"as ranks {each} of {trace['world']}; the figures below are rank {trace['rank']}'s, the higher"
+           if len(kinds) > 1 else
+           f"as rank {trace['rank']} of {trace['world']} (backend={plan['backend']}: every rank holds the same)")
+    out = [f"trace: the step executed at its real shape on fake tensors {who}, {trace['micro_batches']} of "
            f"train.grad_accum={trace['grad_accum']} micro-batches, {trace['seconds']:.0f} s",
            f"  {'GiB per device':<30}{'plan':>8}{'traced':>9}"]
     named = {"activations": "activations (+casts, logits)", "temporaries": "temporaries (plan: transient)",
@@ -273,6 +323,12 @@ def lines(trace: dict, plan: dict) -> list[str]:
     w = trace["where"]
     out.append(f"  the traced peak comes in the {w['phase'] or 'step'}"
                + (f", in {w['module']}" if w["module"] else "") + " (the plan's terms peak at different moments)")
+    phases = trace.get("phases_gb", {})
+    if "rollout" in phases:  # the rollout and the training step peak apart; the plan adds its generation term
+        train = max(v for k, v in phases.items() if k != "rollout")
+        out.append(f"  the rollout's own peak {phases['rollout']:.1f} GiB (its KV cache and sampler at "
+                   f"max_new_tokens), the training step's {train:.1f}; the plan's generation term "
+                   f"{plan['memory_gb']['generation']:.1f}, counted on top of its training peak")
     m = trace["margin"]
     if m["gb"] > 0:
         out.append(f"  margin: {m['gb']:.1f} GiB of {trace['memory_gb']:.0f} held back for {m['what']} "

@@ -37,6 +37,8 @@ comes from the process's generator (evaluation, distillation).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from workbench.data.chat import prompt_ids
@@ -128,6 +130,28 @@ def _forward_passes(distinct: int | None, width: int, rows: int, generated: int,
     return [prefill] + [Forward(rows, 1, width + t, rows) for t in range(1, generated)]
 
 
+@contextlib.contextmanager
+def _generating(model):
+    """The model in eval mode with its KV cache on and the head's input made contiguous, for one
+    generation call; restored afterwards."""
+    was_training = model.training
+    model.eval()
+    head = getattr(base_model(model), "get_output_embeddings", lambda: None)()
+    hook = head.register_forward_pre_hook(_contiguous_input) if isinstance(head, torch.nn.Module) else None
+    cfg = getattr(model, "config", None)
+    old_cache = getattr(cfg, "use_cache", None)
+    if cfg is not None:
+        cfg.use_cache = True
+    try:
+        yield
+    finally:
+        if hook is not None:
+            hook.remove()
+        if cfg is not None:
+            cfg.use_cache = old_cache
+        model.train(was_training)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, eot_id: int,
              do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
@@ -153,8 +177,6 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: i
                  num_return_sequences: int = 1, autocast=None, synced: bool = False,
                  dedup: bool = True, passes: list | None = None, noise_keys: list[tuple] | None = None) -> list[list[int]]:
     """`generate` on prompts already tokenised (distillation's on-policy completions)."""
-    import contextlib
-
     width = max(len(p) for p in prompts)
     G = num_return_sequences
     # output rows are prompt-major on both paths: row j continues prompt j // G as its (j % G)-th
@@ -166,37 +188,22 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: i
     shared = dedup and width > 1 and len(first) < len(prompts) * G
     keep_one = _keeps_logits(model)  # the head on the last prefilled position only
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    head = getattr(base_model(model), "get_output_embeddings", lambda: None)()
-    hook = head.register_forward_pre_hook(_contiguous_input) if isinstance(head, torch.nn.Module) else None
-    cfg = getattr(model, "config", None)
-    old_cache = getattr(cfg, "use_cache", None)
-    if cfg is not None:
-        cfg.use_cache = True
-    try:
-        with (autocast or contextlib.nullcontext()):
-            extra = {}
-            if shared:
-                distinct = [list(k) for k in first]  # in order of first appearance
-                u_ids, u_attn = _left_pad(distinct, width, pad)  # same width: same positions and masks
-                rows = torch.tensor([owner[i] for i in range(len(prompts)) for _ in range(G)])
-                extra["past_key_values"] = _shared_prefill(model, u_ids.to(device), u_attn.to(device), rows,
-                                                           keep_one)
-                ids, attn, G = ids.repeat_interleave(G, dim=0), attn.repeat_interleave(G, dim=0), 1
-            out = model.generate(
-                input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
-                do_sample=do_sample, temperature=temperature if do_sample else None,
-                top_p=top_p if do_sample else None, top_k=None,
-                num_return_sequences=G, eos_token_id=eot_id, pad_token_id=pad,
-                synced_gpus=synced, logits_processor=gumbel_max(row_keys) if do_sample else None, **extra,
-            )
-    finally:
-        if hook is not None:
-            hook.remove()
-        if cfg is not None:
-            cfg.use_cache = old_cache
-        model.train(was_training)
+    with _generating(model), (autocast or contextlib.nullcontext()):
+        extra = {}
+        if shared:
+            distinct = [list(k) for k in first]  # in order of first appearance
+            u_ids, u_attn = _left_pad(distinct, width, pad)  # same width: same positions and masks
+            rows = torch.tensor([owner[i] for i in range(len(prompts)) for _ in range(G)])
+            extra["past_key_values"] = _shared_prefill(model, u_ids.to(device), u_attn.to(device), rows,
+                                                       keep_one)
+            ids, attn, G = ids.repeat_interleave(G, dim=0), attn.repeat_interleave(G, dim=0), 1
+        out = model.generate(
+            input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new_tokens,
+            do_sample=do_sample, temperature=temperature if do_sample else None,
+            top_p=top_p if do_sample else None, top_k=None,
+            num_return_sequences=G, eos_token_id=eot_id, pad_token_id=pad,
+            synced_gpus=synced, logits_processor=gumbel_max(row_keys) if do_sample else None, **extra,
+        )
     if passes is not None:
         passes += _forward_passes(len(first) if shared else None, width, int(out.shape[0]), int(out.shape[1]) - width,
                                   keep_one)
@@ -206,3 +213,41 @@ def generate_ids(model, prompts: list[list[int]], max_new_tokens: int, eot_id: i
             row = row[: row.index(eot_id)]
         completions.append([t for t in row if t != pad])
     return completions
+
+
+@torch.no_grad()
+def longest_step(model, prompts: list[list[int]], max_new_tokens: int, pad: int, num_return_sequences: int,
+                 temperature: float = 1.0, autocast=None) -> torch.Tensor:
+    """What `dry_run=trace` executes of a rollout (workbench/plan/trace_rollout.py): the passes of
+    `generate_ids` that hold the most memory when every row runs to max_new_tokens. The shared
+    prefill of the distinct prompts, as above; the KV cache grown through the cache's own update
+    to its length two steps before the end; the last two decode steps, each with the sampler as HF
+    generate's loop runs it (an fp32 copy of the logits, the warpers and the Gumbel-max scores, a
+    softmax and a draw), whose tensors the loop holds until the next step replaces them. The decode
+    steps before differ from these only by a shorter cache, and HF generate decides whether to run
+    them from token values, which fake tensors do not carry: none of them runs here. Returns the
+    drawn tokens."""
+    width, G = max(len(p) for p in prompts), num_return_sequences
+    ids, attn = _left_pad(prompts, width, pad)
+    device = next(model.parameters()).device
+    rows = torch.arange(len(prompts)).repeat_interleave(G)
+    keep_one = _keeps_logits(model)
+    sampler = gumbel_max()
+    steps = min(2, max_new_tokens)
+    grown = max_new_tokens - steps  # the decode steps not run: the prompt's last token and those drawn before
+    with _generating(model), (autocast or contextlib.nullcontext()):
+        cache = _shared_prefill(model, ids.to(device), attn.to(device), rows.to(device), keep_one)
+        for i, layer in enumerate(cache.layers):
+            shape = (*layer.keys.shape[:-2], grown, layer.keys.shape[-1])
+            cache.update(layer.keys.new_zeros(shape), layer.values.new_zeros(shape), i)
+        token = torch.full((len(rows), 1), pad, dtype=torch.long, device=device)
+        for k in range(steps):
+            mask = torch.cat([attn[rows], torch.ones(len(rows), grown + k, dtype=attn.dtype)], dim=1).to(device)
+            out = model(input_ids=token, attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
+                        past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1, :].to(dtype=torch.float32, copy=True)
+            scores = sampler(token, logits / temperature if temperature != 1.0 else logits)
+            probs = torch.softmax(scores, dim=-1)
+            token = torch.multinomial(probs, num_samples=1)
+            del out  # as HF's loop: the step's logits, scores and probabilities live on into the next step
+        return token
