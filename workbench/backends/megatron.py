@@ -528,4 +528,8 @@ SPEC = BackendSpec(name="megatron", config=Config, build=build, rules=RULES, ter
                                       untraced_with_experts="Megatron-Core's token dispatcher sizes each "
                                                             "expert's batch from the router's choices "
                                                             "(masked_select), values fake tensors do not "
-                                                            "carry"))
+                                                            "carry",
+                                      untraced_generating="the step bridges its adapters back into the HF "
+                                                          "model that generates, gathering every rank's "
+                                                          "shards as objects, which a fake group cannot "
+                                                          "answer"))

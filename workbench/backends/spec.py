@@ -82,6 +82,7 @@ class BackendFacts:
     untraced: str | None = None
     untraced_over_processes: str | None = None
     untraced_with_experts: str | None = None  # the same, for a mixture-of-experts model
+    untraced_generating: str | None = None  # the same, for a method that generates (GRPO)
     # its output layer projects every position (Megatron's GPTModel), not only those a loss reads:
     # the logits' memory and the head's FLOPs follow the whole batch
     head_every_position: bool = False

@@ -108,6 +108,8 @@ def why_not(run) -> str | None:
         (run.layout.sp > 1, "backend.sp > 1: sequence parallelism is not traced"),
         (bool(backend.facts.untraced_with_experts) and bool(cfg.model.arch.experts),
          f"backend={backend.name} with experts: {backend.facts.untraced_with_experts}"),
+        (bool(backend.facts.untraced_generating) and spec.facts.generates,
+         f"backend={backend.name} with method={spec.name}: {backend.facts.untraced_generating}"),
         (bool(backend.facts.untraced_over_processes) and run.layout.world > 1,
          f"backend={backend.name} over {run.layout.world} processes: {backend.facts.untraced_over_processes}"),
         (bool(cfg.data.packing), "data.packing=true: packed rows are not made by the tracer"),
