@@ -91,6 +91,8 @@ READING = [
     "  TP rank keeps the norms, their outputs and the residual stream whole. 70B SFT LoRA at TP 8 planned",
     "  27.7 GiB against 44.2 traced (-37%); the planner now splits those by tokens only under sequence",
     "  parallelism (`BackendTerms.tp_splits_tokens`, workbench/plan/activations.py `block_parts`).",
+    "  The logits Megatron gathers over TP for the loss also hand back their gradient in the compute",
+    "  dtype before it is split again (0.5 GiB at 8B TP 8, where the plan was still -10.1%); counted now.",
     "- Qwen3 and Gemma 3 blocks keep more than a Llama block: the per-head q/k RMSNorms, and Gemma's",
     "  four norms scaled in fp32. Qwen3 32B LoRA was -12.4% (SFT) and -14.5% (DPO), Gemma 3 27B -14.5%",
     "  and -18.4%, all in activations; the families now say so (`FamilySpec.qk_norm`, `norms_per_block`,",

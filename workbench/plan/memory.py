@@ -277,7 +277,12 @@ def estimate(counts: Counts, arch, s: Setup, tokens: int | None = None, selected
         # columns) in the compute dtype and copies them once as it transposes them to [b, s];
         # the loss's selected logits come after the two are gone
         every = (tokens if tokens is not None else tokens_per_micro(s)) * arch.vocab / s.tp
-        logit = max(logit, 2 * every * COMPUTE[s.precision])
+        # where the logits are gathered over TP for the loss, the loss's backward also hands back
+        # their gradient in the compute dtype before it is split over TP again (the traced step at
+        # 8B TP 8: 0.5 GiB, docs/measurements/trace-matrix.md)
+        gathers = f.gathers_logits and not registry.spec(s.method).facts.teacher  # as logits_bytes
+        gathered_grad = logit * COMPUTE[s.precision] / 12 if gathers else 0.0
+        logit = max(logit + gathered_grad, 2 * every * COMPUTE[s.precision])
     embed_grad = arch.vocab * arch.hidden * g_per / s.tp if not s.adapter else 0.0
     if distopt and not s.adapter:  # autograd's gradient, in the parameters' dtype, before DDP adds it to its buffer
         embed_grad = arch.vocab * arch.hidden * (2 if half_params else 4) / s.tp
