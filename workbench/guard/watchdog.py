@@ -301,11 +301,17 @@ class Watchdog:
             return exc
         deadline = time.time() + 3 * self.interval  # a peer that just died may not look gone yet
         while True:
+            told = self._told()
+            if told is not None:
+                return told
             beats = self._beats()
             gone = [r for r, hb in beats.items() if r != self.rank and not self._alive(hb)]
             if gone or time.time() > deadline:
                 break
             time.sleep(0.2)
+        told = self._told()  # the peer may have written why as it left, after the last look
+        if told is not None:
+            return told
         reason = "process gone"
         if not gone:  # a peer on another node: the transport names its address (gloo: "[10.0.0.2]:port")
             peer = PEER.search(str(exc))
@@ -322,6 +328,19 @@ class Watchdog:
                f"{self.run_dir / 'stalls'}; last intact checkpoint: {self.last_checkpoint() or 'none'}")
         self._record({"ranks": gone, "reason": reason, "message": msg, "beats": {str(k): v for k, v in beats.items()}})
         return RankFailure(msg, ranks=gone)
+
+    def _told(self) -> RankFailure | None:
+        """A peer that failed by itself said why in the store before it left (fail): that, when
+        this rank's collective broke on its absence, rather than "stopped answering". A loaded
+        machine can let the collective break before the watchdog's next tick reads it."""
+        error = self._get("error")
+        if not error:
+            return None
+        e = json.loads(error)
+        if e["rank"] == self.rank:
+            return None
+        return RankFailure(f"rank {self.rank} stops: rank {e['rank']} failed in {e['where']}: {e['error']}",
+                           ranks=[e["rank"]])
 
     # -- the thread -----------------------------------------------------------------------
     def _loop(self) -> None:

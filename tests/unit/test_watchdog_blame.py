@@ -1,0 +1,31 @@
+"""A collective that breaks because a peer left names the peer's own failure when the peer wrote
+it to the store before leaving (workbench/guard/watchdog.py Watchdog.blame), not "stopped
+answering": on a loaded machine the collective can break before the watchdog's tick reads it.
+
+    python -m pytest -q tests/unit/test_watchdog_blame.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch.distributed as dist
+
+from workbench.guard.watchdog import RankFailure, Watchdog
+
+
+def test_a_broken_collective_names_the_peers_own_failure(tmp_path):
+    dog = Watchdog(tmp_path, rank=1, world=2, interval_s=0.05)
+    dog.store = dist.HashStore()
+    dog.store.set("error", json.dumps({"rank": 0, "where": "checkpoint at step 2",
+                                       "error": "UserError: disk full"}))
+    got = dog.blame(RuntimeError("Connection closed by peer [127.0.0.1]:29500"))
+    assert isinstance(got, RankFailure) and got.ranks == (0,)
+    assert str(got).startswith("rank 1 stops: rank 0 failed in checkpoint at step 2: UserError: disk full")
+
+
+def test_without_a_word_from_the_peer_the_transports_error_stands(tmp_path):
+    dog = Watchdog(tmp_path, rank=1, world=2, interval_s=0.05)
+    dog.store = dist.HashStore()
+    err = RuntimeError("Connection closed by peer")
+    assert dog.blame(err) is err
