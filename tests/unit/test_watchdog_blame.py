@@ -18,7 +18,7 @@ def test_a_broken_collective_names_the_peers_own_failure(tmp_path):
     dog = Watchdog(tmp_path, rank=1, world=2, interval_s=0.05)
     dog.store = dist.HashStore()
     dog.store.set("error", json.dumps({"rank": 0, "where": "checkpoint at step 2",
-                                       "error": "UserError: disk full"}))
+                                       "error": "UserError: disk full", "own": True}))
     got = dog.blame(RuntimeError("Connection closed by peer [127.0.0.1]:29500"))
     assert isinstance(got, RankFailure) and got.ranks == (0,)
     assert str(got).startswith("rank 1 stops: rank 0 failed in checkpoint at step 2: UserError: disk full")
@@ -29,3 +29,13 @@ def test_without_a_word_from_the_peer_the_transports_error_stands(tmp_path):
     dog.store = dist.HashStore()
     err = RuntimeError("Connection closed by peer")
     assert dog.blame(err) is err
+
+
+def test_a_peer_that_only_stopped_with_another_is_not_the_cause(tmp_path):
+    """A survivor that stopped because a third rank went records that too; it is not why."""
+    dog = Watchdog(tmp_path, rank=1, world=3, interval_s=0.05)
+    dog.store = dist.HashStore()
+    dog.store.set("error", json.dumps({"rank": 0, "where": "step 3", "own": False,
+                                       "error": "RankFailure: rank(s) 2 stopped answering (process gone)"}))
+    err = RuntimeError("Connection closed by peer")
+    assert dog.blame(err) is err  # no beats here: nothing gone either, so the transport's error stands

@@ -281,7 +281,9 @@ class Watchdog:
         if not isinstance(exc, RankFailure):
             save_traceback(self.run_dir, self.rank, exc, self.secrets)
         error = scrub_text(f"{type(exc).__name__}: {exc}", self.secrets)[:500]  # scrubbed before it is cut
-        record = json.dumps(redact({"rank": self.rank, "where": heartbeat.where(), "error": error}, self.secrets))
+        # own: this rank's failure, not its stopping because another rank failed or went
+        record = json.dumps(redact({"rank": self.rank, "where": heartbeat.where(), "error": error,
+                                    "own": not isinstance(exc, RankFailure)}, self.secrets))
         try:
             first = self.store.compare_set("error", "", record).decode() == record
         except Exception:  # noqa: BLE001 - the store itself is gone: nothing to tell
@@ -337,7 +339,7 @@ class Watchdog:
         if not error:
             return None
         e = json.loads(error)
-        if e["rank"] == self.rank:
+        if e["rank"] == self.rank or not e.get("own"):  # a survivor's own "stopped answering" is not why
             return None
         return RankFailure(f"rank {self.rank} stops: rank {e['rank']} failed in {e['where']}: {e['error']}",
                            ranks=[e["rank"]])
