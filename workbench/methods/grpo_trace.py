@@ -84,8 +84,9 @@ def batch(method, backend, seqs: list, known, *, collate, token_logps, old_logps
     micro = []
     with unset_fake_temporarily():
         for first in range(0, len(seqs), mb):
-            m = collate(seqs[first:first + mb], G, first, 0, method.tree)
-            m["advantages"] = torch.randn(len(seqs[first:first + mb]), generator=gen)
+            rows = seqs[first:first + mb]
+            m = collate(rows, G, first, 0, method.tree)
+            m["advantages"] = torch.randn(len(rows), generator=gen)
             micro.append(m)
     micro = known(micro)
     if old_logps:

@@ -202,7 +202,7 @@ def _located(base):
     class Located(base):
         where = ("", "")
         phase: str | None = None  # set by the tracer for a phase of its own (a rollout)
-        phase_peaks: dict | None = None  # the highest total seen in each phase
+        phase_peaks: dict  # the highest total seen in each phase (peak_tracker makes it)
 
         def _update_peak_stats(self, peak_state) -> None:
             # The device's peak only: torch's own also walks every module's figures at every op
@@ -210,7 +210,6 @@ def _located(base):
             for dev, snap in self._curr_mem_snap.items():
                 phase = self.phase or ("optimizer" if self._in_opt else "backward" if self._mod_tracker.is_bw
                                        else "forward")
-                self.phase_peaks = self.phase_peaks or {}
                 self.phase_peaks[phase] = max(self.phase_peaks.get(phase, 0), snap["Total"])
                 if self._peak_mem.get(dev, 0) < snap["Total"]:
                     self._peak_mem[dev] = snap["Total"]
@@ -268,9 +267,11 @@ def peak_tracker(model, optimizers: list, fsdp: bool):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     if fsdp:  # FSDP2 backends step one torch optimizer
-        return _located(FSDPMemTracker)(model, optimizers[0] if optimizers else None)
-    tracker = _located(MemTracker)()
-    tracker.track_external(model, *optimizers)
+        tracker = _located(FSDPMemTracker)(model, optimizers[0] if optimizers else None)
+    else:
+        tracker = _located(MemTracker)()
+        tracker.track_external(model, *optimizers)
+    tracker.phase_peaks = {}
     return tracker
 
 

@@ -236,7 +236,7 @@ def _step(run, mode: TraceMode | None, window=None) -> dict:
         measured = window.stop() if window is not None else None
         peak, terms, cats = peak_terms(tracker)
         return {"peak": peak, "terms": terms, "categories": cats, "where": tracker.where,
-                "phases": dict(tracker.phase_peaks or {}),
+                "phases": dict(tracker.phase_peaks),
                 "micro_batches": len(step.micro), "measured": measured}
 
 
