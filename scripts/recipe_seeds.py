@@ -15,6 +15,7 @@ interval, the training loss at a few steps, the stall warning if the run gave on
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -36,7 +37,8 @@ LOSS_AT = (10, 30, 100, 200)
 
 
 def one(recipe: str, seed: int, threads: int, split: str, extra: list[str], work: Path) -> dict:
-    out = work / f"{recipe}_{split}_t{threads}_seed{seed}"
+    tag = hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8]  # runs with other overrides kept apart
+    out = work / f"{recipe}_{split}_t{threads}_seed{seed}_{tag}"
     cmd = [sys.executable, "-m", "workbench", *RECIPES[recipe], f"train.seed={seed}", f"data.shuffle_seed={seed}",
            f"hardware.threads={threads}", "train.export=false", "eval.at_start=false",
            f"eval.tasks=[{','.join(TASKS[x] for x in SPLITS[split])}]", f"output_dir={out}", "train.resume=never", *extra]

@@ -79,7 +79,8 @@ def wait_for(what, timeout: float, nodes: dict, say: str):
         time.sleep(0.2)
     for n in nodes.values():
         n.proc.kill()
-    pytest.fail(f"{say} within {timeout:.0f} s; node 1 said:\n{nodes['n1'].text()[-4000:]}")
+    said = "".join(f"\n--- {n} said:\n{node.text()[-3000:]}" for n, node in nodes.items())
+    pytest.fail(f"{say} within {timeout:.0f} s{said}")
 
 
 def keep_logs(nodes: dict, where) -> dict:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tests.helpers import data_cfg, tiny_tokenizer
 from tests.tolerances import F64_SUM_ATOL, LOSS_RTOL
-from workbench.data import collate, packing
+from workbench.data import collate, packing, pair_tree
 from workbench.data.chat import IGNORE
 
 
@@ -210,7 +210,7 @@ def test_pad_free_sft_steps_equal_padded_ones(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sft.SFT, "loss", spy)
     common = [f"data.path={data}", "train.max_steps=3", "train.micro_batch_size=6",
-              f"data.cache_dir={tmp_path / 'cache'}"]
+              f"data.cache_dir={tmp_path / 'cache'}", "data.share_prefix=false"]  # pad_free alone
     free = train([*common, "data.pad_free=true"], tmp_path / "free")
     free_micro, seen[:] = list(seen), []
     padded = train([*common, "data.pad_free=false"], tmp_path / "padded")
@@ -227,3 +227,52 @@ def test_pad_free_sft_steps_equal_padded_ones(tmp_path, monkeypatch):
                 if "tokens" in x]
 
     assert tokens("free") == tokens("padded")  # the same real tokens each step
+
+
+def test_prefix_tree_needs_a_prefix_worth_sharing():
+    rng = random.Random(3)
+    head = [rng.randrange(10, 4000) for _ in range(20)]
+    alike = [(head + [rng.randrange(10, 4000) for _ in range(6)], [IGNORE] * 23 + [5, 6, 7]) for _ in range(4)]
+    tree = pair_tree.prefix_tree(alike, 0, width=64)
+    # 20 shared tokens once, then four branches of 6: one row of 44 positions instead of 4 x 26
+    assert tree["input_ids"].shape == (1, 44) and tree["real_tokens"] == 44
+    assert sorted(tree["targets"].tolist()) == sorted(collate.pad_batch(alike, 0)["targets"].tolist())
+    rows = pair_tree.prefix_tree(alike, 0, width=32)  # no row past 32 tokens: two rows of 20 + 2 x 6
+    assert rows["input_ids"].shape == (2, 32) and rows["real_tokens"] == 64
+    unlike = [([rng.randrange(10, 4000) for _ in range(26)], [IGNORE] * 23 + [5, 6, 7]) for _ in range(4)]
+    assert pair_tree.prefix_tree(unlike, 0, width=64) is None  # nothing in common: the padded batch stands
+    assert pair_tree.prefix_tree(alike[:1], 0, width=64) is None
+
+
+def test_shared_prefix_sft_steps_equal_padded_ones(tmp_path, monkeypatch):
+    """data.share_prefix reads a micro-batch's common prefix (here a system prompt and the
+    question's opening words) once, each example a branch of one tree row; every token sees
+    the tokens and positions it sees in its own row, so the curve is the padded one up to the
+    rounding of another attention mask (tests/tolerances.py LOSS_RTOL), from fewer positions."""
+    import json
+
+    from tests.conftest import train
+    from workbench.methods import sft
+
+    system = "You are a careful assistant. Answer every question with the number only, and nothing else."
+    data = tmp_path / "alike.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": f"What is {i} + {i + 3}?"},
+        {"role": "assistant", "content": str(2 * i + 3)}]}) + "\n" for i in range(8)))
+    seen: list[dict] = []
+    loss = sft.SFT.loss
+
+    def spy(self, model, micro):
+        seen.append({"positions": micro["input_ids"].numel(), "tree": "head_slot" in micro,
+                     "targets": int(micro["targets"].numel())})
+        return loss(self, model, micro)
+
+    monkeypatch.setattr(sft.SFT, "loss", spy)
+    common = [f"data.path={data}", "train.max_steps=3", "train.micro_batch_size=8", f"data.cache_dir={tmp_path / 'c'}"]
+    shared = train([*common, "data.share_prefix=true"], tmp_path / "shared")
+    shared_micro, seen[:] = list(seen), []
+    padded = train([*common, "data.share_prefix=false"], tmp_path / "padded")
+    assert shared["losses"] == pytest.approx(padded["losses"], rel=LOSS_RTOL)
+    assert all(m["tree"] for m in shared_micro) and not any(m["tree"] for m in seen)
+    assert all(2 * s["positions"] < p["positions"] for s, p in zip(shared_micro, seen)), (shared_micro, seen)
+    assert [m["targets"] for m in shared_micro] == [m["targets"] for m in seen]

@@ -90,7 +90,7 @@ def test_served_episodes_and_rewards_equal_env_calc():
             assert (theirs.ids, theirs.labels, theirs.cut) == (mine.ids, mine.labels, mine.cut), script
             want = final_answer([mine.messages], [ROW["answer"]])[0]
             assert (theirs.reward or 0.0) == want, (script, theirs.reward, want)
-            assert remote.correct(theirs.state, theirs.messages) == (None if mine.cut else want == 1.0)
+            assert remote.correct(theirs.state, theirs.messages) == (False if mine.cut else want == 1.0)  # as env=calc
         assert theirs.cut == "max_turns" and theirs.state["session"].ws is None  # closed though cut
         assert [e.reward for e in episodes.run(remote, turns, [ROW], scripted(tok, [call, "936"]),
                                                max_new_tokens=64)] == [1.0]

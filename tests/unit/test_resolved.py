@@ -97,6 +97,19 @@ def test_precision_auto_follows_the_cpus_bf16_arithmetic(tmp_path, monkeypatch, 
     assert derive(compose(["model=tiny", "hardware=h100-80gb"], tmp_path, base=[])).precision.name == "bf16-mixed"
 
 
+@pytest.mark.parametrize("isa,want", [("AVX2", ""), ("AVX512_CORE", ""), ("AVX512_CORE_BF16", "AMX"),
+                                      ("ALL", "AMX")])
+def test_onednn_capped_below_bf16_resolves_auto_to_fp32(monkeypatch, isa, want):
+    """ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 (how docs/testing.md emulates an AVX2-only CPU)
+    leaves oneDNN without bf16 instructions on any CPU: `auto` then picks fp32, as it would there."""
+    from workbench.compute import precision
+
+    monkeypatch.delenv("WORKBENCH_CPU_BF16", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    assert precision.cpu_bf16_units() == want
+
+
 @pytest.mark.parametrize("forced,want", [("0", "fp32"), ("1", "bf16-mixed")])
 def test_precision_auto_override_and_the_start_line(tmp_path, monkeypatch, forced, want):
     """WORKBENCH_CPU_BF16 makes one machine resolve `auto` either way (the suite runs under both);

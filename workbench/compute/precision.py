@@ -76,6 +76,11 @@ def cpu_bf16_units() -> str:
     forced = os.environ.get("WORKBENCH_CPU_BF16")
     if forced is not None:
         return "AVX512-BF16 (WORKBENCH_CPU_BF16=1)" if forced == "1" else ""
+    # oneDNN, which runs the bf16 matmuls, capped below AVX-512 BF16 (ONEDNN_MAX_CPU_ISA=AVX2: how
+    # docs/testing.md emulates an AVX2-only CPU) has no bf16 instructions either, whatever the CPU has
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if isa and isa != "ALL" and "BF16" not in isa and "AMX" not in isa:
+        return ""
     if torch.cpu._is_amx_tile_supported():
         return "AMX"
     if torch.cpu._is_avx512_bf16_supported():

@@ -3,6 +3,7 @@
     micro = tree_batch(pairs, pad_id)        # N rows: [prefix | chosen rest | rejected rest]
     reason = tree_unsupported(lm, seq_len)   # None, or why a model must keep two rows per pair
     takes_pairs(lm, pairs)                   # whether these pairs can be scored as tree rows
+    micro = prefix_tree(examples, pad_id, seq_len)   # SFT: examples sharing a prefix, one branch each
 
 `collate` (workbench/methods/logps.py) makes 2N rows (every chosen, then every rejected), so the decoder reads each
 prompt twice and every row is padded to the longest of the 2N. Here a pair is one row:
@@ -34,7 +35,7 @@ from collections.abc import Sequence
 import torch
 
 from workbench.data.chat import IGNORE
-from workbench.data.packing import sliding_window
+from workbench.data.packing import PAD_FREE_SHARE, sliding_window
 from workbench.models.head import SelectiveLM
 from workbench.peft.lora import base_model
 from workbench.train.distributed import is_main_process
@@ -121,6 +122,33 @@ def branch_batch(groups: list[list[tuple[list[int], list[int]]]], pad_id: int) -
             "target_seq": torch.repeat_interleave(torch.arange(len(n_tokens)), n_tok), "n_tokens": n_tok,
             "real_tokens": int((seg >= 0).sum()), **dict(zip(("seq_row", "seq_prefix", "seq_offset"),
                                                              torch.tensor(where, dtype=torch.long).t()))}
+
+
+def prefix_tree(examples: list[tuple[list[int], list[int]]], pad_id: int, width: int) -> dict | None:
+    """The micro-batch's examples as tree rows: the tokens they all start with (a system prompt, a
+    template's opening) once per row, then each example's rest as its own branch that sees the
+    prefix and itself only (workbench/data/pair_tree.py branch_batch, DPO's shared-prompt layout
+    with one branch per example). Every token sees the tokens and position ids of its own row, so
+    the loss and gradients are the padded batch's up to rounding (SFT's data.share_prefix). A row holds examples in order
+    while it stays within `width` tokens (data.seq_len): attention's cost grows with the square
+    of a row, and a row no longer than a planned one keeps the planner's memory an upper bound.
+    None when the rows would read more than PAD_FREE_SHARE of the examples' own tokens (little
+    in common), or there is one example."""
+    if len(examples) < 2:
+        return None
+    shared = common_prefix([ids for ids, _ in examples])  # every row's prefix is at least this long
+    groups, used = [[]], shared
+    for ex in examples:
+        rest = len(ex[0]) - shared
+        if groups[-1] and used + rest > width:
+            groups.append([])
+            used = shared
+        groups[-1].append(ex)
+        used += rest
+    real = sum(len(ids) for ids, _ in examples)
+    if real - (len(examples) - len(groups)) * shared > PAD_FREE_SHARE * real:
+        return None
+    return branch_batch(groups, pad_id)
 
 
 def columns(tree: dict, positions) -> torch.Tensor:

@@ -475,6 +475,7 @@ class OpenEnv(Environment):
         s, session = self.settings, state["session"]
         if not turn.calls and not turn.errors:
             if s.answer_field is None:
+                state["done"] = True  # ended by env.answer_field=null, not cut: the server gave no verdict
                 return Reply(done=True)
             answer = self.client.step(session, {s.answer_field: turn.text}, "step (the final answer)")
             if self._ended(state, answer):
@@ -511,7 +512,11 @@ class OpenEnv(Environment):
         self.client.close(state["session"])
 
     def correct(self, state, conversation: list[dict]) -> bool | None:
-        """Solved: the server ended the episode with a reward of at least env.success_reward."""
+        """Solved: the server ended the episode with a reward of at least env.success_reward. An
+        episode the run cut (max_turns, max_new_tokens) before the server ended it is not solved,
+        as env=calc counts it; one that ended without a reward says nothing (None)."""
+        if not state["done"]:
+            return False
         if state["reward"] is None:
             return None
         return state["reward"] >= self.settings.success_reward

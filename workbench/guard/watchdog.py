@@ -282,8 +282,11 @@ class Watchdog:
             save_traceback(self.run_dir, self.rank, exc, self.secrets)
         error = scrub_text(f"{type(exc).__name__}: {exc}", self.secrets)[:500]  # scrubbed before it is cut
         # own: this rank's failure, not its stopping because another rank failed or went
-        record = json.dumps(redact({"rank": self.rank, "where": heartbeat.where(), "error": error,
-                                    "own": not isinstance(exc, RankFailure)}, self.secrets))
+        record = {"rank": self.rank, "where": heartbeat.where(), "error": error,
+                  "own": not isinstance(exc, RankFailure)}
+        if isinstance(exc, RankFailure) and exc.ranks:  # the ranks this one found gone, and its verdict
+            record.update(ranks=list(exc.ranks), verdict=scrub_text(str(exc), self.secrets)[:2000])
+        record = json.dumps(redact(record, self.secrets))
         try:
             first = self.store.compare_set("error", "", record).decode() == record
         except Exception:  # noqa: BLE001 - the store itself is gone: nothing to tell
@@ -339,8 +342,13 @@ class Watchdog:
         if not error:
             return None
         e = json.loads(error)
-        if e["rank"] == self.rank or not e.get("own"):  # a survivor's own "stopped answering" is not why
+        if e["rank"] == self.rank:
             return None
+        if not e.get("own"):
+            # A survivor that found ranks gone is not why; its verdict is, unless it names this rank
+            # (the same loss, said the same way on every node, whichever peer's socket broke here).
+            gone = e.get("ranks") or []
+            return RankFailure(e["verdict"], ranks=gone) if gone and self.rank not in gone else None
         return RankFailure(f"rank {self.rank} stops: rank {e['rank']} failed in {e['where']}: {e['error']}",
                            ranks=[e["rank"]])
 

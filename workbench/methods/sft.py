@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workbench.config.rule import par
 from workbench.core.errors import UserError
 from workbench.data.collate import pad_batch
 from workbench.data.mixing import Mixture
 from workbench.data.packing import Packer, attention_layout, packed_micro_batches, pad_free, sliding_window
+from workbench.data.pair_tree import prefix_tree, tree_fits
 from workbench.data.pipeline import tokenise_recipe
 from workbench.data.recipes import load_recipe
 from workbench.methods.base import Method
@@ -41,6 +43,7 @@ class SFT(Method):
         self.ctx = ctx
         self.batch = Batcher(ctx)  # the step's rows and micro-batches (workbench/methods/batching.py)
         self.window = None  # the model's sliding window where shorter than a row (attach)
+        self.tree = False  # micro-batches may share their common prefix (data.share_prefix; attach)
 
     def prepare(self, ctx) -> None:
         recipe = load_recipe(ctx.cfg.data.recipe)
@@ -72,6 +75,12 @@ class SFT(Method):
         sliding window shorter than a row needs position ids (packing.attention_layout)."""
         window = sliding_window(base_model(backend.unwrapped().inner).config)
         self.window = window if window and window < self.ctx.cfg.data.seq_len else None
+        # tree rows need the decoder and head split and a kernel that takes a 4-D mask (tree_fits
+        # says why not on stderr); packed rows (data.packing) already read every token once, and
+        # backend.sp cuts rows into documents where the position ids restart, which a branch does
+        self.tree = (self.ctx.run.pad_free and bool(self.ctx.cfg.data.get("share_prefix", False))
+                     and not self.ctx.cfg.data.packing and par(self.ctx.cfg, "sp") <= 1
+                     and tree_fits(backend.unwrapped(), self.ctx.cfg.data.seq_len, "reading each example whole"))
 
     def _packed_batch(self, state) -> StepBatch:
         # all ranks pack the global batch, each keeps its rows
@@ -92,8 +101,15 @@ class SFT(Method):
         return StepBatch(micro=micro, denom=denom, tokens=tokens, info=self._mix_info())
 
     def _collate(self, examples: list) -> dict:
-        """Padded rows, or the same examples padding-free where that saves enough (data.pad_free)."""
+        """Padded rows; or the same examples as one tree row reading their common prefix once
+        (data.share_prefix), or padding-free (data.pad_free), where that saves enough."""
         pad = self.ctx.tokenizer.pad_token_id
+        if self.tree:
+            m = prefix_tree(examples, pad, self.ctx.cfg.data.seq_len)
+            if m is not None:
+                for key in ("target_seq", "n_tokens", "seq_row", "seq_prefix", "seq_offset"):  # pairs' bookkeeping
+                    m.pop(key)
+                return m
         if self.ctx.run.pad_free:
             m = pad_free(examples, pad, *attention_layout(self.ctx.cfg.model.attn_implementation, self.window))
             if m is not None:
@@ -104,7 +120,8 @@ class SFT(Method):
 
     def loss(self, model, micro: dict):
         logp = model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"],
-                     position_ids=micro.get("position_ids"), select=micro["select"], targets=micro["targets"])
+                     position_ids=micro.get("position_ids"), select=micro["select"], targets=micro["targets"],
+                     **({"slot": micro["head_slot"]} if "head_slot" in micro else {}))  # tree rows (prefix_tree)
         # under backend.sp this rank holds a slice of each row: the sum is completed over its sp group
         loss = sequence_parallel.total(-logp.sum())
         return loss, {"target_tokens": float(micro["targets"].numel())}

@@ -42,6 +42,7 @@ class Shapes:
     def __init__(self):
         self.longest, self.selected, self.positions = 0, 0, 0
         self.steps, self.prompt, self.completions, self.completion_tokens = 0, 0, 0, 0
+        self.rows, self.micros = 0, 0
         self.prefill, self.decodes, self.decode_rows, self.calls = 0, 0, 0, 0
         self._last = None
 
@@ -53,6 +54,7 @@ class Shapes:
                 continue
             self.longest = max(self.longest, int(ids.shape[-1]))
             self.positions += int(ids.numel())
+            self.rows, self.micros = self.rows + (int(ids.shape[0]) if ids.dim() > 1 else 1), self.micros + 1
             self.selected += int(select.sum()) if select is not None else int(ids.numel())
             n_tokens = micro.get("n_tokens")
             if n_tokens is not None and select is not None:
@@ -89,6 +91,11 @@ class Shapes:
             out.data.seq_len = self.prompt
         elif self.longest and not generates:
             out.data.seq_len = self.longest
+            # SFT examples packed or sharing a prefix (data.pad_free, data.share_prefix) fill
+            # fewer rows than train.micro_batch_size; the plan is of the rows the run computed
+            rows = -(-self.rows // max(1, self.micros))
+            if 0 < rows < int(out.train.micro_batch_size):
+                out.train.micro_batch_size = rows
         if self.positions:
             out.plan.select_fraction = self.selected / self.positions
         return out
