@@ -137,7 +137,7 @@ class DataConfig:
     pad_free: bool = True
     # SFT: a micro-batch whose examples start with the same tokens reads them once, as one tree
     # row (workbench/data/pair_tree.py prefix_tree), where that saves >= 20% of its tokens; SDPA only
-    share_prefix: bool = True
+    share_prefix: bool = False
     chat_template: str | None = None  # a named override; default: the tokenizer's own
     shuffle_seed: int = 1234  # the order training rows are drawn in (kept apart from train.seed)
     on_bad_row: str = "error"  # error | skip
