@@ -148,7 +148,10 @@ def prefix_tree(examples: list[tuple[list[int], list[int]]], pad_id: int, width:
     real = sum(len(ids) for ids, _ in examples)
     if real - (len(examples) - len(groups)) * shared > PAD_FREE_SHARE * real:
         return None
-    return branch_batch(groups, pad_id)
+    micro = branch_batch(groups, pad_id)
+    for key in ("target_seq", "n_tokens", "seq_row", "seq_prefix", "seq_offset"):  # where each sequence lies:
+        micro.pop(key)  # what pairs and GRPO read back; an SFT loss sums every target alike
+    return micro
 
 
 def columns(tree: dict, positions) -> torch.Tensor:

@@ -107,8 +107,6 @@ class SFT(Method):
         if self.tree:
             m = prefix_tree(examples, pad, self.ctx.cfg.data.seq_len)
             if m is not None:
-                for key in ("target_seq", "n_tokens", "seq_row", "seq_prefix", "seq_offset"):  # pairs' bookkeeping
-                    m.pop(key)
                 return m
         if self.ctx.run.pad_free:
             m = pad_free(examples, pad, *attention_layout(self.ctx.cfg.model.attn_implementation, self.window))
